@@ -1,0 +1,16 @@
+"""tritium: FP8 training of Transformers in Python + Triton, with TransformerEngine's API.
+
+    import tritium as te
+    from tritium import recipe
+    layer = te.Linear(4096, 4096)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+        y = layer(x)
+"""
+from . import recipe
+from .fp8.autocast import autocast, fp8_autocast
+from .fp8.tensor import Float8Tensor
+from .modules import Linear
+
+__version__ = "0.1.0"
+
+__all__ = ["recipe", "autocast", "fp8_autocast", "Float8Tensor", "Linear", "__version__"]

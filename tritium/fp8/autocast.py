@@ -1,0 +1,120 @@
+"""fp8_autocast / autocast: where FP8 is on, with which recipe, and when scales update.
+
+The outermost `fp8_autocast` opens an `FP8Region`. Every FP8 module that runs inside registers
+its forward and backward scaling states there (once per state). When the outermost context
+exits with grad enabled, the region all-reduces (MAX) the forward amaxes over the amax group in
+one collective and updates every forward scale. The backward states update after the backward
+of the region's first FP8 module (which in a sequential model runs last), through
+`FP8Region.backward_done()`, called from that module's autograd Function.
+
+Calibration (`enabled=False, calibrating=True`) runs in high precision but records amaxes and
+updates scales the same way, so FP8 can be switched on later with good scales.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .scaling import ScalingState, update_states
+
+
+class FP8Region:
+    """The modules that ran inside one outermost autocast, and their pending updates."""
+
+    def __init__(self):
+        self.fwd: dict[int, tuple[ScalingState, object, bool]] = {}
+        self.bwd: dict[int, tuple[ScalingState, object, bool]] = {}
+        self._bwd_updated = False
+
+    def register(self, fwd: Optional[ScalingState], bwd: Optional[ScalingState], recipe: Recipe,
+                 group) -> bool:
+        """Record a module's states; True when it is the first FP8 module of the region."""
+        first = not self.fwd and not self.bwd
+        reduce = bool(getattr(recipe, "reduce_amax", False))
+        for table, state in ((self.fwd, fwd), (self.bwd, bwd)):
+            if state is not None:
+                table.setdefault(id(state), (state, group, reduce))
+        return first
+
+    @staticmethod
+    def _update(table) -> None:
+        batches: dict[tuple, tuple[object, bool, list[ScalingState]]] = {}
+        for state, group, reduce in table.values():
+            batches.setdefault((id(group), reduce), (group, reduce, []))[2].append(state)
+        for group, reduce, states in batches.values():
+            update_states(states, group, reduce)
+
+    def forward_done(self) -> None:
+        self._update(self.fwd)
+
+    def backward_done(self) -> None:
+        if not self._bwd_updated:
+            self._bwd_updated = True
+            self._update(self.bwd)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutocastState:
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    group: object
+    region: FP8Region
+
+
+_stack: list[AutocastState] = []
+
+
+def current() -> Optional[AutocastState]:
+    """The innermost active autocast state, or None outside any fp8_autocast."""
+    return _stack[-1] if _stack else None
+
+
+def is_fp8_enabled() -> bool:
+    return bool(_stack) and _stack[-1].enabled
+
+
+def get_fp8_recipe() -> Recipe:
+    return _stack[-1].recipe if _stack else DelayedScaling()
+
+
+@contextlib.contextmanager
+def fp8_autocast(enabled: bool = True, calibrating: bool = False,
+                 fp8_recipe: Optional[Recipe] = None, fp8_group=None):
+    """Run FP8-capable modules in FP8 inside this context (TE's `fp8_autocast`)."""
+    if fp8_recipe is None:
+        fp8_recipe = DelayedScaling()
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError("fp8_recipe must be recipe.DelayedScaling or recipe.Float8CurrentScaling, "
+                        f"got {type(fp8_recipe).__name__}")
+    if fp8_group is not None and not _is_process_group(fp8_group):
+        raise TypeError("fp8_group must be a torch.distributed ProcessGroup (or None for the "
+                        f"default group), got {type(fp8_group).__name__}")
+    outermost = not _stack
+    region = FP8Region() if outermost else _stack[-1].region
+    _stack.append(AutocastState(bool(enabled), bool(calibrating), fp8_recipe, fp8_group, region))
+    try:
+        yield
+    finally:
+        _stack.pop()
+    if outermost and torch.is_grad_enabled():
+        region.forward_done()
+
+
+def _is_process_group(group) -> bool:
+    try:
+        import torch.distributed as dist
+        return isinstance(group, dist.ProcessGroup)
+    except Exception:  # pragma: no cover
+        return False
+
+
+def autocast(enabled: bool = True, calibrating: bool = False, recipe: Optional[Recipe] = None,
+             amax_reduction_group=None):
+    """TE's newer name for fp8_autocast (recipe=, amax_reduction_group=)."""
+    return fp8_autocast(enabled=enabled, calibrating=calibrating, fp8_recipe=recipe,
+                        fp8_group=amax_reduction_group)

@@ -1,0 +1,160 @@
+"""Delayed-scaling state: per module and direction, `scale` fp32 [n] and `amax_history` [L, n].
+
+A module owns an `FP8Meta` with a forward `ScalingState` (slots: its forward GEMM operands, e.g.
+input and weight) and a backward one (grad_output). Casts max-accumulate their amax into row 0
+(`amax_slot(i)`) and read their scale from `scale_slot(i)`: both are views made once, so kernels
+read device memory and the host never syncs. `update_states` applies the delayed-scaling rule
+(written in `tritium.ref.scaling`) to a list of states after one MAX all-reduce of their row 0s.
+
+FP8Meta.extra_state() / load_extra_state() turn the state into tensors and plain values only
+(the recipe as a dict), so `torch.load(weights_only=True)` reads checkpoints that hold it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _device
+from ..distributed.amax import reduce_amax_rows
+from ..ref import scaling as ref_scaling
+from .formats import fp8_max
+from .recipe import DelayedScaling, Recipe, recipe_from_dict
+
+
+class ScalingState:
+    """amax_history [L, n] and scale [n] for one module and one direction."""
+
+    def __init__(self, num_slots: int, fp8_dtype: torch.dtype, recipe: DelayedScaling,
+                 device: torch.device):
+        self.fp8_dtype = fp8_dtype
+        self.recipe = recipe
+        self.amax_history = torch.zeros(recipe.amax_history_len, num_slots, dtype=torch.float32,
+                                        device=device)
+        self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
+        self._make_views()
+
+    def _make_views(self):
+        n = self.scale.numel()
+        self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
+        self._scale_views = [self.scale[i:i + 1] for i in range(n)]
+
+    @property
+    def num_slots(self) -> int:
+        return self.scale.numel()
+
+    def amax_slot(self, i: int) -> torch.Tensor:
+        return self._amax_views[i]
+
+    def scale_slot(self, i: int) -> torch.Tensor:
+        return self._scale_views[i]
+
+    def resize_history(self, length: int) -> None:
+        """Keep the newest min(old, new) rows (row 0 first), in a new [length, n] tensor."""
+        old = self.amax_history
+        new = torch.zeros(length, old.shape[1], dtype=old.dtype, device=old.device)
+        keep = min(length, old.shape[0])
+        new[:keep] = old[:keep]
+        self.amax_history = new
+        self._make_views()
+
+    def update(self) -> None:
+        """The delayed-scaling rule, in place (see tritium.ref.scaling)."""
+        recipe, limit = self.recipe, fp8_max(self.fp8_dtype)
+        if not recipe.uses_callables:
+            impl = ref_scaling
+            if _device.use_triton(self.scale):
+                from ..kernels import scaling as kernel_scaling
+                if self.amax_history.shape[0] <= kernel_scaling.MAX_HISTORY:
+                    impl = kernel_scaling
+            impl.delayed_scaling_update(self.amax_history, self.scale, limit, recipe.margin,
+                                        recipe.amax_compute_algo)
+            return
+        algo = recipe.amax_compute_algo
+        if callable(algo):
+            amax = algo(self.amax_history)
+        elif algo == "max":
+            amax = self.amax_history.amax(dim=0)
+        else:
+            amax = self.amax_history[0].clone()
+        if recipe.scaling_factor_compute_algo is not None:
+            new_scale = recipe.scaling_factor_compute_algo(amax, self.scale, limit, recipe)
+        else:
+            new_scale = ref_scaling.compute_scale(amax, self.scale, limit, recipe.margin)
+        ref_scaling.roll_history(self.amax_history, self.scale, new_scale)
+
+
+def update_states(states: list[ScalingState], group=None, reduce: bool = True) -> None:
+    """One MAX all-reduce of all row 0s (when asked and world > 1), then each state's update."""
+    if not states:
+        return
+    if reduce:
+        reduce_amax_rows([s.amax_history for s in states], group)
+    for s in states:
+        s.update()
+
+
+class FP8Meta:
+    """A module's FP8 scaling states: `fwd` (num_fwd slots) and `bwd` (num_bwd slots)."""
+
+    def __init__(self, num_fwd: int, num_bwd: int):
+        self.num_fwd, self.num_bwd = num_fwd, num_bwd
+        self.recipe: Optional[Recipe] = None
+        self.fwd: Optional[ScalingState] = None
+        self.bwd: Optional[ScalingState] = None
+
+    def prepare(self, recipe: Recipe, device: torch.device) -> None:
+        """Make the states match `recipe` (create, or resize the history, keeping scales)."""
+        self.recipe = recipe
+        if not isinstance(recipe, DelayedScaling):
+            return
+        fmt = recipe.fp8_format
+        for name, n, dtype in (("fwd", self.num_fwd, fmt.forward_dtype),
+                               ("bwd", self.num_bwd, fmt.backward_dtype)):
+            state = getattr(self, name)
+            if state is None or state.fp8_dtype != dtype or state.scale.device != device:
+                setattr(self, name, ScalingState(n, dtype, recipe, device))
+                continue
+            state.recipe = recipe
+            if state.amax_history.shape[0] != recipe.amax_history_len:
+                state.resize_history(recipe.amax_history_len)
+
+    # --- checkpoints -------------------------------------------------------------------------
+    def extra_state(self) -> Optional[dict]:
+        if self.recipe is None:
+            return None
+        out = {"version": 1, "recipe": self.recipe.to_dict()}
+        for name in ("fwd", "bwd"):
+            state = getattr(self, name)
+            if state is not None:
+                out[f"{name}_scale"] = state.scale.detach().clone()
+                out[f"{name}_amax_history"] = state.amax_history.detach().clone()
+        return out
+
+    def load_extra_state(self, values, device: torch.device) -> None:
+        """Validate everything first, then apply: a bad checkpoint changes nothing."""
+        if values is None:
+            return
+        if not isinstance(values, dict) or values.get("version") != 1 or "recipe" not in values:
+            raise ValueError("FP8 extra_state must be a dict with version 1 and a recipe "
+                             f"(as written by get_extra_state), got {type(values).__name__}")
+        recipe = recipe_from_dict(values["recipe"])
+        staged = {}
+        if isinstance(recipe, DelayedScaling):
+            for name, n in (("fwd", self.num_fwd), ("bwd", self.num_bwd)):
+                scale, hist = values.get(f"{name}_scale"), values.get(f"{name}_amax_history")
+                if not (isinstance(scale, torch.Tensor) and isinstance(hist, torch.Tensor)):
+                    raise ValueError(f"FP8 extra_state lacks {name}_scale / {name}_amax_history")
+                if scale.shape != (n,) or hist.shape != (recipe.amax_history_len, n) or \
+                        scale.dtype != torch.float32 or hist.dtype != torch.float32:
+                    raise ValueError(
+                        f"FP8 extra_state {name}: expected scale [{n}] and amax_history "
+                        f"[{recipe.amax_history_len}, {n}] in float32, got {tuple(scale.shape)} "
+                        f"{scale.dtype} and {tuple(hist.shape)} {hist.dtype}; was it saved from "
+                        "a module of another kind?")
+                staged[name] = (scale, hist)
+        self.prepare(recipe, device)
+        for name, (scale, hist) in staged.items():
+            state = getattr(self, name)
+            state.scale.copy_(scale)
+            state.amax_history.copy_(hist)

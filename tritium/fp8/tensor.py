@@ -1,0 +1,110 @@
+"""Float8Tensor: FP8 data that behaves like a tensor of its nominal (high-precision) dtype.
+
+Holds `_data` (fp8, row-major), optionally `_transpose` (the fp8 transpose, for the GEMMs that
+need the other layout), `_scale_inv` (fp32 [1], written with the data as the exactly rounded
+1/scale), `_fp8_dtype` and the nominal dtype that `dtype` reports. `dequantize()` gives the
+high-precision values. A `__torch_dispatch__` subclass: ops it does not implement run on the
+dequantized values (so `x + 1`, `x.sum()`, `x @ w` simply work, in the nominal dtype); the few
+it implements (detach, clone, copy_ into it, views that keep the data) stay in FP8.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .cast import cast_transpose, dequantize as _dequantize
+from .formats import FP8_DTYPES
+
+aten = torch.ops.aten
+
+
+class Float8Tensor(torch.Tensor):
+    _data: torch.Tensor
+    _scale_inv: torch.Tensor
+    _fp8_dtype: torch.dtype
+    _transpose: Optional[torch.Tensor]
+    _scale: Optional[torch.Tensor]
+
+    @staticmethod
+    def __new__(cls, data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype,
+                nominal_dtype: torch.dtype = torch.float32, transpose: Optional[torch.Tensor] = None,
+                scale: Optional[torch.Tensor] = None, requires_grad: bool = False):
+        if data.dtype not in FP8_DTYPES or data.dtype != fp8_dtype:
+            raise TypeError(f"data must have the fp8 dtype {fp8_dtype}, got {data.dtype}")
+        if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
+            raise TypeError("scale_inv must be a one-element float32 tensor")
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, data.shape, dtype=nominal_dtype, device=data.device, requires_grad=requires_grad)
+        self._data, self._scale_inv, self._fp8_dtype = data, scale_inv, fp8_dtype
+        self._transpose, self._scale = transpose, scale
+        return self
+
+    @classmethod
+    def quantize(cls, x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
+                 amax: Optional[torch.Tensor] = None, with_transpose: bool = False) -> "Float8Tensor":
+        """Cast a 2D (or any, without transpose) tensor with `scale`, recording amax if given."""
+        if with_transpose and x.dim() != 2:
+            raise ValueError(f"with_transpose needs a 2D tensor, got shape {tuple(x.shape)}")
+        x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+        data, data_t, scale_inv = cast_transpose(x2d.detach(), scale, amax, fp8_dtype,
+                                                 write_transpose=with_transpose)
+        return cls(data.view(x.shape), scale_inv, fp8_dtype, x.dtype, data_t, scale)
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        return _dequantize(self._data, self._scale_inv, dtype or self.dtype)
+
+    def __repr__(self, *, tensor_contents=None):
+        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
+                f"nominal_dtype={self.dtype}, data={self.dequantize()})")
+
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        return names, {"fp8_dtype": self._fp8_dtype, "dtype": self.dtype}
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return Float8Tensor(inner["_data"], inner["_scale_inv"], meta["fp8_dtype"], meta["dtype"],
+                            inner.get("_transpose"))
+
+    def _same_meta(self, data, transpose=None) -> "Float8Tensor":
+        return Float8Tensor(data, self._scale_inv, self._fp8_dtype, self.dtype, transpose,
+                            self._scale)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]._same_meta(args[0]._data, args[0]._transpose)
+        if func is aten.clone.default:
+            t = args[0]
+            return t._same_meta(t._data.clone(), None if t._transpose is None else t._transpose.clone())
+        if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
+            return args[0]._same_meta(args[0]._data.view(args[1]))
+        if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
+            return cls._copy_into(args[0], args[1])
+
+        def unwrap(t):
+            return t.dequantize() if isinstance(t, Float8Tensor) else t
+        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+
+    @staticmethod
+    def _copy_into(dst: "Float8Tensor", src: torch.Tensor) -> "Float8Tensor":
+        """dst.copy_(src): take src's fp8 bits as they are, or quantize src with dst's scale."""
+        if isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype:
+            dst._data.copy_(src._data)
+            dst._scale_inv.copy_(src._scale_inv)
+        else:
+            if dst._scale is None:
+                raise RuntimeError("copy_ into a Float8Tensor needs its scale; this one was made "
+                                   "without one. Quantize with Float8Tensor.quantize(x, scale, ...)")
+            x = src.dequantize() if isinstance(src, Float8Tensor) else src
+            x2d = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+            data, _, scale_inv = cast_transpose(x2d.to(dst._data.device), dst._scale, None,
+                                                dst._fp8_dtype)
+            dst._data.copy_(data.view(dst._data.shape))
+            dst._scale_inv.copy_(scale_inv)
+        if dst._transpose is not None:
+            dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
+        return dst

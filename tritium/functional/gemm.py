@@ -1,0 +1,50 @@
+"""FP8 GEMM in the "TN" form every Linear GEMM takes: out = (a @ b.T) * a_scale_inv * b_scale_inv.
+
+a [M, K] and b [N, K] are both row-major fp8 with K contiguous, which is exactly what
+`torch._scaled_mm` (cuBLASLt) wants on Hopper: A row-major, B column-major (b.t()). The CUDA rules
+are checked here, on every device, so a CPU run fails where a GPU run would: all four dims
+divisible by 16 and not e5m2 x e5m2. Where FP8 tensor cores are missing (the CPU, older GPUs,
+TRITIUM_EMULATE_FP8=1) the GEMM is emulated: the fp8 values are exact in fp32, multiplied in fp32,
+then scaled, biased and rounded once to out_dtype.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import _device
+from ..fp8.formats import E5M2
+
+# _scaled_mm fuses a bias only for 16-bit outputs of the bias's own dtype.
+_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+
+
+def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"fp8 GEMM operands must be [M, K] and [N, K], got {tuple(a.shape)} "
+                         f"and {tuple(b.shape)}")
+    for name, t in (("a", a), ("b", b)):
+        if t.shape[0] % 16 or t.shape[1] % 16:
+            raise ValueError(f"fp8 GEMM operand {name} has shape {tuple(t.shape)}: both dims must "
+                             "be divisible by 16 (cuBLASLt FP8 rule)")
+    if a.dtype == E5M2 and b.dtype == E5M2:
+        raise TypeError("fp8 GEMM cannot multiply e5m2 by e5m2 (cuBLASLt FP8 rule)")
+
+
+def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+    check_fp8_gemm_operands(a, b)
+    if _device.fp8_gemm_support(a.device)[0]:
+        fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
+        out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                               bias=bias if fuse_bias else None, out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
+        if bias is not None and not fuse_bias:
+            out = out + bias.to(out_dtype)
+        return out
+    out = (a.float() @ b.float().t()) * (a_scale_inv * b_scale_inv)
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

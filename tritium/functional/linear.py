@@ -1,0 +1,168 @@
+"""Linear as an autograd Function: three FP8 GEMMs (fprop, dgrad, wgrad) or high precision.
+
+Forward under FP8 (T tokens, K = in_features, N = out_features):
+    x [T, K] --cast+transpose+amax--> x8 [Tp, K], x8^T [K, Tp]    (Tp = T rounded up to 16,
+    w [N, K] --cast+transpose+amax--> w8 [N, K], w8^T [K, N]       zero rows: the GEMMs ignore them)
+    y  = x8 @ w8^T                         E4M3 x E4M3, fast accumulation
+Backward:
+    dy [T, N] --cast+transpose+amax--> dy8, dy8^T                  (E5M2 under HYBRID)
+    dx = dy8 @ (w8^T)^T                    E5M2 x E4M3, precise accumulation
+    dw = dy8^T @ (x8^T)^T                  E5M2 x E4M3, precise accumulation
+Each GEMM is `fp8_gemm_tn(a, b)` with both operands row-major and K contiguous, so only the
+casts produce transposes and nothing is copied in between. The weight's fp8 copies can be cached
+across micro-batches (`is_first_microbatch`): True casts and keeps, False reuses without
+recording a new weight amax. Without FP8 (and without calibration or main_grad) the call is
+plain `F.linear`, so parity with `nn.Linear` is exact.
+
+`fuse_wgrad_accumulation`: the weight gradient is added into `param.main_grad` (fp32) and the
+Function returns no gradient for the weight, so `param.grad` stays None.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..fp8.autocast import FP8Region
+from ..fp8.cast import amax_into, quantize_2d
+from ..fp8.recipe import Float8CurrentScaling, Recipe
+from ..fp8.scaling import ScalingState
+from .gemm import fp8_gemm_tn
+
+# Forward scaling slots of a Linear, and its backward slot.
+INPUT, WEIGHT = 0, 1
+GRAD_OUTPUT = 0
+
+
+class WeightCache:
+    """The weight's fp8 copies (data, transpose, scale_inv), kept across micro-batches."""
+
+    def __init__(self):
+        self.entry: Optional[tuple] = None
+
+
+@dataclasses.dataclass
+class FP8Plan:
+    """What one Linear call needs to know about FP8 (built by the module for each call)."""
+
+    recipe: Recipe
+    fwd: Optional[ScalingState]          # None under current scaling
+    bwd: Optional[ScalingState]
+    compute_in_fp8: bool = True          # False: calibration (high precision, amaxes recorded)
+    region: Optional[FP8Region] = None   # set on the region's first module: it runs the bwd update
+    weight_cache: Optional[WeightCache] = None
+    is_first_microbatch: Optional[bool] = None
+
+    def quantize(self, x2d, state, slot, fp8_dtype, *, record=True, pad_rows_to=16,
+                 write_data=True, write_transpose=False):
+        if isinstance(self.recipe, Float8CurrentScaling):
+            current, scale, amax = (self.recipe.amax_epsilon, self.recipe.power_2_scale), None, None
+        else:
+            current, scale = None, state.scale_slot(slot)
+            amax = state.amax_slot(slot) if record else None
+        return quantize_2d(x2d, fp8_dtype, scale=scale, amax=amax, current=current,
+                           pad_rows_to=pad_rows_to, write_data=write_data,
+                           write_transpose=write_transpose)
+
+    def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
+        cache, first = self.weight_cache, self.is_first_microbatch
+        if cache is not None and first is False and cache.entry is not None:
+            return cache.entry
+        keep = cache is not None and first is not None
+        w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, WEIGHT,
+                                       self.recipe.fp8_format.forward_dtype, pad_rows_to=1,
+                                       write_transpose=need_transpose or keep)
+        if keep:
+            cache.entry = (w8, w8_t, w_si)
+        return w8, w8_t, w_si
+
+
+@dataclasses.dataclass(frozen=True)
+class MainGradTarget:
+    """Rows [start, stop) of the weight gradient go into `param.main_grad`."""
+
+    param: torch.nn.Parameter
+    start: int
+    stop: int
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
+                main_grad: Sequence[MainGradTarget]):
+        shape = inp.shape
+        x2d = inp.reshape(-1, shape[-1])
+        tokens = x2d.shape[0]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
+        fp8 = plan is not None and plan.compute_in_fp8
+        if fp8:
+            fwd_dtype = plan.recipe.fp8_format.forward_dtype
+            x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, INPUT, fwd_dtype,
+                                           write_transpose=need_wgrad)
+            w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
+            out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)[:tokens]
+            ctx.save_for_backward(x8_t, x_si, w8_t, w_si)
+        else:
+            if plan is not None:  # calibration: record what FP8 would have seen
+                amax_into(x2d, plan.fwd.amax_slot(INPUT))
+                amax_into(weight, plan.fwd.amax_slot(WEIGHT))
+            out = F.linear(x2d, weight, bias)
+            ctx.save_for_backward(x2d if need_wgrad else None, weight if need_dgrad else None)
+        ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
+        ctx.shape, ctx.tokens, ctx.need = shape, tokens, (need_dgrad, need_wgrad)
+        ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
+        return out.view(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1])
+        dx = dw = None
+        wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
+        if ctx.fp8:
+            x8_t, x_si, w8_t, w_si = ctx.saved_tensors
+            dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT,
+                                              plan.recipe.fp8_format.backward_dtype,
+                                              write_data=need_dgrad, write_transpose=need_wgrad)
+            if need_dgrad:
+                dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, grad_out.dtype)[:ctx.tokens]
+            if need_wgrad:
+                dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
+        else:
+            x2d, weight = ctx.saved_tensors
+            if plan is not None:
+                amax_into(dy2d, plan.bwd.amax_slot(GRAD_OUTPUT))
+            if need_dgrad:
+                dx = dy2d @ weight
+            if need_wgrad:
+                dw = (dy2d.t() @ x2d).to(wgrad_dtype)
+        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.main_grad:
+            for target in ctx.main_grad:
+                target.param.main_grad.add_(dw[target.start:target.stop])
+            dw = None
+        if plan is not None and plan.region is not None:
+            plan.region.backward_done()
+        if dx is not None:
+            dx = dx.view(ctx.shape)
+        return dx, dw, db, None, None
+
+
+def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = ()):
+    """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller."""
+    dev = inp.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)
+        inp = inp.to(dtype)
+        if fp8 is None or not fp8.compute_in_fp8:
+            weight = weight.to(dtype)
+        bias = None if bias is None else bias.to(dtype)
+    elif fp8 is not None and bias is not None:
+        bias = bias.to(inp.dtype)
+    if fp8 is None and not main_grad:
+        return F.linear(inp, weight, bias)
+    with torch.autocast(dev, enabled=False):
+        return _LinearFunction.apply(inp, weight, bias, fp8, tuple(main_grad))

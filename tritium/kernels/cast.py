@@ -1,0 +1,147 @@
+"""Triton FP8 casts: cast + amax, cast + transpose + amax in one pass, amax alone, dequantize.
+
+Twins: `tritium.ref.cast` (same names, same signatures, same bits). Layout assumptions: the input
+is a 2D tensor whose last dim is contiguous; outputs are fresh contiguous tensors, rows padded
+with zeros to a multiple of `pad_rows_to` (FP8 GEMMs need both dims divisible by 16).
+
+Numerics, identical to the twin: scale in fp32, clamp to +-fp8_max keeping NaN, round to nearest
+even; amax = max|x| of the unscaled input with NaN winning (the float atomic max of Triton orders
+NaN above inf), max-accumulated into `amax`; scale_inv = 1/scale by IEEE division (div_rn, never
+the approximate reciprocal). The scale is read from device memory, so nothing syncs the host.
+With `current=(eps, power_2_scale)` each program derives the scale from the finished amax
+(Float8CurrentScaling) instead of reading it.
+
+Not done here: tiles of block scaling, fused norms/activations (they live with their ops).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8.formats import FP32_MAX, fp8_max
+
+_TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
+
+
+@triton.jit
+def _current_scale(amax, FP8_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr):
+    a = tl.where(amax < EPS, EPS, amax)
+    s = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
+    s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
+    if POW2:
+        s = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    bad = (a == 0) | (a != a) | (a == float("inf"))
+    return tl.where(bad, 1.0, s)
+
+
+@triton.jit
+def _abs_max_nan(x):
+    """max|x| over a block, NaN if any element is NaN (tl.max alone would drop NaN)."""
+    m = tl.max(tl.abs(x))
+    has_nan = tl.max((x != x).to(tl.int32)) > 0
+    return tl.where(has_nan, float("nan"), m)
+
+
+@triton.jit
+def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
+                           M, N, Mp, stride_xm,
+                           FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                           WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
+                           UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr,
+                           EPS: tl.constexpr, POW2: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    in_mask = (rm[:, None] < M) & (rn[None, :] < N)
+    x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0).to(tl.float32)
+    if CURRENT:
+        scale = _current_scale(tl.load(amax_ptr), FP8_MAX, EPS, POW2)
+    else:
+        scale = tl.load(scale_ptr)
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    y8 = y.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+    if WRITE_DATA:
+        out_mask = (rm[:, None] < Mp) & (rn[None, :] < N)
+        tl.store(data_ptr + rm[:, None] * N + rn[None, :], y8, mask=out_mask)
+    if WRITE_T:
+        out_mask_t = (rn[:, None] < N) & (rm[None, :] < Mp)
+        tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :], tl.trans(y8), mask=out_mask_t)
+    if UPDATE_AMAX:
+        tl.atomic_max(amax_ptr, _abs_max_nan(x))
+    if (pid_m == 0) & (pid_n == 0):
+        tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+    tl.atomic_max(amax_ptr, _abs_max_nan(x))
+
+
+@triton.jit
+def _dequantize_kernel(data_ptr, scale_inv_ptr, out_ptr, numel, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(data_ptr + offs, mask=mask).to(tl.float32) * tl.load(scale_inv_ptr)
+    tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _tile(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
+    if interpret:
+        return 16, 16, 1
+    return 64, 128, 8
+
+
+def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
+    """amax[0] = max(amax[0], max|x|)."""
+    x = x.contiguous()
+    n = x.numel()
+    if n == 0:
+        return
+    block = 1024 if x.is_cuda else 256
+    _amax_kernel[(triton.cdiv(n, block),)](x, amax, n, BLOCK=block, num_warps=4)
+
+
+def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
+                   fp8_dtype: torch.dtype, *, pad_rows_to: int = 1, write_data: bool = True,
+                   write_transpose: bool = False, current: Optional[tuple] = None):
+    """See `tritium.ref.cast.cast_transpose` for the contract."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, n = x.shape
+    mp = -(-m // pad_rows_to) * pad_rows_to
+    dev = x.device
+    data = torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None
+    data_t = torch.empty(n, mp, dtype=fp8_dtype, device=dev) if write_transpose else None
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    bm, bn, warps = _tile(mp, n, not x.is_cuda)
+    eps, pow2 = current if current is not None else (0.0, False)
+    grid = (triton.cdiv(max(mp, 1), bm), triton.cdiv(max(n, 1), bn))
+    _cast_transpose_kernel[grid](
+        x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
+        scale if current is None else amax, amax if amax is not None else scale_inv, scale_inv,
+        m, n, mp, x.stride(0),
+        FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
+        WRITE_DATA=write_data, WRITE_T=write_transpose,
+        UPDATE_AMAX=amax is not None and current is None, CURRENT=current is not None,
+        EPS=float(eps), POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return data, data_t, scale_inv
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    data = data.contiguous()
+    out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
+    n = data.numel()
+    if n:
+        block = 1024 if data.is_cuda else 256
+        _dequantize_kernel[(triton.cdiv(n, block),)](data, scale_inv, out, n, BLOCK=block, num_warps=4)
+    return out
+
+
+__all__ = ["amax_into", "cast_transpose", "dequantize", "FP32_MAX"]

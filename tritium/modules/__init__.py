@@ -1,0 +1,5 @@
+"""Thin nn.Modules: they own parameters and FP8 state; forward is one functional call."""
+from .base import FP8Module
+from .linear import Linear
+
+__all__ = ["FP8Module", "Linear"]

@@ -1,0 +1,145 @@
+"""tritium.Linear: TE's Linear (names, arguments, parameter names), FP8 under fp8_autocast.
+
+Parameters: `weight` [out, in] and `bias` [out]; with `parameters_split` one weight (and bias)
+Parameter per part, named `<part>_weight` / `<part>_bias`, concatenated along dim 0 per call.
+The module checks its inputs and builds the call's FP8 plan; the math is
+`tritium.functional.linear`. Tensor parallelism (tp_size > 1, parallel_mode) is not built yet
+and says so.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional, Union
+
+import torch
+
+from .._device import default_device
+from ..fp8.formats import HIGH_PRECISION_DTYPES
+from ..functional.linear import MainGradTarget, linear
+from .base import FP8Module
+
+DEFAULT_INIT_STD = 0.023
+
+
+def default_init(weight: torch.Tensor) -> None:
+    torch.nn.init.normal_(weight, mean=0.0, std=DEFAULT_INIT_STD)
+
+
+def _split_sizes(parameters_split, out_features: int) -> "OrderedDict[str, int]":
+    if isinstance(parameters_split, dict):
+        sizes = OrderedDict((str(k).rstrip("_"), int(v)) for k, v in parameters_split.items())
+    else:
+        names = [str(n).rstrip("_") for n in parameters_split]
+        if not names or out_features % len(names):
+            raise ValueError(f"parameters_split={parameters_split!r}: out_features={out_features} "
+                             f"must split evenly into {len(names)} parts")
+        sizes = OrderedDict((n, out_features // len(names)) for n in names)
+    if sum(sizes.values()) != out_features:
+        raise ValueError(f"parameters_split sizes {dict(sizes)} must add up to "
+                         f"out_features={out_features}")
+    return sizes
+
+
+class Linear(FP8Module):
+    """y = x W^T + b, with fprop/dgrad/wgrad as FP8 GEMMs inside fp8_autocast."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool = True,
+                 return_bias: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 device: Union[str, torch.device, None] = "cuda",
+                 init_method: Optional[Callable[[torch.Tensor], None]] = None,
+                 parameters_split=None, fuse_wgrad_accumulation: bool = False,
+                 tp_group=None, tp_size: int = 1, parallel_mode: Optional[str] = None,
+                 sequence_parallel: bool = False, get_rng_state_tracker=None,
+                 rng_tracker_name=None):
+        super().__init__(num_fwd_slots=2, num_bwd_slots=1)
+        for name, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if tp_size != 1 or parallel_mode is not None or sequence_parallel:
+            if tp_size != 1 or sequence_parallel or parallel_mode not in (None, "column", "row"):
+                raise NotImplementedError(
+                    "tensor/sequence parallel Linear is not built yet: use tp_size=1, "
+                    "sequence_parallel=False")
+        params_dtype = params_dtype or torch.get_default_dtype()
+        if params_dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
+        self.in_features, self.out_features = in_features, out_features
+        self.use_bias, self.return_bias = bias, return_bias
+        self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
+        self.init_method = init_method or default_init
+        device = default_device(device)
+        factory = dict(dtype=params_dtype, device=device)
+        if parameters_split is None:
+            self.split_sizes = OrderedDict([("", out_features)])
+        else:
+            self.split_sizes = _split_sizes(parameters_split, out_features)
+        for part, rows in self.split_sizes.items():
+            prefix = f"{part}_" if part else ""
+            self.register_parameter(f"{prefix}weight",
+                                    torch.nn.Parameter(torch.empty(rows, in_features, **factory)))
+            self.register_parameter(f"{prefix}bias", torch.nn.Parameter(torch.empty(rows, **factory))
+                                    if bias else None)
+        self.reset_parameters()
+
+    def _parts(self, kind: str) -> list:
+        return [getattr(self, f"{p}_{kind}" if p else kind) for p in self.split_sizes]
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            for w in self._parts("weight"):
+                self.init_method(w)
+            if self.use_bias:
+                for b in self._parts("bias"):
+                    b.zero_()
+        self._weight_cache.entry = None
+
+    def _check_input(self, inp, weight: torch.Tensor) -> None:
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"Linear.forward: inp must be a torch.Tensor, got {type(inp).__name__}")
+        if inp.device != weight.device:
+            raise ValueError(f"Linear.forward: inp is on {inp.device} but the weight is on "
+                             f"{weight.device}; move one of them (inp.to({str(weight.device)!r}))")
+        if inp.dim() < 1 or inp.shape[-1] != self.in_features:
+            raise ValueError(f"Linear.forward: inp has shape {tuple(inp.shape)}; its last dim must "
+                             f"be in_features={self.in_features}")
+        if inp.dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"Linear.forward: inp dtype {inp.dtype} is not supported; pass float32, "
+                            "bfloat16 or float16")
+        if inp.dtype != weight.dtype and not torch.is_autocast_enabled(inp.device.type):
+            raise TypeError(f"Linear.forward: inp dtype {inp.dtype} differs from the params dtype "
+                            f"{weight.dtype}; cast the input, build Linear with "
+                            f"params_dtype={inp.dtype}, or run under torch.autocast")
+
+    def _check_fp8_dims(self) -> None:
+        for name, size in (("in_features", self.in_features), ("out_features", self.out_features)):
+            if size % 16:
+                raise ValueError(f"Linear({name}={size}) cannot run in FP8: FP8 GEMMs need "
+                                 f"in_features and out_features divisible by 16; pad {name} to "
+                                 f"{-(-size // 16) * 16} or run this module outside fp8_autocast")
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        weights = self._parts("weight")
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        bias = None
+        if self.use_bias:
+            biases = self._parts("bias")
+            bias = biases[0] if len(biases) == 1 else torch.cat(biases)
+        self._check_input(inp, weight)
+        plan = self._fp8_plan(inp.device, is_first_microbatch)
+        if plan is not None and plan.compute_in_fp8:
+            self._check_fp8_dims()
+        main_grad = ()
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
+            main_grad, row = [], 0
+            for w, rows in zip(weights, self.split_sizes.values()):
+                if getattr(w, "main_grad", None) is None:
+                    raise RuntimeError("fuse_wgrad_accumulation=True needs param.main_grad (an fp32 "
+                                       "tensor shaped like the weight) set before forward")
+                main_grad.append(MainGradTarget(w, row, row + rows))
+                row += rows
+        out = linear(inp, weight, None if self.return_bias else bias, fp8=plan, main_grad=main_grad)
+        return (out, bias) if self.return_bias else out
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.use_bias}")
