@@ -1,0 +1,92 @@
+"""Linear fwd+bwd: tritium FP8 (eager) vs bf16 nn.Linear, torch.compile and torchao float8.
+
+Shapes (T tokens, in -> out) from the baseline: 8192 4096->4096, 8192 4096->14336,
+16384 8192->8192; bf16 activations and weights, no bias. TFLOP/s counts 6*T*in*out. Every
+variant runs forward and backward with a fresh upstream gradient; grads are reset between
+calls. Peak memory is the increase over the resident tensors during one fwd+bwd.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import finish, peak_mem_mb, time_ms  # noqa: E402
+
+import tritium as te  # noqa: E402
+from tritium import recipe  # noqa: E402
+
+SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (16384, 8192, 8192)]
+
+
+def _fwd_bwd(module, x, dy, ctx=None):
+    def run():
+        if ctx is None:
+            out = module(x)
+        else:
+            with ctx():
+                out = module(x)
+        out.backward(dy)
+    return run
+
+
+def _variants(t, k, n):
+    dev, dt = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    base = torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt)
+    yield "bf16 nn.Linear", base, None
+    yield "bf16 nn.Linear compiled", torch.compile(base), None
+    tl = te.Linear(k, n, bias=False, params_dtype=dt, device=dev)
+    delayed = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+    yield "tritium fp8 delayed (eager)", tl, lambda: te.fp8_autocast(fp8_recipe=delayed)
+    current = recipe.Float8CurrentScaling()
+    yield "tritium fp8 current (eager)", tl, lambda: te.fp8_autocast(fp8_recipe=current)
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+        for name in ("tensorwise", "rowwise"):
+            m = torch.nn.Sequential(torch.nn.Linear(k, n, bias=False, device=dev, dtype=dt))
+            convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(name))
+            if name == "tensorwise":
+                yield f"torchao {name} eager", m, None
+            yield f"torchao {name} compiled", torch.compile(m), None
+    except Exception as exc:  # peer missing: record, don't crash
+        yield "torchao", exc, None
+
+
+def main():
+    rows = []
+    for t, k, n in SHAPES:
+        case = f"T{t} {k}->{n}"
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+        for variant, module, ctx in _variants(t, k, n):
+            if isinstance(module, Exception):
+                rows.append({"case": case, "variant": variant, "error": repr(module)})
+                continue
+            params = [p for p in module.parameters()]
+            run = _fwd_bwd(module, x, dy, ctx)
+
+            def step():
+                for p in params + [x]:
+                    p.grad = None
+                run()
+            try:
+                step(); step()
+                ms = time_ms(step)
+                for p in params + [x]:
+                    p.grad = None
+                mem = peak_mem_mb(run)
+            except Exception as exc:
+                rows.append({"case": case, "variant": variant, "error": repr(exc)})
+                continue
+            rows.append({"case": case, "variant": variant, "ms": round(ms, 4),
+                         "tflops": round(6 * t * k * n / ms / 1e9, 1), "peak_mb": round(mem, 1)})
+            print(rows[-1], flush=True)
+        del x, dy
+        torch.cuda.empty_cache()
+    finish("linear", rows, baseline="bf16 nn.Linear")
+
+
+if __name__ == "__main__":
+    main()

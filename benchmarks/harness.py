@@ -1,0 +1,83 @@
+"""Shared benchmark plumbing: timing, environment record, result files, tables.
+
+Timing is `triton.testing.do_bench` (CUDA events, median). Each bench script builds rows
+{bench, case, variant, ms, ...} and calls `finish()`, which adds ratios against the row marked as
+baseline of the same case, prints a table and writes JSON to $OUT (device runs) or
+benchmarks/results/. Peers (torchao, liger) are optional imports: a missing peer becomes a row
+with an error instead of a crash.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+
+import torch
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+
+
+def env_info() -> dict:
+    info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
+            "python": platform.python_version()}
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except Exception:
+        pass
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    for peer in ("torchao", "liger_kernel"):
+        try:
+            mod = __import__(peer)
+            info[peer] = getattr(mod, "__version__", "installed")
+        except Exception:
+            info[peer] = None
+    return info
+
+
+def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    import triton.testing
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def peak_mem_mb(fn) -> float:
+    """Peak allocated memory above what was allocated before one call of fn (MiB)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def finish(bench: str, rows: list[dict], baseline: str) -> dict:
+    by_case = {r["case"]: r for r in rows if r["variant"] == baseline and "ms" in r}
+    for r in rows:
+        base = by_case.get(r["case"])
+        if base and "ms" in r:
+            r[f"speedup_vs_{baseline}"] = round(base["ms"] / r["ms"], 3)
+    out = {"bench": bench, "env": env_info(), "rows": rows}
+    dest = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS_DIR
+    dest.mkdir(parents=True, exist_ok=True)
+    gpu = out["env"].get("gpu", "cpu").replace(" ", "_")
+    path = dest / f"{out['env']['date']}-{gpu}-{bench}.json"
+    path.write_text(json.dumps(out, indent=1))
+    print_table(bench, rows, baseline)
+    print(f"wrote {path}")
+    return out
+
+
+def print_table(bench: str, rows: list[dict], baseline: str) -> None:
+    key = f"speedup_vs_{baseline}"
+    print(f"\n== {bench} ({env_info().get('gpu', 'cpu')}) ==")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['case']:<28} {r['variant']:<34} ERROR {r['error'][:80]}")
+            continue
+        extra = "".join(f" {k}={r[k]}" for k in ("tflops", "gbps", "peak_mb") if k in r)
+        print(f"{r['case']:<28} {r['variant']:<34} {r['ms']:8.3f} ms  x{r.get(key, float('nan')):.2f}"
+              f"{extra}")

@@ -1,0 +1,185 @@
+"""gpu tier: Triton kernels == ref twins bit for bit on CUDA, and the FP8 Linear on real
+FP8 tensor cores (torch._scaled_mm) against its emulation and a high-precision reference.
+
+Skipped without CUDA; the FP8 GEMM tests also need compute capability >= 8.9 (Hopper: 9.0).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritium as te
+from tritium import recipe
+from tritium.kernels import cast as kcast
+from tritium.kernels import scaling as kscaling
+from tritium.ref import cast as rcast
+from tritium.ref import scaling as rscaling
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+
+def _fp8_gpu() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def _bits_equal(a, b):
+    if a is None or b is None:
+        return a is None and b is None
+    if a.dtype in (E4M3, E5M2):
+        return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    if a.dtype == torch.float32:
+        return torch.equal(a.view(torch.int32), b.view(torch.int32))
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _input(m, n, dtype, seed, specials=False):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, n, device="cuda", generator=g) * 3
+    if specials:
+        x.view(-1)[:: max(1, x.numel() // 7)] = 1e6  # beyond fp8 max: clamped
+        x.view(-1)[1] = -float("inf")
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (33, 80), (1000, 4096), (8192, 1040)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("mode", ["delayed", "current", "current_pow2"])
+def test_cast_transpose_kernel_equals_ref(shape, dtype, fp8, mode):
+    x = _input(*shape, dtype, seed=hash((shape, str(dtype), str(fp8), mode)) % 2**31,
+               specials=mode == "delayed")
+    outs = []
+    for impl in (kcast, rcast):
+        amax = torch.full((1,), 0.5, device="cuda")
+        if mode == "delayed":
+            scale = torch.full((1,), 37.3, device="cuda")
+            res = impl.cast_transpose(x, scale, amax, fp8, pad_rows_to=16, write_transpose=True)
+        else:
+            amax.zero_()
+            impl.amax_into(x, amax)
+            res = impl.cast_transpose(x, None, amax, fp8, pad_rows_to=16, write_transpose=True,
+                                      current=(1e-12, mode == "current_pow2"))
+        outs.append((*res, amax))
+    for got, want in zip(*outs):
+        assert _bits_equal(got, want)
+
+
+def test_nan_input_gives_nan_amax_on_both():
+    x = _input(64, 64, torch.bfloat16, 3)
+    x[5, 7] = float("nan")
+    for impl in (kcast, rcast):
+        amax = torch.zeros(1, device="cuda")
+        data, _, _ = impl.cast_transpose(x, torch.ones(1, device="cuda"), amax, E4M3)
+        assert torch.isnan(amax).all()
+        assert torch.isnan(data[5, 7].float())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dequantize_kernel_equals_ref(out_dtype):
+    x = _input(257, 96, torch.float32, 11)
+    data, _, scale_inv = rcast.cast_transpose(x, torch.full((1,), 3.0, device="cuda"), None, E4M3)
+    assert _bits_equal(kcast.dequantize(data, scale_inv, out_dtype),
+                       rcast.dequantize(data, scale_inv, out_dtype))
+
+
+@pytest.mark.parametrize("length", [1, 3, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
+def test_delayed_update_kernel_equals_ref(length, algo, margin):
+    g = torch.Generator(device="cuda").manual_seed(length * 7 + margin)
+    hist = torch.rand(length, 5, device="cuda", generator=g) * 10
+    hist[0, 1] = 0.0                 # unused slot: not rolled
+    hist[0, 2] = float("inf")        # keeps its scale
+    hist[0, 3] = 1e-38               # scale overflows -> fp32 max
+    scale = torch.rand(5, device="cuda", generator=g) + 0.5
+    h_k, s_k, h_r, s_r = hist.clone(), scale.clone(), hist.clone(), scale.clone()
+    kscaling.delayed_scaling_update(h_k, s_k, 448.0, margin, algo)
+    rscaling.delayed_scaling_update(h_r, s_r, 448.0, margin, algo)
+    assert _bits_equal(h_k, h_r) and _bits_equal(s_k, s_r)
+
+
+def _rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores")
+@pytest.mark.parametrize("rec", [recipe.DelayedScaling(amax_history_len=8),
+                                 recipe.Float8CurrentScaling()], ids=["delayed", "current"])
+@pytest.mark.parametrize("tokens", [4096, 1000])
+def test_fp8_linear_on_tensor_cores_matches_emulation(monkeypatch, rec, tokens):
+    torch.manual_seed(0)
+    layer = te.Linear(1024, 768, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, 768, device="cuda", dtype=torch.bfloat16)
+
+    def run():
+        for _ in range(3):  # let delayed scales settle; identical on both paths
+            xi = x.clone().requires_grad_()
+            layer.weight.grad = layer.bias.grad = None
+            with te.fp8_autocast(fp8_recipe=rec):
+                out = layer(xi)
+            out.backward(dy)
+        return out.detach(), xi.grad, layer.weight.grad, layer.bias.grad
+
+    real = run()
+    real_scales = [s.scale.clone() for s in (layer.fp8_meta.fwd, layer.fp8_meta.bwd) if s]
+    monkeypatch.setenv("TRITIUM_EMULATE_FP8", "1")
+    layer.fp8_meta = type(layer.fp8_meta)(2, 1)  # fresh state: the same scale sequence again
+    emulated = run()
+    emu_scales = [s.scale for s in (layer.fp8_meta.fwd, layer.fp8_meta.bwd) if s]
+    for a, b in zip(real_scales, emu_scales):
+        assert torch.equal(a, b), "identical amaxes must give identical scales"
+    hp = x.float() @ layer.weight.float().t() + layer.bias.float()
+    for r, e in zip(real, emulated):
+        assert _rel_err(r, e) < 1e-2, "tensor cores and emulation disagree"
+    assert _rel_err(real[0], hp) < 0.05
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores")
+def test_fp8_linear_makes_no_host_sync():
+    layer = te.Linear(512, 512, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    for i in range(3):
+        if i == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            with te.fp8_autocast(fp8_recipe=rec):
+                out = layer(x)
+            out.sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores")
+def test_fp8_linear_peak_memory_not_above_bf16():
+    t, k, n = 8192, 4096, 4096
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    fp8 = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    rec = recipe.DelayedScaling(amax_history_len=16)
+
+    def peak(fn):
+        for _ in range(2):
+            x.grad = None
+            for p in list(base.parameters()) + list(fp8.parameters()):
+                p.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            start = torch.cuda.memory_allocated()
+            fn()
+            torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - start
+
+    def run_fp8():
+        with te.fp8_autocast(fp8_recipe=rec):
+            out = fp8(x)
+        out.backward(dy)
+
+    bf16_peak = peak(lambda: base(x).backward(dy))
+    fp8_peak = peak(run_fp8)
+    assert fp8_peak <= bf16_peak, (fp8_peak / 2**20, bf16_peak / 2**20)
