@@ -78,6 +78,6 @@ def print_table(bench: str, rows: list[dict], baseline: str) -> None:
         if "error" in r:
             print(f"{r['case']:<28} {r['variant']:<34} ERROR {r['error'][:80]}")
             continue
-        extra = "".join(f" {k}={r[k]}" for k in ("tflops", "gbps", "peak_mb") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("tflops", "gbps", "peak_mb", "peak_mb_in_network") if k in r)
         print(f"{r['case']:<28} {r['variant']:<34} {r['ms']:8.3f} ms  x{r.get(key, float('nan')):.2f}"
               f"{extra}")
