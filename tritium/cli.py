@@ -135,8 +135,11 @@ def demo(args) -> int:
           f"final train loss = mean of the last {tail} steps)")
     if not fp8_ok:
         print("steps/s on this device measure the emulation, not FP8 speed: see benchmarks/.")
-    finite = all(v == v and abs(v) != float("inf") for v in (hp_eval, f8_eval))
-    return 0 if finite else 1
+    if not all(v == v and abs(v) != float("inf") for v in (hp_eval, f8_eval)):
+        print("a run ended with a non-finite loss: that is a bug, not FP8 noise; rerun with "
+              "TRITIUM_FORCE_REF=1 to compare with the reference casts, and report it")
+        return 1
+    return 0
 
 
 def _repo_root() -> Path:
