@@ -116,8 +116,15 @@ Recipe = Union[DelayedScaling, Float8CurrentScaling]
 
 def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     """Rebuild a recipe from `to_dict()` output; callables cannot be rebuilt and become defaults."""
+    if not isinstance(values, dict):
+        raise ValueError(f"a recipe must be a dict written by to_dict(), got {type(values).__name__}")
     values = dict(values)
     kind = values.pop("type", None)
+    known = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling}
+    if kind in known:
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(known[kind])})
+        if unknown:
+            raise ValueError(f"{kind} recipe in checkpoint has unknown fields {unknown}")
     if kind == "DelayedScaling":
         if values.get("amax_compute_algo") == "callable":
             values["amax_compute_algo"] = "max"

@@ -1,0 +1,58 @@
+"""Helpers the test modules import: TE's tolerances, data with a known amax, and an FP8 Linear
+emulation written independently of tritium (from DESIGN.md section 4, not from its code).
+
+The emulation quantizes each GEMM operand with a given scale (scale in fp32, clamp to +-max,
+round with torch's `.to(fp8 dtype)`), dequantizes with 1/scale and multiplies in fp32. It reads
+nothing from tritium, so comparing a module with it checks the module's casts, scales, GEMM
+layouts and padding.
+"""
+from __future__ import annotations
+
+import torch
+
+# TE's tolerances (DESIGN.md section 9), as assert_close keyword arguments.
+FP32_TOL = dict(rtol=1.3e-6, atol=1e-5)
+BF16_TOL = dict(rtol=1.6e-2, atol=1e-5)
+FP8_TOL = dict(rtol=0.125, atol=0.0675)
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8_MAX = {E4M3: 448.0, E5M2: 57344.0}
+FP32_MAX = 3.4028234663852886e38
+
+
+def with_amax(t: torch.Tensor, amax: float, limit: float | None = None) -> torch.Tensor:
+    """`t` clamped to +-limit (default amax/2) with -amax written at one place, so that
+    max|t| == amax exactly."""
+    limit = amax / 2 if limit is None else limit
+    out = t.detach().clone().clamp_(-limit, limit)
+    out.view(-1)[out.numel() // 3] = -amax
+    return out
+
+
+def fake_quant(x: torch.Tensor, scale, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Quantize with `scale` (a float or one-element tensor) and dequantize, in fp32."""
+    s = torch.as_tensor(scale, dtype=torch.float32).reshape(())
+    limit = FP8_MAX[fp8_dtype]
+    q = (x.float() * s).clamp(-limit, limit).to(fp8_dtype)
+    return q.float() * (1.0 / s)
+
+
+def current_scale(x: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Float8CurrentScaling's scale with amax_epsilon=0 for a tensor of non-zero finite values."""
+    return torch.tensor(FP8_MAX[fp8_dtype], dtype=torch.float32) / x.detach().abs().max().float()
+
+
+def emulated_linear(x, w, b, dy, s_x, s_w, s_dy, fwd_dtype, bwd_dtype):
+    """out, dx, dw, db of y = x w^T + b with all three GEMMs on fake-quantized operands.
+
+    x [..., K], w [N, K], dy [..., N]; s_* are the scales the module used for each operand."""
+    x2d, dy2d = x.reshape(-1, x.shape[-1]).float(), dy.reshape(-1, dy.shape[-1]).float()
+    xq, wq = fake_quant(x2d, s_x, fwd_dtype), fake_quant(w, s_w, fwd_dtype)
+    dyq = fake_quant(dy2d, s_dy, bwd_dtype)
+    out = xq @ wq.t()
+    if b is not None:
+        out = out + b.float()
+    dx = dyq @ wq
+    dw = dyq.t() @ xq
+    db = None if b is None else dy2d.sum(0)
+    return (out.reshape(*x.shape[:-1], w.shape[0]), dx.reshape(x.shape), dw, db)
