@@ -88,6 +88,16 @@ class MainGradTarget:
     stop: int
 
 
+def _wgrad_into_fp32(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
+    """dy^T x with an fp32 result for main_grad: a bf16/fp16 product must not be rounded to
+    16 bits before it is accumulated (TE's wgrad GEMM accumulates into main_grad in fp32)."""
+    if dy2d.dtype == torch.float32:
+        return dy2d.t() @ x2d
+    if dy2d.is_cuda:  # cuBLAS: 16-bit inputs, fp32 accumulation and output
+        return torch.mm(dy2d.t(), x2d, out_dtype=torch.float32)
+    return dy2d.t().float() @ x2d.float()
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
@@ -137,7 +147,8 @@ class _LinearFunction(torch.autograd.Function):
             if need_dgrad:
                 dx = dy2d @ weight
             if need_wgrad:
-                dw = (dy2d.t() @ x2d).to(wgrad_dtype)
+                dw = (_wgrad_into_fp32(dy2d, x2d) if ctx.main_grad
+                      else (dy2d.t() @ x2d).to(wgrad_dtype))
         db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         if ctx.main_grad:
             for target in ctx.main_grad:
