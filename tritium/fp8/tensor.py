@@ -5,7 +5,8 @@ need the other layout), `_scale_inv` (fp32 [1], written with the data as the exa
 1/scale), `_fp8_dtype` and the nominal dtype that `dtype` reports. `dequantize()` gives the
 high-precision values. A `__torch_dispatch__` subclass: ops it does not implement run on the
 dequantized values (so `x + 1`, `x.sum()`, `x @ w` simply work, in the nominal dtype); the few
-it implements (detach, clone, copy_ into it, views that keep the data) stay in FP8.
+it implements (detach, clone, copy_ into it, views that keep the data) stay in FP8. In-place
+ops (`x.mul_(2)`) run on the dequantized values and requantize into x with x's scale.
 """
 from __future__ import annotations
 
@@ -18,6 +19,11 @@ from .cast import cast_transpose, dequantize as _dequantize
 from .formats import FP8_DTYPES
 
 aten = torch.ops.aten
+
+
+def _writes_self(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
 class Float8Tensor(torch.Tensor):
@@ -87,7 +93,12 @@ class Float8Tensor(torch.Tensor):
 
         def unwrap(t):
             return t.dequantize() if isinstance(t, Float8Tensor) else t
-        return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if args and isinstance(args[0], Float8Tensor) and _writes_self(func):
+            # In-place op (x.add_(1), x.mul_(2), x.zero_()): it ran on a dequantized copy;
+            # requantize the result into x, or the op would silently do nothing.
+            return cls._copy_into(args[0], out)
+        return out
 
     @staticmethod
     def _copy_into(dst: "Float8Tensor", src: torch.Tensor) -> "Float8Tensor":
