@@ -14,6 +14,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .._device import default_device
+from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.linear import MainGradTarget, linear
 from .base import FP8Module
@@ -125,9 +126,9 @@ class Linear(FP8Module):
             biases = self._parts("bias")
             bias = biases[0] if len(biases) == 1 else torch.cat(biases)
         self._check_input(inp, weight)
-        plan = self._fp8_plan(inp.device, is_first_microbatch)
-        if plan is not None and plan.compute_in_fp8:
+        if is_fp8_enabled():  # before _fp8_plan registers this module with the autocast region
             self._check_fp8_dims()
+        plan = self._fp8_plan(inp.device, is_first_microbatch)
         main_grad = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
             main_grad, row = [], 0
