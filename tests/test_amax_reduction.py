@@ -1,0 +1,94 @@
+"""Amax reduction over 2 gloo processes: ranks that see different data end up with the same
+forward and backward scales (and amax histories) when the recipe reduces amaxes, and with
+different ones when it does not. Also: the reduction is one MAX all-reduce per update."""
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.cpu
+
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, out_dir: str, seed: int):
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port),
+                      TRITIUM_FORCE_REF="1")
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        import tritium as te
+        from tritium import recipe
+
+        torch.manual_seed(seed)                      # same weights on both ranks
+        model = torch.nn.Sequential(te.Linear(32, 48, device="cpu"),
+                                    te.Linear(48, 16, device="cpu"))
+        calls = []
+        real_all_reduce = dist.all_reduce
+
+        def counting_all_reduce(tensor, *args, **kwargs):
+            calls.append(tuple(tensor.shape))
+            return real_all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counting_all_reduce
+        results = {}
+        for reduce in (True, False):
+            rcp = recipe.DelayedScaling(amax_history_len=4, reduce_amax=reduce)
+            for m in model:
+                m.fp8_meta = type(m.fp8_meta)(2, 1)              # fresh state per recipe
+            calls.clear()
+            for step in range(3):
+                # Rank 1's data is larger on even steps, rank 0's on odd steps.
+                big = (step + rank) % 2 == 1
+                # Different data per rank; the same per (rank, step) in both runs.
+                gen = torch.Generator().manual_seed(seed + 1 + 100 * rank + step)
+                x = torch.randn(9, 32, generator=gen) * (4.0 if big else 1.0)
+                dy = torch.randn(9, 16, generator=gen) * (3.0 if big else 0.5)
+                with te.fp8_autocast(fp8_recipe=rcp):
+                    y = model(x.requires_grad_())
+                y.backward(dy)
+            results[reduce] = {
+                "calls": list(calls),
+                **{f"{i}.{d}.{k}": getattr(getattr(m.fp8_meta, d), k).clone()
+                   for i, m in enumerate(model) for d in ("fwd", "bwd")
+                   for k in ("scale", "amax_history")}}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_amax_reduction_two_ranks(tmp_path, _seed):
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
+    r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    keys = [k for k in r0[True] if k != "calls"]
+    for k in keys:
+        # With reduction: identical on both ranks (bitwise), and not the initial 1.0 scales.
+        assert torch.equal(r0[True][k], r1[True][k]), k
+        # Without: each rank follows its own data.
+        assert not torch.equal(r0[False][k], r1[False][k]), k
+    for k in keys:
+        if k.endswith("scale"):
+            assert not bool((r0[True][k] == 1.0).any()), k
+    # The amaxes that do not depend on the scales (module 0's input and weight, module 1's
+    # grad_output, all given by the test): the reduced history is the elementwise max of the
+    # two ranks' own histories, and so its scales are the smaller of the two ranks' scales.
+    for k in ("0.fwd", "1.bwd"):
+        own = torch.maximum(r0[False][f"{k}.amax_history"], r1[False][f"{k}.amax_history"])
+        assert torch.equal(r0[True][f"{k}.amax_history"], own), k
+        assert torch.equal(r0[True][f"{k}.scale"],
+                           torch.minimum(r0[False][f"{k}.scale"], r1[False][f"{k}.scale"])), k
+    # One collective per update: 3 steps x (forward + backward), each covering all states:
+    # forward = 2 modules x 2 slots, backward = 2 modules x 1 slot.
+    assert r0[True]["calls"] == [(4,), (2,)] * 3
+    assert r0[False]["calls"] == []
