@@ -198,6 +198,36 @@ def test_fp8_matches_emulation(randn, name, shape):
             lin.weight.add_(randn(48, 32, scale=1e-3))
 
 
+@pytest.mark.parametrize("name", ["delayed-hybrid", "current-e4m3"])
+def test_fp8_bf16_params_match_emulation(randn, name):
+    rcp = RECIPES[name]
+    bwd_dtype = E5M2 if rcp.fp8_format is recipe.Format.HYBRID else E4M3
+    lin = te.Linear(32, 48, params_dtype=torch.bfloat16, device="cpu")
+    randomize_bias(lin, randn)
+    for it in range(3):
+        x = randn(3, 11, 32, scale=2.0 ** it, dtype=torch.bfloat16, requires_grad=True)
+        dy = randn(3, 11, 48, dtype=torch.bfloat16)
+        w = lin.weight.detach().clone()
+        if isinstance(rcp, recipe.DelayedScaling):
+            s_x, s_w = lin.fp8_meta.fwd.scale.clone() if it else torch.ones(2)
+            s_dy = lin.fp8_meta.bwd.scale[0].clone() if it else torch.tensor(1.0)
+        else:
+            s_x, s_w, s_dy = (current_scale(x, E4M3), current_scale(w, E4M3),
+                              current_scale(dy, bwd_dtype))
+        with te.fp8_autocast(fp8_recipe=rcp):
+            y = lin(x)
+        y.backward(dy)
+        want = emulated_linear(x.detach().float(), w.float(), lin.bias.detach().float(),
+                               dy.float(), s_x, s_w, s_dy, E4M3, bwd_dtype)
+        for got, ref in zip((y, x.grad, lin.weight.grad, lin.bias.grad), want):
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), ref, **FP8_TOL)
+            # Only the final rounding to bf16 differs from the fp32 emulation.
+            torch.testing.assert_close(got, ref.to(torch.bfloat16), rtol=1.6e-2,
+                                       atol=1e-5 * ref.abs().max().item())
+        lin.zero_grad()
+
+
 def test_fp8_scales_are_not_trivial_after_a_few_steps(randn):
     lin = te.Linear(32, 48, device="cpu")
     rcp = recipe.DelayedScaling()

@@ -353,3 +353,44 @@ def test_calibration_records_and_updates_without_fp8(randn):
         y = lin(x)
     torch.testing.assert_close(y, ref(x, lin.weight, lin.bias), rtol=1.3e-6, atol=1e-5)
     assert_exact(lin.fp8_meta.fwd.scale, [32.0, W_SCALE])
+
+
+def test_linear_special_amaxes(randn):
+    """Through a Linear (history length 1, margin 2): an input with inf or NaN keeps the input
+    scale, a tiny input gives fp32 max; the weight slot follows its own (finite) amax."""
+    rcp = recipe.DelayedScaling(margin=2, amax_history_len=1)
+    lin = make_linear(randn)
+    base = randn(5, IN)
+    steps = [(with_amax(base, 3.5), 32.0),
+             (with_amax(base, 3.5).index_put_((torch.tensor(0), torch.tensor(1)),
+                                              torch.tensor(INF)), 32.0),
+             (with_amax(base, 3.5).index_put_((torch.tensor(2), torch.tensor(3)),
+                                              torch.tensor(NAN)), 32.0),
+             (with_amax(base, 1e-44), FP32_MAX),
+             (with_amax(base, 7.0), 16.0)]
+    for k, (x, expect) in enumerate(steps):
+        with te.fp8_autocast(enabled=True, fp8_recipe=rcp):
+            lin(x.requires_grad_())
+        assert_exact(lin.fp8_meta.fwd.scale, [expect, W_SCALE])
+        assert_exact(lin.fp8_meta.fwd.amax_history, [[0.0, 0.0]])
+
+
+def test_linear_with_callable_algorithms(randn):
+    calls = []
+
+    def sf(amax, scale, fp8_max, rcp):
+        calls.append(fp8_max)
+        return torch.where(amax > 0, torch.exp2(torch.floor(torch.log2(fp8_max / amax))), scale)
+
+    rcp = recipe.DelayedScaling(amax_history_len=3, amax_compute_algo=lambda h: h.sum(0),
+                                scaling_factor_compute_algo=sf)
+    lin = make_linear(randn)
+    for k, (xa, dya) in enumerate([(3.5, 14.0), (7.0, 3.5)]):
+        with te.fp8_autocast(enabled=True, fp8_recipe=rcp):
+            y = lin(with_amax(randn(5, IN), xa).requires_grad_())
+        y.backward(with_amax(randn(5, OUT), dya))
+    # Input: sum 3.5 + 7 = 10.5 -> 448 / 10.5 = 42.7 -> 32. Weight: 2 * 0.4375 = 0.875 -> 512.
+    assert_exact(lin.fp8_meta.fwd.scale, [32.0, 512.0])
+    # grad_output (E5M2): 14 + 3.5 = 17.5 -> 57344 / 17.5 = 3276.8 -> 2048.
+    assert_exact(lin.fp8_meta.bwd.scale, [2048.0])
+    assert calls == [448.0, 57344.0, 448.0, 57344.0]

@@ -117,7 +117,8 @@ Recipe = Union[DelayedScaling, Float8CurrentScaling]
 def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     """Rebuild a recipe from `to_dict()` output; callables cannot be rebuilt and become defaults."""
     if not isinstance(values, dict):
-        raise ValueError(f"a recipe must be a dict written by to_dict(), got {type(values).__name__}")
+        raise ValueError("a recipe must be a dict written by to_dict(), got "
+                         f"{type(values).__name__}")
     values = dict(values)
     kind = values.pop("type", None)
     known = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling}
