@@ -1,0 +1,46 @@
+"""Bitwise comparison and fresh random data for the interp tier.
+
+Kernel and twin must agree bit for bit: floats are compared as integer views, so -0.0 != 0.0 and
+every rounding counts. NaN is the one exception where noted: its payload/sign is not a numerical
+result, so `assert_same_bits(..., nan_as_nan=True)` only demands NaN in the same places.
+"""
+from __future__ import annotations
+
+import torch
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(_INT[t.element_size()])
+
+
+def assert_same_bits(got, want, what: str = "", nan_as_nan: bool = False) -> None:
+    if want is None:
+        assert got is None, f"{what}: expected None"
+        return
+    assert got is not None, f"{what}: got None"
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+    g, w = bits(got).reshape(-1), bits(want).reshape(-1)
+    gf, wf = got.float().reshape(-1), want.float().reshape(-1)
+    if nan_as_nan:
+        gn, wn = gf.isnan(), wf.isnan()
+        assert torch.equal(gn, wn), f"{what}: NaN at different places"
+        g, w, gf, wf = g[~gn], w[~wn], gf[~gn], wf[~wn]
+    diff = (g != w).nonzero().reshape(-1)
+    if diff.numel():
+        k = diff[0].item()
+        raise AssertionError(f"{what}: {diff.numel()} of {g.numel()} differ; first (flat {k}): "
+                             f"got {gf[k].item()!r} ({g[k].item():#x}), "
+                             f"want {wf[k].item()!r} ({w[k].item():#x})")
+
+
+def wide_randn(shape, dtype: torch.dtype, gen: torch.Generator, decades: float = 3.0) -> torch.Tensor:
+    """Normal values times 10**U(-decades, decades): many magnitudes, never zero."""
+    x = torch.randn(shape, generator=gen, dtype=torch.float64)
+    x = x * 10.0 ** torch.empty(shape, dtype=torch.float64).uniform_(-decades, decades, generator=gen)
+    x = torch.where(x == 0, torch.full_like(x, 0.5), x)
+    if dtype == torch.float16:
+        x = x.clamp(-6e4, 6e4)
+    return x.to(dtype)
