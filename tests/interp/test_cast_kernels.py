@@ -1,0 +1,231 @@
+"""`tritium.kernels.cast` == `tritium.ref.cast`, bit for bit, under the Triton interpreter.
+
+Every case runs the kernel launcher and its twin on clones of the same fresh random input and
+compares every output as integer bits: fp8 data and its transpose, scale_inv, and the amax
+that both max-accumulate into (pre-filled below or above the data's own amax). Shapes are tiny
+and odd (tiles are 16x16 under the interpreter, so 17 and 33 rows cross tile edges and padding).
+Values span six decades and the scales push part of them past fp8 max (saturation) and part
+into fp8 subnormals; special-value cases put inf and NaN into the input (NaN must win the amax).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritium.fp8.formats import FP32_MAX, fp8_max
+from tritium.kernels import cast as kcast
+from tritium.ref import cast as rcast
+
+from ._helpers import assert_same_bits, wide_randn
+
+pytestmark = [pytest.mark.interp,  # numpy warns on the inf/NaN arithmetic these tests are about
+              pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+FP8 = [E4M3, E5M2]
+HIGH = [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(1, 16), (17, 48), (33, 80), (5, 7)]
+WRITES = [(True, False), (False, True), (True, True)]
+
+
+def run_both(fn_name, x, *args, **kw):
+    """Run kernel and twin on separate clones of every tensor argument; return both results
+    and the (possibly updated) tensor arguments."""
+    outs, argss = [], []
+    for mod in (kcast, rcast):
+        xa = x.clone() if isinstance(x, torch.Tensor) else x
+        a = [t.clone() if isinstance(t, torch.Tensor) else t for t in args]
+        outs.append(getattr(mod, fn_name)(xa, *a, **kw))
+        argss.append(a)
+    return outs, argss
+
+
+def check_cast(x, scale, amax, dtype, **kw):
+    (kout, rout), (kargs, rargs) = run_both("cast_transpose", x, scale, amax, dtype, **kw)
+    for name, g, w in zip(("data", "data_t", "scale_inv"), kout, rout):
+        assert_same_bits(g, w, name)
+    if amax is not None:
+        assert_same_bits(kargs[1], rargs[1], "amax")
+    return kout, kargs
+
+
+def delayed_scale(x: torch.Tensor, dtype, gen) -> torch.Tensor:
+    """A non-power-of-two scale that sends ~10% of |x| past fp8 max."""
+    q = x.float().abs().quantile(0.9) if x.numel() > 1 else x.float().abs().max()
+    jitter = torch.empty(1).uniform_(0.7, 1.3, generator=gen)
+    return (fp8_max(dtype) / q * jitter).float().reshape(1)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("in_dtype", HIGH, ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("pad", [1, 16])
+@pytest.mark.parametrize("write", WRITES, ids=lambda w: f"data{int(w[0])}_t{int(w[1])}")
+def test_cast_transpose_delayed(shape, in_dtype, dtype, pad, write, gen):
+    x = wide_randn(shape, in_dtype, gen)
+    scale = delayed_scale(x, dtype, gen)
+    own = x.float().abs().max()
+    # pre-filled amax: half the data's (gets raised) for most cases, twice (kept) for some
+    amax = (own * (2.0 if shape[0] % 2 == 1 and pad == 16 else 0.5)).reshape(1).float()
+    (data, data_t, _), (_, amax_k, _) = check_cast(
+        x, scale, amax, dtype, pad_rows_to=pad, write_data=write[0], write_transpose=write[1])
+    assert amax_k.item() == max(own.item(), amax.item())
+    fp8 = (data if data is not None else data_t.t()).float()
+    assert (fp8[shape[0]:] == 0).all(), "padding rows must be zero"
+    assert (fp8.abs() == fp8_max(dtype)).any(), "no value saturated"
+    assert (fp8[:shape[0]] != 0).float().mean() > 0.5
+
+
+@pytest.mark.parametrize("shape", [(17, 48), (5, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_cast_transpose_without_amax(shape, dtype, gen):
+    x = wide_randn(shape, torch.float32, gen)
+    check_cast(x, delayed_scale(x, dtype, gen), None, dtype, pad_rows_to=16, write_transpose=True)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_cast_transpose_strided_input(dtype, gen):
+    """A row slice of a wider tensor (row stride != N) and a transposed view (column stride 1
+    is missing) give the same bits as the contiguous copy."""
+    base = wide_randn((33, 96), torch.bfloat16, gen)
+    for x in (base[:, 5:85], base[:, 3:50].t()):
+        scale = delayed_scale(x, dtype, gen)
+        amax = torch.full((1,), 0.25, dtype=torch.float32)
+        (kout, _), _ = run_both("cast_transpose", x.contiguous(), scale, amax, dtype,
+                                pad_rows_to=16, write_transpose=True)
+        strided, _ = check_cast(x, scale, amax, dtype, pad_rows_to=16, write_transpose=True)
+        for a, b in zip(strided, kout):
+            assert_same_bits(a, b, "strided vs contiguous")
+
+
+SPECIALS = {
+    "inf": lambda x: x.index_put_((torch.tensor([3]), torch.tensor([5])), torch.tensor(float("inf"), dtype=x.dtype)),
+    "-inf": lambda x: x.index_put_((torch.tensor([16]), torch.tensor([0])), torch.tensor(-float("inf"), dtype=x.dtype)),
+    "nan": lambda x: x.index_put_((torch.tensor([9]), torch.tensor([47])), torch.tensor(float("nan"), dtype=x.dtype)),
+}
+
+
+@pytest.mark.parametrize("specials", [("inf",), ("-inf",), ("nan",), ("inf", "nan"), ("nan", "-inf")],
+                         ids="+".join)
+@pytest.mark.parametrize("in_dtype", HIGH, ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("prefill", ["finite", "inf", "nan"])
+def test_cast_transpose_inf_nan(specials, in_dtype, dtype, prefill, gen):
+    """inf saturates to +-max, NaN stays NaN; amax: NaN > inf > finite, whichever side has it."""
+    x = wide_randn((17, 48), in_dtype, gen)
+    for s in specials:
+        SPECIALS[s](x)
+    amax = torch.tensor([{"finite": 1.5, "inf": float("inf"), "nan": float("nan")}[prefill]])
+    (data, data_t, _), (_, amax_k, _) = check_cast(
+        x, torch.tensor([3.0]), amax, dtype, pad_rows_to=16, write_transpose=True)
+    assert torch.equal(data_t, data.t().contiguous()) or data.float().isnan().any()
+    if "nan" in specials or prefill == "nan":
+        assert amax_k.isnan().all()
+    else:
+        assert amax_k.item() == float("inf")
+    if "inf" in specials:
+        assert data[3, 5].float().item() == fp8_max(dtype)
+    if "-inf" in specials:
+        assert data[16, 0].float().item() == -fp8_max(dtype)
+    if "nan" in specials:
+        assert data[9, 47].float().isnan()
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (33, 80), (5, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("in_dtype", HIGH, ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("eps,pow2", [(0.0, False), (0.0, True), (1e-3, False), (1e-3, True)])
+def test_cast_transpose_current(shape, in_dtype, dtype, eps, pow2, gen):
+    """Float8CurrentScaling: amax_into first (kernel and twin must agree), then the cast derives
+    the scale from that amax; amax itself is left alone. eps=1e-3 with data below it exercises
+    the epsilon floor."""
+    small = shape == (5, 7) and eps > 0
+    x = wide_randn(shape, in_dtype, gen, decades=1.0) * (1e-5 if small else 1.0)
+    amax0 = torch.zeros(1)
+    (_, _), (ka, ra) = run_both("amax_into", x, amax0)
+    assert_same_bits(ka[0], ra[0], "amax_into")
+    amax = ka[0]
+    assert amax.item() == x.float().abs().max().item() and (amax.item() < eps) == small
+    (data, data_t, scale_inv), (_, amax_after, _) = check_cast(
+        x, None, amax, dtype, pad_rows_to=16, write_transpose=True, current=(eps, pow2))
+    assert_same_bits(amax_after, amax, "amax must not change")
+    scale = 1.0 / scale_inv.item()
+    if pow2:
+        assert scale == 2.0 ** round(torch.log2(torch.tensor(scale)).item())
+    elif small:  # the eps floor: scale = fp8_max / eps, so nothing reaches fp8_max
+        want = 1.0 / (torch.tensor([fp8_max(dtype)]) / torch.tensor([eps]))  # fp32 all the way
+        assert_same_bits(scale_inv, want, "eps-floored scale_inv")
+        assert data.float().abs().max().item() < fp8_max(dtype)
+    else:
+        assert data.float().abs().max().item() == fp8_max(dtype)
+
+
+@pytest.mark.parametrize("amax_value", [0.0, float("inf"), float("nan"), 1e-38, 3e-39],
+                         ids=["zero", "inf", "nan", "tiny", "subnormal"])
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("pow2", [False, True])
+def test_current_scale_edge_amax(amax_value, dtype, pow2, gen):
+    """amax 0/inf/NaN -> scale 1; an amax so small that fp8_max/amax overflows -> fp32 max."""
+    x = wide_randn((17, 48), torch.float32, gen, decades=0.5)
+    (data, _, scale_inv), _ = check_cast(x, None, torch.tensor([amax_value]), dtype,
+                                         pad_rows_to=16, write_transpose=True, current=(0.0, pow2))
+    if amax_value in (0.0, float("inf")) or amax_value != amax_value:
+        assert scale_inv.item() == 1.0
+    else:
+        want = 1.0 / torch.tensor([FP32_MAX if not pow2 else 2.0 ** 127])  # fp32 division
+        assert_same_bits(scale_inv, want, "scale_inv of the overflowed scale")
+        assert data.float().abs().max().item() == fp8_max(dtype)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (1000,), (17, 48), (3, 5, 37), (80, 33)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_dtype", HIGH, ids=str)
+@pytest.mark.parametrize("prefill", ["below", "above"])
+def test_amax_into(shape, in_dtype, prefill, gen):
+    x = wide_randn(shape, in_dtype, gen)
+    if len(shape) == 2 and shape[0] == 80:
+        x = x.t()  # non-contiguous
+    own = x.float().abs().max()
+    amax = (own * (0.5 if prefill == "below" else 3.0)).reshape(1)
+    (_, _), (ka, ra) = run_both("amax_into", x, amax)
+    assert_same_bits(ka[0], ra[0], "amax")
+    assert ka[0].item() == max(own.item(), amax.item())
+
+
+@pytest.mark.parametrize("special", ["inf", "nan", "nan+inf", "-inf"])
+def test_amax_into_inf_nan(special, gen):
+    x = wide_randn((1000,), torch.float32, gen)
+    if "inf" in special:
+        x[700] = -float("inf") if special.startswith("-") else float("inf")
+    if "nan" in special:
+        x[3] = float("nan")
+    for prefill in (0.5, float("inf"), float("nan")):
+        (_, _), (ka, ra) = run_both("amax_into", x, torch.tensor([prefill]))
+        assert_same_bits(ka[0], ra[0], f"amax {special} prefill {prefill}")
+        assert ka[0].isnan().item() == ("nan" in special or prefill != prefill)
+
+
+@pytest.mark.parametrize("shape", [(17, 48), (5, 7), (300,)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("out_dtype", HIGH, ids=str)
+def test_dequantize(shape, dtype, out_dtype, gen):
+    """Random fp8 bit patterns (all classes: subnormal, max, NaN, and inf for e5m2) times a
+    random scale_inv, including one that pushes values past bf16/fp16 range and into subnormals."""
+    pats = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32).to(torch.uint8)
+    pats.view(-1)[:4] = torch.tensor([0x7E, 0xFE, 0x01, 0x7F], dtype=torch.uint8)  # max, -max, sub, NaN
+    data = pats.view(dtype)
+    for scale_inv in (torch.empty(1).uniform_(1e-3, 2.0, generator=gen), torch.tensor([3e4]),
+                      torch.tensor([1e-7])):
+        (got, want), _ = run_both("dequantize", data, scale_inv, out_dtype)
+        assert got.shape == data.shape
+        assert_same_bits(got, want, f"dequantize scale_inv={scale_inv.item()}")
+
+
+def test_cast_transpose_empty(gen):
+    x = torch.empty(0, 16)
+    amax = torch.tensor([0.75])
+    for pad in (1, 16):
+        (data, data_t, _), _ = check_cast(x, torch.tensor([2.0]), amax, E4M3, pad_rows_to=pad,
+                                          write_transpose=True)
+        assert data.shape == (0, 16) and data_t.shape == (16, 0)
+
