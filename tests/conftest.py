@@ -37,8 +37,24 @@ def _seed(request):
 
 @pytest.fixture(autouse=True)
 def _cpu_tier_uses_ref(request, monkeypatch):
+    from tritium import _env
     if request.node.get_closest_marker("cpu") is not None:
         monkeypatch.setenv("TRITIUM_FORCE_REF", "1")
+    _env.reload()
+    yield
+    monkeypatch.undo()
+    _env.reload()
+
+
+@pytest.fixture
+def setenv(monkeypatch):
+    """setenv(name, value): set a tritium environment variable for this test only."""
+    from tritium import _env
+
+    def set_(name: str, value: str) -> None:
+        monkeypatch.setenv(name, value)
+        _env.reload()
+    return set_
 
 
 @pytest.fixture

@@ -7,26 +7,40 @@ TRITIUM_EMULATE_FP8=1   emulate FP8 GEMMs (dequantize + fp32 matmul) even on a G
 TRITON_INTERPRET=1      Triton's own switch: kernels run in its CPU interpreter. tritium then
                         launches its Triton kernels on CPU tensors too (the `interp` test tier).
 TRITIUM_LOG=LEVEL       logging level of the `tritium` logger (default WARNING).
+
+The variables are read once, at import: an FP8 step asks several times per layer, and reading
+os.environ each time is measurable host time. After changing one at run time, call `reload()`.
 """
 from __future__ import annotations
 
 import os
+
+_flags: dict[str, bool] = {}
 
 
 def _flag(name: str) -> bool:
     return os.environ.get(name, "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def reload() -> None:
+    """Re-read the environment (tests and tools that change a variable at run time)."""
+    for name in ("TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8", "TRITON_INTERPRET"):
+        _flags[name] = _flag(name)
+
+
+reload()
+
+
 def force_ref() -> bool:
-    return _flag("TRITIUM_FORCE_REF")
+    return _flags["TRITIUM_FORCE_REF"]
 
 
 def emulate_fp8() -> bool:
-    return _flag("TRITIUM_EMULATE_FP8")
+    return _flags["TRITIUM_EMULATE_FP8"]
 
 
 def triton_interpret() -> bool:
-    return _flag("TRITON_INTERPRET")
+    return _flags["TRITON_INTERPRET"]
 
 
 def log_level() -> str:

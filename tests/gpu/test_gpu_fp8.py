@@ -109,7 +109,7 @@ def _rel_err(a, b):
 @pytest.mark.parametrize("rec", [recipe.DelayedScaling(amax_history_len=8),
                                  recipe.Float8CurrentScaling()], ids=["delayed", "current"])
 @pytest.mark.parametrize("tokens", [4096, 1000])
-def test_fp8_linear_on_tensor_cores_matches_emulation(monkeypatch, rec, tokens):
+def test_fp8_linear_on_tensor_cores_matches_emulation(setenv, rec, tokens):
     torch.manual_seed(0)
     layer = te.Linear(1024, 768, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
@@ -126,7 +126,7 @@ def test_fp8_linear_on_tensor_cores_matches_emulation(monkeypatch, rec, tokens):
 
     real = run()
     real_scales = [s.scale.clone() for s in (layer.fp8_meta.fwd, layer.fp8_meta.bwd) if s]
-    monkeypatch.setenv("TRITIUM_EMULATE_FP8", "1")
+    setenv("TRITIUM_EMULATE_FP8", "1")
     layer.fp8_meta = type(layer.fp8_meta)(2, 1)  # fresh state: the same scale sequence again
     emulated = run()
     emu_scales = [s.scale for s in (layer.fp8_meta.fwd, layer.fp8_meta.bwd) if s]

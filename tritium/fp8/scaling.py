@@ -50,11 +50,15 @@ class ScalingState:
         return self._scale_views[i]
 
     def resize_history(self, length: int) -> None:
-        """Keep the newest min(old, new) rows (row 0 first), in a new [length, n] tensor."""
+        """A new [length, n] history keeping row 0 (the amax being gathered) and the newest
+        min(old, new) - 1 finished amaxes. Each update rolls row 0 to the end, so the newest
+        finished amax is the last row and the order is kept by aligning the ends."""
         old = self.amax_history
         new = torch.zeros(length, old.shape[1], dtype=old.dtype, device=old.device)
-        keep = min(length, old.shape[0])
-        new[:keep] = old[:keep]
+        new[0] = old[0]
+        keep = min(length, old.shape[0]) - 1
+        if keep > 0:
+            new[length - keep:] = old[old.shape[0] - keep:]
         self.amax_history = new
         self._make_views()
 
@@ -100,12 +104,15 @@ class FP8Meta:
     def __init__(self, num_fwd: int, num_bwd: int):
         self.num_fwd, self.num_bwd = num_fwd, num_bwd
         self.recipe: Optional[Recipe] = None
+        self._prepared_for: Optional[torch.device] = None
         self.fwd: Optional[ScalingState] = None
         self.bwd: Optional[ScalingState] = None
 
     def prepare(self, recipe: Recipe, device: torch.device) -> None:
         """Make the states match `recipe` (create, or resize the history, keeping scales)."""
-        self.recipe = recipe
+        if recipe is self.recipe and device == self._prepared_for:
+            return  # the common case, every step: nothing to check again
+        self.recipe, self._prepared_for = recipe, device
         if not isinstance(recipe, DelayedScaling):
             return
         fmt = recipe.fp8_format

@@ -41,6 +41,7 @@ class WeightCache:
 
     def __init__(self):
         self.entry: Optional[tuple] = None
+        self.key: Optional[tuple] = None  # (recipe type, fp8 dtype, weight dtype, device)
 
 
 @dataclasses.dataclass
@@ -68,14 +69,16 @@ class FP8Plan:
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         cache, first = self.weight_cache, self.is_first_microbatch
-        if cache is not None and first is False and cache.entry is not None:
+        fp8_dtype = self.recipe.fp8_format.forward_dtype
+        key = (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
+        if cache is not None and first is False and cache.entry is not None \
+                and cache.key == key:
             return cache.entry
         keep = cache is not None and first is not None
-        w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, WEIGHT,
-                                       self.recipe.fp8_format.forward_dtype, pad_rows_to=1,
-                                       write_transpose=need_transpose or keep)
+        w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, WEIGHT, fp8_dtype,
+                                       pad_rows_to=1, write_transpose=need_transpose or keep)
         if keep:
-            cache.entry = (w8, w8_t, w_si)
+            cache.entry, cache.key = (w8, w8_t, w_si), key
         return w8, w8_t, w_si
 
 
@@ -113,7 +116,9 @@ class _LinearFunction(torch.autograd.Function):
                                            write_transpose=need_wgrad)
             w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)[:tokens]
-            ctx.save_for_backward(x8_t, x_si, w8_t, w_si)
+            # Kept as attributes, not saved tensors, so backward can drop each one as soon as
+            # its GEMM is done (lower peak memory); none of them is an input or output.
+            ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
             if plan is not None:  # calibration: record what FP8 would have seen
                 amax_into(x2d, plan.fwd.amax_slot(INPUT))
@@ -132,14 +137,17 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         if ctx.fp8:
-            x8_t, x_si, w8_t, w_si = ctx.saved_tensors
+            x8_t, x_si, w8_t, w_si = ctx.fp8_operands
+            ctx.fp8_operands = None
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT,
                                               plan.recipe.fp8_format.backward_dtype,
                                               write_data=need_dgrad, write_transpose=need_wgrad)
+            if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
+                dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
+            del dy8_t, x8_t
             if need_dgrad:
                 dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, grad_out.dtype)[:ctx.tokens]
-            if need_wgrad:
-                dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
+            del dy8, w8_t
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
@@ -175,5 +183,7 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
         bias = bias.to(inp.dtype)
     if fp8 is None and not main_grad:
         return F.linear(inp, weight, bias)
+    if not torch.is_autocast_enabled(dev):  # entering torch.autocast costs host time: skip it
+        return _LinearFunction.apply(inp, weight, bias, fp8, tuple(main_grad))
     with torch.autocast(dev, enabled=False):
         return _LinearFunction.apply(inp, weight, bias, fp8, tuple(main_grad))

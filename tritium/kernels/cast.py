@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.formats import FP32_MAX, fp8_max
+from ._launch import Launcher
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -64,6 +65,7 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
     else:
         scale = tl.load(scale_ptr)
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.where(in_mask, y, 0.0)  # padding rows stay 0 even for an inf/NaN scale (0 * inf)
     y8 = y.to(OUT_DTYPE, fp_downcast_rounding="rtne")
     if WRITE_DATA:
         out_mask = (rm[:, None] < Mp) & (rn[None, :] < N)
@@ -92,6 +94,11 @@ def _dequantize_kernel(data_ptr, scale_inv_ptr, out_ptr, numel, BLOCK: tl.conste
     tl.store(out_ptr + offs, x.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_launch_cast_transpose = Launcher(_cast_transpose_kernel)
+_launch_amax = Launcher(_amax_kernel)
+_launch_dequantize = Launcher(_dequantize_kernel)
+
+
 def _tile(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
     if interpret:
         return 16, 16, 1
@@ -105,7 +112,7 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     if n == 0:
         return
     block = 1024 if x.is_cuda else 256
-    _amax_kernel[(triton.cdiv(n, block),)](x, amax, n, BLOCK=block, num_warps=4)
+    _launch_amax((triton.cdiv(n, block),), x, amax, n, BLOCK=block, num_warps=4)
 
 
 def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
@@ -123,14 +130,21 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
     grid = (triton.cdiv(max(mp, 1), bm), triton.cdiv(max(n, 1), bn))
-    _cast_transpose_kernel[grid](
-        x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
-        scale if current is None else amax, amax if amax is not None else scale_inv, scale_inv,
-        m, n, mp, x.stride(0),
-        FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
-        WRITE_DATA=write_data, WRITE_T=write_transpose,
-        UPDATE_AMAX=amax is not None and current is None, CURRENT=current is not None,
-        EPS=float(eps), POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    # Triton 3.6 on an H200 wrote a wrong transpose for fp32 inputs when one launch wrote both
+    # layouts (bf16/fp16 and single-layout launches were right): fp32 gets two launches.
+    passes = [(write_data, write_transpose)]
+    if x.dtype == torch.float32 and x.is_cuda and write_data and write_transpose:
+        passes = [(True, False), (False, True)]
+    update_amax = amax is not None and current is None
+    for wd, wt in passes:
+        _launch_cast_transpose(
+            grid, x, data if wd else scale_inv, data_t if wt else scale_inv,
+            scale if current is None else amax, amax if amax is not None else scale_inv,
+            scale_inv, m, n, mp, x.stride(0),
+            FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=wd,
+            WRITE_T=wt, UPDATE_AMAX=update_amax, CURRENT=current is not None, EPS=float(eps),
+            POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+        update_amax = False
     return data, data_t, scale_inv
 
 
@@ -140,7 +154,8 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     n = data.numel()
     if n:
         block = 1024 if data.is_cuda else 256
-        _dequantize_kernel[(triton.cdiv(n, block),)](data, scale_inv, out, n, BLOCK=block, num_warps=4)
+        _launch_dequantize((triton.cdiv(n, block),), data, scale_inv, out, n, BLOCK=block,
+                           num_warps=4)
     return out
 
 

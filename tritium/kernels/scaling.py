@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ._launch import Launcher
+
 MAX_HISTORY = 16384
 
 
@@ -41,12 +43,15 @@ def _delayed_update_kernel(hist_ptr, scale_ptr, L, n, FP8_MAX: tl.constexpr,
     tl.store(scale_ptr + j, tl.where(active, s, old))
 
 
+_launch_update = Launcher(_delayed_update_kernel)
+
+
 def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
                            margin: int, algo: str) -> None:
     length, slots = amax_history.shape
     if length > MAX_HISTORY:  # one program holds a whole column in registers
         raise ValueError(f"amax history of {length} rows exceeds the kernel's {MAX_HISTORY}")
-    _delayed_update_kernel[(slots,)](
-        amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
+    _launch_update(
+        (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
         MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
         BLOCK_L=triton.next_power_of_2(length), num_warps=4)

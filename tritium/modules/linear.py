@@ -83,7 +83,8 @@ class Linear(FP8Module):
         self.reset_parameters()
 
     def _parts(self, kind: str) -> list:
-        return [getattr(self, f"{p}_{kind}" if p else kind) for p in self.split_sizes]
+        params = self._parameters  # direct look-up: nn.Module.__getattr__ is slow per step
+        return [params[f"{p}_{kind}" if p else kind] for p in self.split_sizes]
 
     def reset_parameters(self) -> None:
         with torch.no_grad():
