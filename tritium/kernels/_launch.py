@@ -30,7 +30,10 @@ def _spec(a):
 class Launcher:
     def __init__(self, kernel):
         self.kernel = kernel
-        params = kernel.params
+        params = getattr(kernel, "params", None)
+        if params is None:  # TRITON_INTERPRET=1: an InterpretedFunction, always the plain launch
+            self.constexpr_names, self._cache = [], None
+            return
         flags = [p.is_constexpr for p in params]
         if flags != sorted(flags):
             raise ValueError(f"{kernel.__name__}: constexpr parameters must come last")
@@ -39,7 +42,7 @@ class Launcher:
 
     def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
         first = args[0]
-        if not first.is_cuda:
+        if not first.is_cuda or self._cache is None:
             return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         device = _current_device()
         key = (device, num_warps, *constexprs.values(), *map(_spec, args))
