@@ -131,6 +131,23 @@ def test_cast_transpose_inf_nan(specials, in_dtype, dtype, prefill, gen):
         assert data[9, 47].float().isnan()
 
 
+@pytest.mark.parametrize("scale", [float("inf"), float("nan"), 0.0, FP32_MAX], ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_cast_transpose_odd_scale_keeps_zero_padding(scale, dtype, gen):
+    """Padding rows are zeros whatever the scale (0 * inf would be NaN); the real rows follow
+    the scale (inf/FP32_MAX saturate, NaN gives NaN, 0 gives signed zeros)."""
+    x = wide_randn((5, 7), torch.float32, gen)
+    (data, data_t, scale_inv), _ = check_cast(x, torch.tensor([scale]), torch.tensor([0.5]), dtype,
+                                              pad_rows_to=16, write_transpose=True)
+    assert (data[5:].view(torch.uint8) == 0).all() and (data_t[:, 5:].view(torch.uint8) == 0).all()
+    if scale != scale:
+        assert data[:5].float().isnan().all()
+    elif scale == 0.0:
+        assert (data[:5].float() == 0).all()
+    else:
+        assert (data[:5].float().abs() == fp8_max(dtype)).all()
+
+
 @pytest.mark.parametrize("shape", [(1, 16), (33, 80), (5, 7)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("in_dtype", HIGH, ids=str)
 @pytest.mark.parametrize("dtype", FP8, ids=str)
