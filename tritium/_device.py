@@ -54,6 +54,11 @@ def fp8_gemm_support(device: torch.device) -> tuple[bool, str]:
     return _cuda_fp8_support(index)
 
 
+def fp8_tensor_cores(t: torch.Tensor) -> bool:
+    """Hot-path form of fp8_gemm_support for a tensor: a few attribute reads, no objects."""
+    return t.is_cuda and not _env.emulate_fp8() and _cuda_fp8_support(t.get_device())[0]
+
+
 def default_device(device=None) -> torch.device:
     """TE's default device is "cuda"; tritium falls back to the CPU where there is no GPU."""
     if device is None or (str(device) == "cuda" and not torch.cuda.is_available()):

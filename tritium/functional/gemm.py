@@ -36,7 +36,7 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
                 bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
     check_fp8_gemm_operands(a, b)
-    if _device.fp8_gemm_support(a.device)[0]:
+    if _device.fp8_tensor_cores(a):
         fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
         out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
                                bias=bias if fuse_bias else None, out_dtype=out_dtype,

@@ -115,7 +115,9 @@ class _LinearFunction(torch.autograd.Function):
             x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, INPUT, fwd_dtype,
                                            write_transpose=need_wgrad)
             w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
-            out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)[:tokens]
+            out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
+            if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
+                out = out[:tokens]
             # Kept as attributes, not saved tensors, so backward can drop each one as soon as
             # its GEMM is done (lower peak memory); none of them is an input or output.
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
@@ -146,7 +148,9 @@ class _LinearFunction(torch.autograd.Function):
                 dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
             del dy8_t, x8_t
             if need_dgrad:
-                dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, grad_out.dtype)[:ctx.tokens]
+                dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, grad_out.dtype)
+                if dx.shape[0] != ctx.tokens:
+                    dx = dx[:ctx.tokens]
             del dy8, w8_t
         else:
             x2d, weight = ctx.saved_tensors

@@ -129,7 +129,7 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
-    grid = (triton.cdiv(max(mp, 1), bm), triton.cdiv(max(n, 1), bn))
+    grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))  # triton.cdiv costs host time
     # Triton 3.6 on an H200 wrote a wrong transpose for fp32 inputs when one launch wrote both
     # layouts (bf16/fp16 and single-layout launches were right): fp32 gets two launches.
     passes = [(write_data, write_transpose)]
