@@ -176,3 +176,13 @@ def test_torch_autocast_with_fp8(randn):
     torch.testing.assert_close(y.float(), out, **FP8_TOL)
     torch.testing.assert_close(x.grad, dx, **FP8_TOL)
     torch.testing.assert_close(lin.weight.grad, dw, **FP8_TOL)
+
+
+def test_second_backward_through_fp8_linear_is_a_clear_error():
+    lin = te.Linear(32, 16, device="cpu")
+    x = torch.randn(8, 32, requires_grad=True)
+    with te.fp8_autocast():
+        y = lin(x)
+    y.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y.sum().backward()

@@ -184,4 +184,5 @@ def test_fp8_linear_peak_memory_in_network_not_above_bf16():
 
     bf16_peak = peak(lambda: base(x * 1.0).backward(dy))
     fp8_peak = peak(run_fp8)
-    assert fp8_peak <= bf16_peak, (fp8_peak / 2**20, bf16_peak / 2**20)
+    # Slack: the three fp32 scale_inv tensors (one 512-byte allocator block each).
+    assert fp8_peak <= bf16_peak + 3 * 512, (fp8_peak / 2**20, bf16_peak / 2**20)

@@ -139,6 +139,11 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         if ctx.fp8:
+            if ctx.fp8_operands is None:
+                raise RuntimeError(
+                    "tritium.Linear under fp8_autocast frees its fp8 operands during backward: "
+                    "a second backward through the same graph (retain_graph=True) is not "
+                    "supported; run the forward again instead")
             x8_t, x_si, w8_t, w_si = ctx.fp8_operands
             ctx.fp8_operands = None
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT,

@@ -47,6 +47,13 @@ def _abs_max_nan(x):
 
 
 @triton.jit
+def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    y = tl.where(valid, y, 0.0)  # padding rows stay 0 even for an inf/NaN scale (0 * inf)
+    return y.to(OUT_DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
 def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
                            M, N, Mp, stride_xm,
                            FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
@@ -58,23 +65,34 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
     pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    in_mask = (rm[:, None] < M) & (rn[None, :] < N)
-    x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0).to(tl.float32)
     if CURRENT:
         scale = _current_scale(tl.load(amax_ptr), FP8_MAX, EPS, POW2)
     else:
         scale = tl.load(scale_ptr)
-    y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-    y = tl.where(in_mask, y, 0.0)  # padding rows stay 0 even for an inf/NaN scale (0 * inf)
-    y8 = y.to(OUT_DTYPE, fp_downcast_rounding="rtne")
     if WRITE_DATA:
-        out_mask = (rm[:, None] < Mp) & (rn[None, :] < N)
-        tl.store(data_ptr + rm[:, None] * N + rn[None, :], y8, mask=out_mask)
+        in_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0)
+        x = x.to(tl.float32)
+        tl.store(data_ptr + rm[:, None] * N + rn[None, :], _scaled_fp8(x, scale, in_mask, FP8_MAX, OUT_DTYPE),
+                 mask=(rm[:, None] < Mp) & (rn[None, :] < N))
+        if UPDATE_AMAX:
+            tl.atomic_max(amax_ptr, _abs_max_nan(x))
     if WRITE_T:
-        out_mask_t = (rn[:, None] < N) & (rm[None, :] < Mp)
-        tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :], tl.trans(y8), mask=out_mask_t)
-    if UPDATE_AMAX:
-        tl.atomic_max(amax_ptr, _abs_max_nan(x))
+        # The tile is read again, transposed (an L1/L2 hit after the read above), instead of
+        # tl.trans of the fp8 tile: Triton 3.6 miscompiles that for fp32 inputs when both
+        # layouts are written (H200, any tile shape), and this costs one pass, not two.
+        in_mask_t = (rn[:, None] < N) & (rm[None, :] < M)
+        xt = tl.load(x_ptr + rm[None, :] * stride_xm + rn[:, None], mask=in_mask_t, other=0.0)
+        xt = xt.to(tl.float32)
+        tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :],
+                 _scaled_fp8(xt, scale, in_mask_t, FP8_MAX, OUT_DTYPE),
+                 mask=(rn[:, None] < N) & (rm[None, :] < Mp))
+        if UPDATE_AMAX and not WRITE_DATA:
+            tl.atomic_max(amax_ptr, _abs_max_nan(xt))
+    if UPDATE_AMAX and not WRITE_DATA and not WRITE_T:
+        in_mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0)
+        tl.atomic_max(amax_ptr, _abs_max_nan(x.to(tl.float32)))
     if (pid_m == 0) & (pid_n == 0):
         tl.store(scale_inv_ptr, tl.math.div_rn(1.0, scale))
 
@@ -130,21 +148,14 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
     grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))  # triton.cdiv costs host time
-    # Triton 3.6 on an H200 wrote a wrong transpose for fp32 inputs when one launch wrote both
-    # layouts (bf16/fp16 and single-layout launches were right): fp32 gets two launches.
-    passes = [(write_data, write_transpose)]
-    if x.dtype == torch.float32 and x.is_cuda and write_data and write_transpose:
-        passes = [(True, False), (False, True)]
-    update_amax = amax is not None and current is None
-    for wd, wt in passes:
-        _launch_cast_transpose(
-            grid, x, data if wd else scale_inv, data_t if wt else scale_inv,
-            scale if current is None else amax, amax if amax is not None else scale_inv,
-            scale_inv, m, n, mp, x.stride(0),
-            FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=wd,
-            WRITE_T=wt, UPDATE_AMAX=update_amax, CURRENT=current is not None, EPS=float(eps),
-            POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
-        update_amax = False
+    _launch_cast_transpose(
+        grid, x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
+        scale if current is None else amax, amax if amax is not None else scale_inv,
+        scale_inv, m, n, mp, x.stride(0),
+        FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=write_data,
+        WRITE_T=write_transpose, UPDATE_AMAX=amax is not None and current is None,
+        CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn,
+        num_warps=warps)
     return data, data_t, scale_inv
 
 
