@@ -73,7 +73,8 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
         in_mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0)
         x = x.to(tl.float32)
-        tl.store(data_ptr + rm[:, None] * N + rn[None, :], _scaled_fp8(x, scale, in_mask, FP8_MAX, OUT_DTYPE),
+        tl.store(data_ptr + rm[:, None] * N + rn[None, :],
+                 _scaled_fp8(x, scale, in_mask, FP8_MAX, OUT_DTYPE),
                  mask=(rm[:, None] < Mp) & (rn[None, :] < N))
         if UPDATE_AMAX:
             tl.atomic_max(amax_ptr, _abs_max_nan(x))
