@@ -36,10 +36,12 @@ def assert_same_bits(got, want, what: str = "", nan_as_nan: bool = False) -> Non
                              f"want {wf[k].item()!r} ({w[k].item():#x})")
 
 
-def wide_randn(shape, dtype: torch.dtype, gen: torch.Generator, decades: float = 3.0) -> torch.Tensor:
+def wide_randn(shape, dtype: torch.dtype, gen: torch.Generator,
+               decades: float = 3.0) -> torch.Tensor:
     """Normal values times 10**U(-decades, decades): many magnitudes, never zero."""
     x = torch.randn(shape, generator=gen, dtype=torch.float64)
-    x = x * 10.0 ** torch.empty(shape, dtype=torch.float64).uniform_(-decades, decades, generator=gen)
+    e = torch.empty(shape, dtype=torch.float64).uniform_(-decades, decades, generator=gen)
+    x = x * 10.0 ** e
     x = torch.where(x == 0, torch.full_like(x, 0.5), x)
     if dtype == torch.float16:
         x = x.clamp(-6e4, 6e4)

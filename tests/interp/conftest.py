@@ -1,4 +1,4 @@
-"""The `interp` tier: Triton kernels run by Triton's CPU interpreter, bit for bit against `tritium.ref`.
+"""The `interp` tier: Triton kernels in Triton's CPU interpreter, bit for bit against `tritium.ref`.
 
 Loading rule. `@triton.jit` picks interpreter or compiler when the kernel is *defined* (Triton
 reads TRITON_INTERPRET at decoration time), so the variable must be set before triton/tritium are
@@ -155,4 +155,5 @@ def gen(request) -> torch.Generator:
 
 def pytest_report_header(config):
     if not INTERPRET:
-        return "tests/interp: TRITON_INTERPRET is not set, nothing there is collected (make test-interp)"
+        return ("tests/interp: TRITON_INTERPRET is not set, nothing there is collected "
+                "(make test-interp)")

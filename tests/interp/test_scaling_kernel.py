@@ -1,4 +1,4 @@
-"""`tritium.kernels.scaling.delayed_scaling_update` == its twin in `tritium.ref.scaling`, bit for bit.
+"""`kernels.scaling.delayed_scaling_update` == its twin in `ref.scaling`, bit for bit.
 
 Both update clones of the same state in place (amax_history [L, n], scale [n]); history and scale
 must then agree as integer bits. The state is fresh random amaxes over many decades and random
