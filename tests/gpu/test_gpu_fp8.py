@@ -155,10 +155,10 @@ def test_fp8_linear_makes_no_host_sync():
 
 
 @pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores")
-def test_fp8_linear_peak_memory_in_network_not_above_bf16():
+@pytest.mark.parametrize("t,k,n", [(8192, 4096, 4096), (8192, 4096, 14336)])
+def test_fp8_linear_peak_memory_in_network_not_above_bf16(t, k, n):
     """The input comes from a previous op (as in a network), so what each layer keeps for
     backward counts: bf16 keeps its bf16 input, FP8 keeps the fp8 transpose."""
-    t, k, n = 8192, 4096, 4096
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
@@ -184,5 +184,6 @@ def test_fp8_linear_peak_memory_in_network_not_above_bf16():
 
     bf16_peak = peak(lambda: base(x * 1.0).backward(dy))
     fp8_peak = peak(run_fp8)
-    # Slack: the three fp32 scale_inv tensors (one 512-byte allocator block each).
-    assert fp8_peak <= bf16_peak + 3 * 512, (fp8_peak / 2**20, bf16_peak / 2**20)
+    # Slack: a few fp32 scale_inv tensors (one 512-byte allocator block each); the tensors
+    # that matter are tens to hundreds of MiB.
+    assert fp8_peak <= bf16_peak + 16 * 512, (fp8_peak / 2**20, bf16_peak / 2**20)

@@ -34,17 +34,25 @@ def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
-                bias: Optional[torch.Tensor] = None, fast_accum: bool = False) -> torch.Tensor:
+                bias: Optional[torch.Tensor] = None, fast_accum: bool = False,
+                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`out`: a contiguous [M, N] tensor of out_dtype (e.g. a row block of a larger result)
+    to write into; bias is not supported with it."""
     check_fp8_gemm_operands(a, b)
+    if out is not None and bias is not None:
+        raise ValueError("fp8_gemm_tn: pass either bias or out, not both")
     if _device.fp8_tensor_cores(a):
         fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
-        out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+        extra = {} if out is None else {"out": out}
+        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
                                bias=bias if fuse_bias else None, out_dtype=out_dtype,
-                               use_fast_accum=fast_accum)
+                               use_fast_accum=fast_accum, **extra)
         if bias is not None and not fuse_bias:
-            out = out + bias.to(out_dtype)
-        return out
-    out = (a.float() @ b.float().t()) * (a_scale_inv * b_scale_inv)
+            res = res + bias.to(out_dtype)
+        return res
+    res = (a.float() @ b.float().t()) * (a_scale_inv * b_scale_inv)
     if bias is not None:
-        out = out + bias.float()
-    return out.to(out_dtype)
+        res = res + bias.float()
+    if out is not None:
+        return out.copy_(res)
+    return res.to(out_dtype)

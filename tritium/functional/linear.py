@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.autocast import FP8Region
-from ..fp8.cast import amax_into, quantize_2d
+from ..fp8.cast import amax_into, cast_transpose, quantize_2d
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.scaling import ScalingState
 from .gemm import fp8_gemm_tn
@@ -57,9 +57,15 @@ class FP8Plan:
     is_first_microbatch: Optional[bool] = None
 
     def quantize(self, x2d, state, slot, fp8_dtype, *, record=True, pad_rows_to=16,
-                 write_data=True, write_transpose=False):
+                 write_data=True, write_transpose=False, tensor_amax=None):
+        """Cast one GEMM operand. `tensor_amax` (current scaling only): the amax of the whole
+        tensor that x2d is a block of, so that every block gets the tensor's one scale."""
         if isinstance(self.recipe, Float8CurrentScaling):
             current, scale, amax = (self.recipe.amax_epsilon, self.recipe.power_2_scale), None, None
+            if tensor_amax is not None:
+                return cast_transpose(x2d, None, tensor_amax, fp8_dtype, pad_rows_to=pad_rows_to,
+                                      write_data=write_data, write_transpose=write_transpose,
+                                      current=current)
         else:
             current, scale = None, state.scale_slot(slot)
             amax = state.amax_slot(slot) if record else None
@@ -99,6 +105,68 @@ def _wgrad_into_fp32(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
     if dy2d.is_cuda:  # cuBLAS: 16-bit inputs, fp32 accumulation and output
         return torch.mm(dy2d.t(), x2d, out_dtype=torch.float32)
     return dy2d.t().float() @ x2d.float()
+
+
+def _blocks(n: int, parts: int):
+    """[start, stop) blocks covering range(n), each a multiple of 16 long but the last."""
+    step = -(-(-(-n // parts)) // 16) * 16
+    return [(i, min(n, i + step)) for i in range(0, n, step)]
+
+
+def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
+    """How many blocks the FP8 backward splits grad_output into.
+
+    One pass casts dy to dy8 and dy8^T at once and runs wgrad then dgrad: beside y, dx and dW
+    that holds x8^T, w8^T, dy8 and dy8^T. That is more than bf16's saved input (2*T*K bytes)
+    when N*K + 2*T*N > 3*T*K, i.e. for large out_features. Then the backward works on
+    ceil(N/K) blocks: dgrad over row blocks of dy, w8^T dropped, wgrad over column blocks, so
+    no block's fp8 copy is larger than x8^T and the peak stays at or under bf16's.
+    """
+    t, k, n = tokens, in_features, out_features
+    if n * k + 2 * t * n <= 3 * t * k:
+        return 1
+    return -(-n // k)
+
+
+def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
+                  wgrad_dtype):
+    x8_t, x_si, w8_t, w_si = operands
+    del operands
+    bwd_dtype = plan.recipe.fp8_format.backward_dtype
+    tokens, out_features = dy2d.shape
+    dx = dw = None
+    parts = backward_blocks(tokens, in_features, out_features)
+    if parts == 1:
+        dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT, bwd_dtype,
+                                          write_data=need_dgrad, write_transpose=need_wgrad)
+        if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
+            dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
+        del dy8_t, x8_t
+        if need_dgrad:
+            dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
+        return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
+    tensor_amax = None
+    if isinstance(plan.recipe, Float8CurrentScaling):  # one scale for all blocks of dy
+        tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
+        amax_into(dy2d, tensor_amax)
+    if need_dgrad:  # dx row block = dy row block @ w, written in place
+        dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
+        for t0, t1 in _blocks(tokens, parts):
+            dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, GRAD_OUTPUT, bwd_dtype,
+                                          tensor_amax=tensor_amax)
+            fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype, out=dx[t0:t0 + dy8.shape[0]])
+            del dy8
+        dx = dx[:tokens]
+    del w8_t
+    if need_wgrad:  # dW row block = (dy column block)^T @ x, written in place
+        dw = torch.empty(out_features, in_features, dtype=wgrad_dtype, device=dy2d.device)
+        for n0, n1 in _blocks(out_features, parts):
+            _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, GRAD_OUTPUT, bwd_dtype,
+                                            write_data=False, write_transpose=True,
+                                            tensor_amax=tensor_amax)
+            fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype, out=dw[n0:n1])
+            del dy8_t
+    return dx, dw
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -144,19 +212,9 @@ class _LinearFunction(torch.autograd.Function):
                     "tritium.Linear under fp8_autocast frees its fp8 operands during backward: "
                     "a second backward through the same graph (retain_graph=True) is not "
                     "supported; run the forward again instead")
-            x8_t, x_si, w8_t, w_si = ctx.fp8_operands
-            ctx.fp8_operands = None
-            dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT,
-                                              plan.recipe.fp8_format.backward_dtype,
-                                              write_data=need_dgrad, write_transpose=need_wgrad)
-            if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
-                dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
-            del dy8_t, x8_t
-            if need_dgrad:
-                dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, grad_out.dtype)
-                if dx.shape[0] != ctx.tokens:
-                    dx = dx[:ctx.tokens]
-            del dy8, w8_t
+            operands, ctx.fp8_operands = ctx.fp8_operands, None
+            dx, dw = _fp8_backward(plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad,
+                                   wgrad_dtype)
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
