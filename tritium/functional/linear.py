@@ -131,7 +131,7 @@ def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
                   wgrad_dtype):
     x8_t, x_si, w8_t, w_si = operands
-    del operands
+    operands.clear()  # the caller's list must not keep the fp8 operands alive
     bwd_dtype = plan.recipe.fp8_format.backward_dtype
     tokens, out_features = dy2d.shape
     dx = dw = None
