@@ -50,3 +50,26 @@ def test_blocked_backward_matches_one_pass(monkeypatch, rec, tokens, parts):
     for a, b in zip(one, blocked):
         assert a.abs().max() > 0
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_frees_wgrad_operands_before_dgrad(monkeypatch):
+    """The one-pass backward runs wgrad first; by the dgrad GEMM, dy8^T and x8^T must be gone
+    (that is what keeps the FP8 peak memory at bf16's)."""
+    import weakref
+    real, seen = fl.fp8_gemm_tn, []
+
+    def spy(a, b, *args, **kwargs):
+        alive = [r() is not None for r in seen]
+        seen.extend([weakref.ref(a), weakref.ref(b)])
+        spy.alive_at_call.append(alive)
+        return real(a, b, *args, **kwargs)
+    spy.alive_at_call = []
+    lin = te.Linear(32, 32, device="cpu")
+    x = torch.randn(16, 32, requires_grad=True)
+    with te.fp8_autocast():
+        y = lin(x)
+    monkeypatch.setattr(fl, "fp8_gemm_tn", spy)
+    y.backward(torch.randn(16, 32))
+    wgrad_then_dgrad = spy.alive_at_call
+    assert len(wgrad_then_dgrad) == 2
+    assert wgrad_then_dgrad[1] == [False, False]  # dy8^T and x8^T freed before dgrad

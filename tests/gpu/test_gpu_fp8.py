@@ -187,3 +187,23 @@ def test_fp8_linear_peak_memory_in_network_not_above_bf16(t, k, n):
     # Slack: a few fp32 scale_inv tensors (one 512-byte allocator block each); the tensors
     # that matter are tens to hundreds of MiB.
     assert fp8_peak <= bf16_peak + 16 * 512, (fp8_peak / 2**20, bf16_peak / 2**20)
+
+
+@pytest.mark.skipif(not _fp8_gpu(), reason="needs FP8 tensor cores")
+def test_blocked_fp8_backward_on_tensor_cores_matches_one_pass(monkeypatch):
+    import importlib
+    fl = importlib.import_module("tritium.functional.linear")
+    x = torch.randn(1000, 256, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    grads = []
+    for parts in (1, 4):
+        monkeypatch.setattr(fl, "backward_blocks", lambda t, k, n, parts=parts: parts)
+        torch.manual_seed(0)
+        layer = te.Linear(256, 1024, params_dtype=torch.bfloat16, device="cuda")
+        xi = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4)):
+            out = layer(xi)
+        out.backward(dy)
+        grads.append((xi.grad, layer.weight.grad, layer.bias.grad))
+    for a, b in zip(*grads):
+        assert _rel_err(b, a) < 1e-2
