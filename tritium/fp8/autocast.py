@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from typing import Optional
 
 import torch
@@ -66,20 +67,30 @@ class AutocastState:
     region: FP8Region
 
 
-_stack: list[AutocastState] = []
+class _ThreadState(threading.local):
+    """Each thread has its own autocast stack (as torch.autocast does)."""
+
+    def __init__(self):
+        self.stack: list[AutocastState] = []
+
+
+_state = _ThreadState()
 
 
 def current() -> Optional[AutocastState]:
     """The innermost active autocast state, or None outside any fp8_autocast."""
-    return _stack[-1] if _stack else None
+    stack = _state.stack
+    return stack[-1] if stack else None
 
 
 def is_fp8_enabled() -> bool:
-    return bool(_stack) and _stack[-1].enabled
+    state = current()
+    return state is not None and state.enabled
 
 
 def get_fp8_recipe() -> Recipe:
-    return _stack[-1].recipe if _stack else DelayedScaling()
+    state = current()
+    return state.recipe if state is not None else DelayedScaling()
 
 
 @contextlib.contextmanager
@@ -94,13 +105,14 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
     if fp8_group is not None and not _is_process_group(fp8_group):
         raise TypeError("fp8_group must be a torch.distributed ProcessGroup (or None for the "
                         f"default group), got {type(fp8_group).__name__}")
-    outermost = not _stack
-    region = FP8Region() if outermost else _stack[-1].region
-    _stack.append(AutocastState(bool(enabled), bool(calibrating), fp8_recipe, fp8_group, region))
+    stack = _state.stack
+    outermost = not stack
+    region = FP8Region() if outermost else stack[-1].region
+    stack.append(AutocastState(bool(enabled), bool(calibrating), fp8_recipe, fp8_group, region))
     try:
         yield
     finally:
-        _stack.pop()
+        stack.pop()
     if outermost and torch.is_grad_enabled():
         region.forward_done()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional, Union
 
-from .formats import Format
+from .formats import FP32_MAX, Format
 
 AmaxAlgo = Union[str, Callable]
 
@@ -58,6 +58,8 @@ class DelayedScaling:
         if not (callable(self.amax_compute_algo) or self.amax_compute_algo in ("max", "most_recent")):
             raise ValueError('amax_compute_algo must be "max", "most_recent" or a callable, '
                              f"got {self.amax_compute_algo!r}")
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(f"reduce_amax must be a bool, got {self.reduce_amax!r}")
         if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
             raise ValueError("scaling_factor_compute_algo must be None or a callable")
         if tuple(self.override_linear_precision) != (False, False, False):
@@ -96,8 +98,12 @@ class Float8CurrentScaling:
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
         if self.fp8_format is Format.E5M2:
             raise ValueError("fp8_format=Format.E5M2 is not a training recipe; use HYBRID or E4M3")
-        if not isinstance(self.amax_epsilon, (int, float)) or self.amax_epsilon < 0:
-            raise ValueError(f"amax_epsilon must be a float >= 0, got {self.amax_epsilon!r}")
+        if (not isinstance(self.amax_epsilon, (int, float)) or isinstance(self.amax_epsilon, bool)
+                or not 0 <= self.amax_epsilon <= FP32_MAX):
+            raise ValueError("amax_epsilon must be a float in [0, fp32 max], got "
+                             f"{self.amax_epsilon!r}")
+        if not isinstance(self.power_2_scale, bool):
+            raise ValueError(f"power_2_scale must be a bool, got {self.power_2_scale!r}")
 
     # Nothing to reduce or update: each cast computes its own scale.
     reduce_amax = False

@@ -66,13 +66,14 @@ class Float8Tensor(torch.Tensor):
                 f"nominal_dtype={self.dtype}, data={self.dequantize()})")
 
     def __tensor_flatten__(self):
-        names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        names = ["_data", "_scale_inv"] + [n for n in ("_transpose", "_scale")
+                                           if getattr(self, n) is not None]
         return names, {"fp8_dtype": self._fp8_dtype, "dtype": self.dtype}
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         return Float8Tensor(inner["_data"], inner["_scale_inv"], meta["fp8_dtype"], meta["dtype"],
-                            inner.get("_transpose"))
+                            inner.get("_transpose"), inner.get("_scale"))
 
     def _same_meta(self, data, transpose=None) -> "Float8Tensor":
         return Float8Tensor(data, self._scale_inv, self._fp8_dtype, self.dtype, transpose,

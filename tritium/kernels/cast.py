@@ -29,7 +29,8 @@ _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
 @triton.jit
 def _current_scale(amax, FP8_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr):
-    a = tl.where(amax < EPS, EPS, amax)
+    eps = tl.full(amax.shape, EPS, tl.float32)  # an fp32 eps even where EPS is subnormal
+    a = tl.where(amax < eps, eps, amax)
     s = tl.math.div_rn(tl.full(a.shape, FP8_MAX, tl.float32), a)
     s = tl.where(s == float("inf"), 3.4028234663852886e38, s)
     if POW2:
