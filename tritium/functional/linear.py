@@ -9,7 +9,9 @@ Backward:
     dx = dy8 @ (w8^T)^T                    E5M2 x E4M3, precise accumulation
     dw = dy8^T @ (x8^T)^T                  E5M2 x E4M3, precise accumulation
 Each GEMM is `fp8_gemm_tn(a, b)` with both operands row-major and K contiguous, so only the
-casts produce transposes and nothing is copied in between. The weight's fp8 copies can be cached
+casts produce transposes and nothing is copied in between. Backward runs wgrad first and drops
+each fp8 operand after its GEMM; for large out_features it works on blocks of dy
+(`backward_blocks`) so that its peak memory stays at or under bf16's. The weight's fp8 copies can be cached
 across micro-batches (`is_first_microbatch`): True casts and keeps, False reuses without
 recording a new weight amax. Without FP8 (and without calibration or main_grad) the call is
 plain `F.linear`, so parity with `nn.Linear` is exact.
@@ -109,7 +111,8 @@ def _wgrad_into_fp32(dy2d: torch.Tensor, x2d: torch.Tensor) -> torch.Tensor:
 
 def _blocks(n: int, parts: int):
     """[start, stop) blocks covering range(n), each a multiple of 16 long but the last."""
-    step = -(-(-(-n // parts)) // 16) * 16
+    per_part = -(-n // parts)
+    step = -(-per_part // 16) * 16
     return [(i, min(n, i + step)) for i in range(0, n, step)]
 
 
