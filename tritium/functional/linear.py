@@ -33,9 +33,6 @@ from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.scaling import ScalingState
 from .gemm import fp8_gemm_tn
 
-# Forward scaling slots of a Linear, and its backward slot.
-INPUT, WEIGHT = 0, 1
-GRAD_OUTPUT = 0
 
 
 class WeightCache:
@@ -57,6 +54,10 @@ class FP8Plan:
     region: Optional[FP8Region] = None   # set on the region's first module: it runs the bwd update
     weight_cache: Optional[WeightCache] = None
     is_first_microbatch: Optional[bool] = None
+    # Which slots of the module's states this GEMM uses (a LayerNormMLP has two GEMMs).
+    input_slot: int = 0
+    weight_slot: int = 1
+    grad_slot: int = 0
 
     def quantize(self, x2d, state, slot, fp8_dtype, *, record=True, pad_rows_to=16,
                  write_data=True, write_transpose=False, tensor_amax=None):
@@ -83,7 +84,7 @@ class FP8Plan:
                 and cache.key == key:
             return cache.entry
         keep = cache is not None and first is not None
-        w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, WEIGHT, fp8_dtype,
+        w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, self.weight_slot, fp8_dtype,
                                        pad_rows_to=1, write_transpose=need_transpose or keep)
         if keep:
             cache.entry, cache.key = (w8, w8_t, w_si), key
@@ -140,7 +141,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     dx = dw = None
     parts = backward_blocks(tokens, in_features, out_features)
     if parts == 1:
-        dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, GRAD_OUTPUT, bwd_dtype,
+        dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
                                           write_data=need_dgrad, write_transpose=need_wgrad)
         if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
             dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
@@ -155,7 +156,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     if need_dgrad:  # dx row block = dy row block @ w, written in place
         dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
         for t0, t1 in _blocks(tokens, parts):
-            dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, GRAD_OUTPUT, bwd_dtype,
+            dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
                                           tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype, out=dx[t0:t0 + dy8.shape[0]])
             del dy8
@@ -164,7 +165,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     if need_wgrad:  # dW row block = (dy column block)^T @ x, written in place
         dw = torch.empty(out_features, in_features, dtype=wgrad_dtype, device=dy2d.device)
         for n0, n1 in _blocks(out_features, parts):
-            _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, GRAD_OUTPUT, bwd_dtype,
+            _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, plan.grad_slot, bwd_dtype,
                                             write_data=False, write_transpose=True,
                                             tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype, out=dw[n0:n1])
@@ -183,7 +184,7 @@ class _LinearFunction(torch.autograd.Function):
         fp8 = plan is not None and plan.compute_in_fp8
         if fp8:
             fwd_dtype = plan.recipe.fp8_format.forward_dtype
-            x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, INPUT, fwd_dtype,
+            x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fwd_dtype,
                                            write_transpose=need_wgrad)
             w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
@@ -194,8 +195,8 @@ class _LinearFunction(torch.autograd.Function):
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
             if plan is not None:  # calibration: record what FP8 would have seen
-                amax_into(x2d, plan.fwd.amax_slot(INPUT))
-                amax_into(weight, plan.fwd.amax_slot(WEIGHT))
+                amax_into(x2d, plan.fwd.amax_slot(plan.input_slot))
+                amax_into(weight, plan.fwd.amax_slot(plan.weight_slot))
             out = F.linear(x2d, weight, bias)
             ctx.save_for_backward(x2d if need_wgrad else None, weight if need_dgrad else None)
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
@@ -221,7 +222,7 @@ class _LinearFunction(torch.autograd.Function):
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
-                amax_into(dy2d, plan.bwd.amax_slot(GRAD_OUTPUT))
+                amax_into(dy2d, plan.bwd.amax_slot(plan.grad_slot))
             if need_dgrad:
                 dx = dy2d @ weight
             if need_wgrad:

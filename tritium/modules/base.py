@@ -1,8 +1,11 @@
-"""What every FP8-capable module shares: its FP8Meta, the per-call FP8 plan, checkpoints.
+"""What every FP8-capable module shares: its FP8Meta, the per-call FP8 plans, checkpoints.
 
-`FP8Module._fp8_plan(device)` reads the active fp8_autocast, makes the module's scaling states
-match the recipe, registers them with the autocast region, and returns the `FP8Plan` for this
-call, or None when neither FP8 nor calibration is on. The FP8 state goes into checkpoints through
+A module with `num_gemms` GEMMs owns one FP8Meta whose forward state has two slots per GEMM
+(input 2i, weight 2i+1) and whose backward state has one (grad_output i). `_fp8_plans(device)`
+reads the active fp8_autocast, makes the states match the recipe, registers them with the
+autocast region and returns one `FP8Plan` per GEMM, or None when neither FP8 nor calibration is
+on. GEMM 0 (the first in forward, so the last in backward) carries the region's backward scale
+update when the module is the region's first. The FP8 state goes into checkpoints through
 get_extra_state/set_extra_state as tensors and plain values only.
 """
 from __future__ import annotations
@@ -17,12 +20,13 @@ from ..functional.linear import FP8Plan, WeightCache
 
 
 class FP8Module(torch.nn.Module):
-    def __init__(self, num_fwd_slots: int, num_bwd_slots: int):
+    def __init__(self, num_gemms: int = 1):
         super().__init__()
-        self.fp8_meta = FP8Meta(num_fwd_slots, num_bwd_slots)
-        self._weight_cache = WeightCache()
+        self.fp8_meta = FP8Meta(2 * num_gemms, num_gemms)
+        self._weight_caches = [WeightCache() for _ in range(num_gemms)]
 
-    def _fp8_plan(self, device: torch.device, is_first_microbatch: Optional[bool]) -> Optional[FP8Plan]:
+    def _fp8_plans(self, device: torch.device,
+                   is_first_microbatch: Optional[bool]) -> Optional[list]:
         state = current_autocast()
         if state is None or not (state.enabled or state.calibrating):
             return None
@@ -31,9 +35,20 @@ class FP8Module(torch.nn.Module):
         first = state.region.register(meta.fwd, meta.bwd, state.recipe, state.group)
         if not state.enabled and meta.fwd is None:  # calibrating needs a delayed-scaling state
             return None
-        return FP8Plan(recipe=state.recipe, fwd=meta.fwd, bwd=meta.bwd,
-                       compute_in_fp8=state.enabled, region=state.region if first else None,
-                       weight_cache=self._weight_cache, is_first_microbatch=is_first_microbatch)
+        return [FP8Plan(recipe=state.recipe, fwd=meta.fwd, bwd=meta.bwd,
+                        compute_in_fp8=state.enabled,
+                        region=state.region if first and i == 0 else None,
+                        weight_cache=cache, is_first_microbatch=is_first_microbatch,
+                        input_slot=2 * i, weight_slot=2 * i + 1, grad_slot=i)
+                for i, cache in enumerate(self._weight_caches)]
+
+    def _fp8_plan(self, device: torch.device, is_first_microbatch: Optional[bool]):
+        plans = self._fp8_plans(device, is_first_microbatch)
+        return None if plans is None else plans[0]
+
+    def _clear_weight_caches(self) -> None:
+        for cache in self._weight_caches:
+            cache.entry = None
 
     def get_extra_state(self):
         return self.fp8_meta.extra_state()
@@ -41,4 +56,4 @@ class FP8Module(torch.nn.Module):
     def set_extra_state(self, state) -> None:
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         self.fp8_meta.load_extra_state(state, device)
-        self._weight_cache.entry = None
+        self._clear_weight_caches()

@@ -52,7 +52,7 @@ class Linear(FP8Module):
                  tp_group=None, tp_size: int = 1, parallel_mode: Optional[str] = None,
                  sequence_parallel: bool = False, get_rng_state_tracker=None,
                  rng_tracker_name=None):
-        super().__init__(num_fwd_slots=2, num_bwd_slots=1)
+        super().__init__(num_gemms=1)
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -93,7 +93,7 @@ class Linear(FP8Module):
             if self.use_bias:
                 for b in self._parts("bias"):
                     b.zero_()
-        self._weight_cache.entry = None
+        self._clear_weight_caches()
 
     def _check_input(self, inp, weight: torch.Tensor) -> None:
         if not isinstance(inp, torch.Tensor):
