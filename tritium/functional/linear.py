@@ -35,6 +35,20 @@ from .gemm import fp8_gemm_tn
 
 
 
+class FrozenScales:
+    """A forward state's scales copied at one moment, recording nothing: what a recomputed
+    forward (activation checkpointing) must use, since the live scales update at autocast exit."""
+
+    def __init__(self, state: ScalingState):
+        self.scale = state.scale.detach().clone()
+
+    def scale_slot(self, i: int) -> torch.Tensor:
+        return self.scale[i:i + 1]
+
+    def amax_slot(self, i: int):
+        return None
+
+
 class WeightCache:
     """The weight's fp8 copies (data, transpose, scale_inv), kept across micro-batches."""
 
@@ -58,6 +72,11 @@ class FP8Plan:
     input_slot: int = 0
     weight_slot: int = 1
     grad_slot: int = 0
+
+    def frozen(self) -> "FP8Plan":
+        """This plan with its forward scales fixed now and no amax recording (for recompute)."""
+        fwd = None if self.fwd is None else FrozenScales(self.fwd)
+        return dataclasses.replace(self, fwd=fwd)
 
     def quantize(self, x2d, state, slot, fp8_dtype, *, record=True, pad_rows_to=16,
                  write_data=True, write_transpose=False, tensor_amax=None):
@@ -194,7 +213,8 @@ class _LinearFunction(torch.autograd.Function):
             # its GEMM is done (lower peak memory); none of them is an input or output.
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
-            if plan is not None:  # calibration: record what FP8 would have seen
+            if plan is not None and plan.fwd.amax_slot(plan.input_slot) is not None:
+                # calibration: record what FP8 would have seen (not when recomputing)
                 amax_into(x2d, plan.fwd.amax_slot(plan.input_slot))
                 amax_into(weight, plan.fwd.amax_slot(plan.weight_slot))
             out = F.linear(x2d, weight, bias)
