@@ -1,0 +1,82 @@
+"""Pure-PyTorch twins of `tritium.kernels.norm`: LayerNorm and RMSNorm forward and backward.
+
+Same names and signatures as the Triton launchers; the CPU path and the test oracle. The two
+agree to a few fp32 ulps, not bit for bit: the row sums and the column sums of dgamma are
+reductions whose order differs (torch's vectorized sums vs Triton's tree reductions and
+per-program partial sums), so 16-bit results may differ by one unit in the last place.
+
+Contract (both implementations):
+  * x, dy: 2D [rows, hidden], last dim contiguous; bf16, fp16 or fp32. weight, bias: [hidden],
+    any of those dtypes, need not match x.
+  * All math in fp32; y and dx are rounded once, at the end, to x.dtype.
+  * gamma = weight, or (1 + weight) with zero_centered_gamma (computed in fp32).
+  * LayerNorm: mean = sum(x)/H, var = sum((x - mean)^2)/H (biased, as torch.nn.LayerNorm),
+    rstd = 1/sqrt(var + eps), y = ((x - mean) * rstd) * gamma + beta.
+  * RMSNorm: rstd = 1/sqrt(sum(x^2)/H + eps), y = (x * rstd) * gamma.
+  * mean and rstd are saved fp32 [rows] (forward outputs, backward inputs: nothing is recomputed).
+  * Backward, with xhat = (x - mean) * rstd (RMSNorm: x * rstd) and g = dy * gamma:
+      LayerNorm dx = rstd * (g - (xhat * mean(g * xhat) + mean(g)))
+      RMSNorm   dx = rstd * (g - xhat * mean(g * xhat))
+      dweight = sum over rows of dy * xhat, dbias = sum over rows of dy (fp32 sums), returned in
+      the weight's dtype (zero_centered_gamma does not change them: d(1 + w)/dw = 1).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
+    w = weight.float()
+    return w + 1.0 if zero_centered_gamma else w
+
+
+def layernorm_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  eps: float, zero_centered_gamma: bool):
+    """-> (y [rows, hidden] in x.dtype, mean fp32 [rows], rstd fp32 [rows])."""
+    xf = x.float()
+    mean = xf.mean(dim=1)
+    xc = xf - mean[:, None]
+    rstd = torch.rsqrt((xc * xc).mean(dim=1) + eps)
+    y = (xc * rstd[:, None]) * _gamma(weight, zero_centered_gamma)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype), mean, rstd
+
+
+def layernorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor,
+                  rstd: torch.Tensor, zero_centered_gamma: bool, need_bias_grad: bool = True):
+    """-> (dx in x.dtype, dweight in weight.dtype, dbias in weight.dtype or None)."""
+    dyf = dy.float()
+    r = rstd[:, None]
+    xhat = (x.float() - mean[:, None]) * r
+    g = dyf * _gamma(weight, zero_centered_gamma)
+    c1 = (xhat * g).mean(dim=1, keepdim=True)
+    c2 = g.mean(dim=1, keepdim=True)
+    dx = (g - (xhat * c1 + c2)) * r
+    dweight = (dyf * xhat).sum(dim=0).to(weight.dtype)
+    dbias = dyf.sum(dim=0).to(weight.dtype) if need_bias_grad else None
+    return dx.to(x.dtype), dweight, dbias
+
+
+def rmsnorm_fwd(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool):
+    """-> (y [rows, hidden] in x.dtype, rstd fp32 [rows])."""
+    xf = x.float()
+    rstd = torch.rsqrt((xf * xf).mean(dim=1) + eps)
+    y = (xf * rstd[:, None]) * _gamma(weight, zero_centered_gamma)
+    return y.to(x.dtype), rstd
+
+
+def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor,
+                zero_centered_gamma: bool):
+    """-> (dx in x.dtype, dweight in weight.dtype)."""
+    dyf = dy.float()
+    r = rstd[:, None]
+    xhat = x.float() * r
+    g = dyf * _gamma(weight, zero_centered_gamma)
+    dx = (g - xhat * (xhat * g).mean(dim=1, keepdim=True)) * r
+    return dx.to(x.dtype), (dyf * xhat).sum(dim=0).to(weight.dtype)
+
+
+__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
