@@ -9,8 +9,9 @@
 from . import recipe
 from .fp8.autocast import autocast, fp8_autocast
 from .fp8.tensor import Float8Tensor
-from .modules import Linear
+from .modules import LayerNorm, Linear, RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["recipe", "autocast", "fp8_autocast", "Float8Tensor", "Linear", "__version__"]
+__all__ = ["recipe", "autocast", "fp8_autocast", "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
+           "__version__"]
