@@ -1,0 +1,140 @@
+"""Pure-PyTorch twins of `tritium.kernels.activation`: the CPU path and the test oracle.
+
+TE's activations, forward and backward, on 2D tensors: x is [rows, F] for a plain kind and
+[rows, 2F] for a gated kind, dy is [rows, F]. A gated kind splits the last dim in two halves:
+the FIRST half `a` goes through the activation, the SECOND half `b` multiplies,
+y = act(a) * b (DESIGN.md section 5; the opposite of torch.nn.functional.glu), and its input
+gradient is [d_a, d_b] concatenated along the last dim.
+
+Numerics. Everything is computed in fp32 and rounded once, at the end, to x.dtype (fp32, bf16
+or fp16). The formulas are written step by step exactly as the Triton kernel writes them, so
+kernel and twin differ only where the two evaluate a primitive differently (exp in the last
+bit or two; on the GPU also the fast fp32 division and fused multiply-adds), i.e. at fp32
+rounding level:
+
+  sigmoid(z) = 1 / (1 + exp(-z))                        (not torch.sigmoid: its own formula)
+  x * sigmoid(z(x)) family:  silu z = x, qgelu z = 1.702 x,
+      gelu (tanh approximation) z = 2u with u = sqrt(2/pi) (x + 0.044715 x^3), because
+      0.5 x (1 + tanh(u)) == x sigmoid(2u); this form has no cancellation in 1 + tanh(u) for
+      negative x, and 1 - tanh(u)^2 == 4 s (1 - s) gives the derivative without one either.
+      z = x * (K2 + K2C * x^2), dz/dx = K2 + K2C3 * x^2 with K2 = 2 sqrt(2/pi), K2C = K2 * 0.044715,
+      K2C3 = 3 * K2C, each rounded to fp32 once.
+      d/dx [x s] = s * (1 + x * (1 - s) * dz/dx)
+  relu(x) = x where x >= 0 (and NaN), else 0; d/dx = 1 where x > 0 else 0
+  srelu(x) = relu(x) * relu(x); d/dx = 2 relu(x)
+  glu's activation is sigmoid(a) itself; d/da = s * (1 - s)
+  backward: plain dx = dy * act'(x); gated d_a = (dy * b) * act'(a), d_b = dy * act(a)
+
+Not done here: fusion with the fp8 cast of fc2's input (a later kernel), double backward.
+"""
+from __future__ import annotations
+
+import torch
+
+ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu",
+               "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "glu")
+GATED = frozenset({"geglu", "qgeglu", "reglu", "sreglu", "swiglu", "glu"})
+
+# kind -> the activation applied to x (plain) or to the first half a (gated)
+BASE = {"gelu": "gelu", "qgelu": "qgelu", "relu": "relu", "srelu": "srelu", "silu": "silu",
+        "geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu",
+        "swiglu": "silu", "glu": "sigmoid"}
+
+
+def _f32(v: float) -> float:
+    """v rounded to fp32 (what a constant becomes inside an fp32 kernel)."""
+    return torch.tensor(v, dtype=torch.float32).item()
+
+
+_K2 = _f32(2.0 * (2.0 / torch.pi) ** 0.5)
+_K2C = _f32(2.0 * (2.0 / torch.pi) ** 0.5 * 0.044715)
+_K2C3 = _f32(3.0 * 2.0 * (2.0 / torch.pi) ** 0.5 * 0.044715)
+_QGELU = _f32(1.702)
+
+
+def _sigmoid(z: torch.Tensor) -> torch.Tensor:
+    return 1.0 / (1.0 + torch.exp(-z))
+
+
+def _gate(x: torch.Tensor, base: str):
+    """(z, dz/dx) of the x * sigmoid(z) family, fp32."""
+    if base == "silu":
+        return x, None
+    if base == "qgelu":
+        return _QGELU * x, _QGELU
+    x2 = x * x
+    return x * (_K2 + _K2C * x2), _K2 + _K2C3 * x2
+
+
+def _act(x: torch.Tensor, base: str) -> torch.Tensor:
+    if base == "relu":
+        return torch.where(x < 0, torch.zeros_like(x), x)
+    if base == "srelu":
+        r = torch.where(x < 0, torch.zeros_like(x), x)
+        return r * r
+    if base == "sigmoid":
+        return _sigmoid(x)
+    z, _ = _gate(x, base)
+    return x * _sigmoid(z)
+
+
+def _act_and_grad(x: torch.Tensor, base: str):
+    """(act(x), act'(x)) in fp32."""
+    if base in ("relu", "srelu"):
+        r = torch.where(x < 0, torch.zeros_like(x), x)
+        if base == "relu":
+            return r, (x > 0).to(torch.float32)
+        return r * r, 2.0 * r
+    if base == "sigmoid":
+        s = _sigmoid(x)
+        return s, s * (1.0 - s)
+    z, dz = _gate(x, base)
+    s = _sigmoid(z)
+    t = x * (1.0 - s)
+    if dz is not None:
+        t = t * dz
+    return x * s, s * (1.0 + t)
+
+
+def _check(x: torch.Tensor, kind: str) -> None:
+    if kind not in BASE:
+        raise ValueError(f"unknown activation {kind!r}; valid: {', '.join(ACTIVATIONS)}")
+    if x.dim() != 2:
+        raise ValueError(f"activation kernels take 2D tensors, got shape {tuple(x.shape)}")
+    if kind in GATED and x.shape[1] % 2:
+        raise ValueError(f"{kind} needs an even last dim (two halves), got {x.shape[1]}")
+
+
+def activation_fwd(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """y [rows, F] = act(x) (plain, x [rows, F]) or act(a) * b (gated, x = [a, b] [rows, 2F])."""
+    _check(x, kind)
+    base = BASE[kind]
+    xf = x.float()
+    if kind in GATED:
+        a, b = xf.chunk(2, dim=-1)
+        y = _act(a, base) * b
+    else:
+        y = _act(xf, base)
+    return y.to(x.dtype)
+
+
+def activation_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """dx, shaped and typed like x: dy * act'(x), or [(dy * b) * act'(a), dy * act(a)]."""
+    _check(x, kind)
+    rows, f = x.shape[0], x.shape[1] // 2 if kind in GATED else x.shape[1]
+    if tuple(dy.shape) != (rows, f):
+        raise ValueError(f"dy must be [{rows}, {f}] for {kind} of x {tuple(x.shape)}, "
+                         f"got {tuple(dy.shape)}")
+    base = BASE[kind]
+    xf, dyf = x.float(), dy.float()
+    if kind in GATED:
+        a, b = xf.chunk(2, dim=-1)
+        act, dact = _act_and_grad(a, base)
+        dx = torch.cat([(dyf * b) * dact, dyf * act], dim=-1)
+    else:
+        _, dact = _act_and_grad(xf, base)
+        dx = dyf * dact
+    return dx.to(x.dtype)
+
+
+__all__ = ["ACTIVATIONS", "GATED", "activation_fwd", "activation_bwd"]
