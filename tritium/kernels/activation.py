@@ -52,6 +52,14 @@ def _sigmoid(z):
 
 
 @triton.jit
+def _sigmoid2(z):
+    """(s, 1 - s), 1 - s as e * s where z >= 0 (no cancellation where s is near 1)."""
+    e = tl.exp(-z)
+    s = 1.0 / (1.0 + e)
+    return s, tl.where(z >= 0, e * s, 1.0 - s)
+
+
+@triton.jit
 def _gate(x, ACT: tl.constexpr):
     """z of the x * sigmoid(z) family (gelu, qgelu, silu)."""
     if ACT == _GELU:
@@ -88,11 +96,11 @@ def _act_and_grad(x, ACT: tl.constexpr):
         y = r * r
         dy = 2.0 * r
     elif ACT == _SIGMOID:
-        y = _sigmoid(x)
-        dy = y * (1.0 - y)
+        y, sm = _sigmoid2(x)
+        dy = y * sm
     else:
-        s = _sigmoid(_gate(x, ACT))
-        t = x * (1.0 - s)
+        s, sm = _sigmoid2(_gate(x, ACT))
+        t = x * sm
         if ACT == _GELU:
             t = t * (_K2 + _K2C3 * (x * x))
         elif ACT == _QGELU:

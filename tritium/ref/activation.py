@@ -12,14 +12,16 @@ kernel and twin differ only where the two evaluate a primitive differently (exp 
 bit or two; on the GPU also the fast fp32 division and fused multiply-adds), i.e. at fp32
 rounding level:
 
-  sigmoid(z) = 1 / (1 + exp(-z))                        (not torch.sigmoid: its own formula)
+  sigmoid(z) = s = 1 / (1 + e) with e = exp(-z)      (not torch.sigmoid: its own formula)
+  1 - s = e * s where z >= 0, else 1 - s         (1 - s loses up to all its digits where s is
+      near 1; torch's own silu/gelu backward do that, off by ~1e-5 in geglu's dx)
   x * sigmoid(z(x)) family:  silu z = x, qgelu z = 1.702 x,
       gelu (tanh approximation) z = 2u with u = sqrt(2/pi) (x + 0.044715 x^3), because
       0.5 x (1 + tanh(u)) == x sigmoid(2u); this form has no cancellation in 1 + tanh(u) for
       negative x, and 1 - tanh(u)^2 == 4 s (1 - s) gives the derivative without one either.
       z = x * (K2 + K2C * x^2), dz/dx = K2 + K2C3 * x^2 with K2 = 2 sqrt(2/pi), K2C = K2 * 0.044715,
       K2C3 = 3 * K2C, each rounded to fp32 once.
-      d/dx [x s] = s * (1 + x * (1 - s) * dz/dx)
+      d/dx [x s] = s * (1 + x * (1 - s) * dz/dx)  (evaluated as s * (1 + (x * (1 - s)) * dz/dx))
   relu(x) = x where x >= 0 (and NaN), else 0; d/dx = 1 where x > 0 else 0
   srelu(x) = relu(x) * relu(x); d/dx = 2 relu(x)
   glu's activation is sigmoid(a) itself; d/da = s * (1 - s)
@@ -56,6 +58,14 @@ def _sigmoid(z: torch.Tensor) -> torch.Tensor:
     return 1.0 / (1.0 + torch.exp(-z))
 
 
+def _sigmoid2(z: torch.Tensor):
+    """(s, 1 - s) = (sigmoid(z), sigmoid(-z)); 1 - s as e * s where z >= 0 (no cancellation;
+    e <= 1 there, while for z < 0 e can be inf and 1 - s is exact enough)."""
+    e = torch.exp(-z)
+    s = 1.0 / (1.0 + e)
+    return s, torch.where(z >= 0, e * s, 1.0 - s)
+
+
 def _gate(x: torch.Tensor, base: str):
     """(z, dz/dx) of the x * sigmoid(z) family, fp32."""
     if base == "silu":
@@ -86,11 +96,11 @@ def _act_and_grad(x: torch.Tensor, base: str):
             return r, (x > 0).to(torch.float32)
         return r * r, 2.0 * r
     if base == "sigmoid":
-        s = _sigmoid(x)
-        return s, s * (1.0 - s)
+        s, sm = _sigmoid2(x)
+        return s, s * sm
     z, dz = _gate(x, base)
-    s = _sigmoid(z)
-    t = x * (1.0 - s)
+    s, sm = _sigmoid2(z)
+    t = x * sm
     if dz is not None:
         t = t * dz
     return x * s, s * (1.0 + t)
