@@ -1,0 +1,153 @@
+"""RMSNorm and LayerNorm, forward and forward+backward: tritium vs torch eager, torch.compile
+and Liger, next to a plain copy as the bandwidth reference.
+
+Shape: 16384 x 4096 bf16 activations and bf16 parameters (more with --shapes RxH,...). Bytes
+counted per call, in passes over the activation (R*H*2 bytes): forward 2 (read x, write y),
+forward+backward 5 (forward's 2, then read x and dy, write dx); the weight, the fp32 statistics
+and the dgamma partial sums are not counted, so GB/s is a lower bound of the traffic. The copy
+row (`y.copy_(x)`: read + write) is the achievable bandwidth; `pct_of_copy` = GB/s / copy GB/s.
+Targets: tritium forward >= 90% of copy, forward+backward >= 80%.
+
+Forward rows run under torch.no_grad(); forward+backward rows run module(x).backward(dy) with
+grads reset before each call. A tile sweep (tritium rows marked "sweep") times other
+rows-per-program / num_warps choices and backward grid sizes, to retune `tritium.kernels.norm`.
+Needs CUDA; without it the script says so and exits with status 1. Liger is optional.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import finish, time_ms  # noqa: E402
+
+import tritium as te  # noqa: E402
+from tritium.kernels import norm as knorm  # noqa: E402
+
+SHAPES = [(16384, 4096)]
+EPS = 1e-5
+SWEEP_TILES = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16)]   # (BLOCK_ROWS, num_warps) at any hidden
+SWEEP_PROGRAMS_PER_SM = [1, 2, 4, 8]
+
+
+def _liger(kind: str, hidden: int):
+    from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+    if kind == "LayerNorm":
+        return LigerLayerNorm(hidden, eps=EPS)
+    try:  # in_place=False: the in-place backward would overwrite dy between timed calls
+        return LigerRMSNorm(hidden, eps=EPS, in_place=False)
+    except TypeError:
+        return LigerRMSNorm(hidden, eps=EPS)
+
+
+def _variants(kind: str, hidden: int):
+    dev, dt = "cuda", torch.bfloat16
+    base = getattr(torch.nn, kind)(hidden, eps=EPS, device=dev, dtype=dt)
+    yield "torch eager", lambda: base
+    yield "torch compiled", lambda: torch.compile(getattr(torch.nn, kind)(
+        hidden, eps=EPS, device=dev, dtype=dt))
+    yield "tritium", lambda: getattr(te, kind)(hidden, eps=EPS, params_dtype=dt, device=dev)
+    yield "liger", lambda: _liger(kind, hidden).to(dev, dt)
+
+
+def _steps(module, x, dy):
+    params = list(module.parameters())
+
+    def fwd():
+        with torch.no_grad():
+            module(x)
+
+    def fwd_bwd():
+        for p in params + [x]:
+            p.grad = None
+        module(x).backward(dy)
+    return fwd, fwd_bwd
+
+
+def _row(case, variant, ms, nbytes):
+    return {"case": case, "variant": variant, "ms": round(ms, 4),
+            "gbps": round(nbytes / ms / 1e6)}
+
+
+def _time_into(rows, case, variant, fn, nbytes):
+    try:
+        fn()
+        fn()
+        rows.append(_row(case, variant, time_ms(fn), nbytes))
+    except Exception as exc:  # a peer or a config that fails: record it, go on
+        rows.append({"case": case, "variant": variant, "error": repr(exc)})
+    print(rows[-1], flush=True)
+
+
+def _sweep(rows, kind, r, h, x, dy, pass_bytes):
+    """Time tritium with other tiles and backward grids (restores the defaults after)."""
+    mod = getattr(te, kind)(h, eps=EPS, params_dtype=torch.bfloat16, device="cuda")
+    fwd, fwd_bwd = _steps(mod, x, dy)
+    default_tile, default_per_sm = knorm._tile, knorm._BWD_PROGRAMS_PER_SM
+    block_n = default_tile(h, False)[1]
+    try:
+        for block_rows, warps in SWEEP_TILES:
+            knorm._tile = lambda *_a, t=(block_rows, block_n, warps): t
+            name = f"tritium sweep rows{block_rows} w{warps}"
+            _time_into(rows, f"{kind} fwd {r}x{h}", name, fwd, 2 * pass_bytes)
+            _time_into(rows, f"{kind} fwd+bwd {r}x{h}", name, fwd_bwd, 5 * pass_bytes)
+        knorm._tile = default_tile
+        for per_sm in SWEEP_PROGRAMS_PER_SM:
+            knorm._BWD_PROGRAMS_PER_SM = per_sm
+            _time_into(rows, f"{kind} fwd+bwd {r}x{h}", f"tritium sweep bwd {per_sm}/SM",
+                       fwd_bwd, 5 * pass_bytes)
+    finally:
+        knorm._tile, knorm._BWD_PROGRAMS_PER_SM = default_tile, default_per_sm
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default=",".join(f"{r}x{h}" for r, h in SHAPES),
+                        help="comma-separated ROWSxHIDDEN (default 16384x4096)")
+    parser.add_argument("--no-sweep", action="store_true", help="skip the tile sweep")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_norm: needs a CUDA GPU and torch sees none; nothing was timed")
+    shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(",")]
+    rows = []
+    for r, h in shapes:
+        x = torch.randn(r, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(r, h, device="cuda", dtype=torch.bfloat16)
+        pass_bytes = x.numel() * x.element_size()
+        out = torch.empty_like(x)
+        copy = lambda: out.copy_(x.detach())  # noqa: E731
+        for kind in ("RMSNorm", "LayerNorm"):
+            for mode, passes in (("fwd", 2), ("fwd+bwd", 5)):
+                _time_into(rows, f"{kind} {mode} {r}x{h}", "torch copy", copy, 2 * pass_bytes)
+            for variant, make in _variants(kind, h):
+                try:
+                    module = make()
+                except Exception as exc:
+                    for mode in ("fwd", "fwd+bwd"):
+                        rows.append({"case": f"{kind} {mode} {r}x{h}", "variant": variant,
+                                     "error": repr(exc)})
+                        print(rows[-1], flush=True)
+                    continue
+                fwd, fwd_bwd = _steps(module, x, dy)
+                _time_into(rows, f"{kind} fwd {r}x{h}", variant, fwd, 2 * pass_bytes)
+                _time_into(rows, f"{kind} fwd+bwd {r}x{h}", variant, fwd_bwd, 5 * pass_bytes)
+            if not args.no_sweep:
+                _sweep(rows, kind, r, h, x, dy, pass_bytes)
+        del x, dy, out
+        torch.cuda.empty_cache()
+    copy_gbps = {row["case"]: row["gbps"] for row in rows if row["variant"] == "torch copy"
+                 and "gbps" in row}
+    for row in rows:
+        if "gbps" in row and row["case"] in copy_gbps:
+            row["pct_of_copy"] = round(100 * row["gbps"] / copy_gbps[row["case"]], 1)
+    finish("norm", rows, baseline="torch eager")
+    print("\n% of copy bandwidth:")
+    for row in rows:
+        if "pct_of_copy" in row and row["variant"] != "torch copy":
+            print(f"  {row['case']:<28} {row['variant']:<34} {row['pct_of_copy']:6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
