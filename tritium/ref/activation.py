@@ -26,6 +26,8 @@ rounding level:
   srelu(x) = relu(x) * relu(x); d/dx = 2 relu(x)
   glu's activation is sigmoid(a) itself; d/da = s * (1 - s)
   backward: plain dx = dy * act'(x); gated d_a = (dy * b) * act'(a), d_b = dy * act(a)
+Special values follow torch's fp32 formulas: NaN propagates, act(-inf) of the sigmoid family is
+NaN (-inf * 0), and gelu's derivative is NaN for |x| > ~1e19 (x^2 overflows), as torch's is.
 
 Not done here: fusion with the fp8 cast of fc2's input (a later kernel), double backward.
 """
