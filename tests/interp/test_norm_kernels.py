@@ -160,10 +160,13 @@ def test_empty_rows():
 def test_tile_choice_and_limit():
     assert fnorm._MAX_HIDDEN == knorm.MAX_HIDDEN
     for hidden in (100, 768, 1000, 4096, 5000, 8192, 12288, knorm.MAX_HIDDEN):
-        block_rows, block_n, warps = knorm._tile(hidden, False)
-        assert block_n >= hidden and block_n & (block_n - 1) == 0
-        assert 4 <= warps <= 16 and 1 <= block_rows <= 16
-    assert knorm._tile(4096, False) == (1, 4096, 8)
+        for backward in (False, True):
+            block_rows, block_n, warps = knorm._tile(hidden, False, backward)
+            assert block_n >= hidden and block_n & (block_n - 1) == 0
+            assert warps in (4, 8, 16, 32) and 1 <= block_rows <= 16
+            assert block_rows == 1 or block_rows * block_n <= 4096
+    assert knorm._tile(4096, False) == knorm._tile(4096, False, True) == (1, 4096, 8)
+    assert knorm._tile(12288, False, True) == (1, 16384, 32)
     with pytest.raises(ValueError, match="hidden size"):
         knorm._tile(knorm.MAX_HIDDEN + 1, False)
     wide = torch.randn(2, knorm.MAX_HIDDEN + 1)
