@@ -90,14 +90,14 @@ def _act_and_grad(x, ACT: tl.constexpr):
     """(act(x), act'(x)), fp32."""
     if ACT == _RELU:
         y = tl.where(x < 0, 0.0, x)
-        dy = tl.where(x > 0, 1.0, 0.0)
+        d = tl.where(x > 0, 1.0, 0.0)
     elif ACT == _SRELU:
         r = tl.where(x < 0, 0.0, x)
         y = r * r
-        dy = 2.0 * r
+        d = 2.0 * r
     elif ACT == _SIGMOID:
         y, sm = _sigmoid2(x)
-        dy = y * sm
+        d = y * sm
     else:
         s, sm = _sigmoid2(_gate(x, ACT))
         t = x * sm
@@ -106,8 +106,8 @@ def _act_and_grad(x, ACT: tl.constexpr):
         elif ACT == _QGELU:
             t = t * _QG
         y = x * s
-        dy = s * (1.0 + t)
-    return y, dy
+        d = s * (1.0 + t)
+    return y, d
 
 
 @triton.jit
