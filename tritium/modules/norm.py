@@ -27,11 +27,12 @@ def _hidden_size(cls: str, normalized_shape) -> int:
     shape = normalized_shape
     if isinstance(shape, (tuple, list, torch.Size)):
         if len(shape) != 1:
-            raise ValueError(f"{cls}: normalized_shape={tuple(shape)!r} must be an int or a 1-tuple "
-                             "(only the last dim is normalized)")
+            raise ValueError(f"{cls}: normalized_shape={tuple(shape)!r} must be an int or a "
+                             "1-tuple (only the last dim is normalized)")
         shape = shape[0]
     if not isinstance(shape, int) or isinstance(shape, bool) or shape < 1:
-        raise ValueError(f"{cls}: normalized_shape must be a positive int, got {normalized_shape!r}")
+        raise ValueError(f"{cls}: normalized_shape must be a positive int, "
+                         f"got {normalized_shape!r}")
     return shape
 
 
