@@ -9,9 +9,10 @@
 from . import recipe
 from .fp8.autocast import autocast, fp8_autocast
 from .fp8.tensor import Float8Tensor
-from .modules import LayerNorm, Linear, RMSNorm
+from .modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 
 __version__ = "0.1.0"
 
 __all__ = ["recipe", "autocast", "fp8_autocast", "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
+           "LayerNormLinear", "LayerNormMLP",
            "__version__"]

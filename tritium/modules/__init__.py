@@ -1,6 +1,8 @@
 """Thin nn.Modules: they own parameters and FP8 state; forward is one functional call."""
 from .base import FP8Module
+from .layernorm_linear import LayerNormLinear
+from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm
 
-__all__ = ["FP8Module", "Linear", "LayerNorm", "RMSNorm"]
+__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "LayerNorm", "RMSNorm"]

@@ -1,0 +1,134 @@
+"""tritium.LayerNormMLP: norm -> fc1 -> activation -> fc2, with TE's names and layout.
+
+Parameters: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), `fc1_weight` [F, H] or
+[2F, H] for gated activations, `fc1_bias`, `fc2_weight` [H, F], `fc2_bias`. Gated activations
+(swiglu, geglu, ...) split fc1's output in two along the last dim: the FIRST half goes through
+the activation, the SECOND half multiplies. So a Llama port puts gate_proj in rows [0, F) of
+fc1_weight and up_proj in rows [F, 2F) (see tritium.integrations.llama and docs/porting.md).
+
+Under fp8_autocast both GEMMs run in FP8 with their own scaling slots (fc1: input 0, weight 1,
+grad 0; fc2: input 2, weight 3, grad 1) and weight caches. checkpoint=True recomputes fc1 and
+the activation in backward instead of keeping them (reentrant checkpoint; the recompute uses the
+forward's scales, frozen, and records no amax).
+
+Not fused yet: the norm, fc1's cast, the activation and fc2's cast are separate kernels (the
+fused norm + cast and activation + cast kernels are the next step for speed).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+import torch.utils.checkpoint
+
+from .._device import default_device
+from ..fp8.autocast import is_fp8_enabled
+from ..fp8.formats import HIGH_PRECISION_DTYPES
+from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
+from ..functional.linear import linear
+from ._norm_params import apply_norm, register_norm_params, reset_norm_params
+from .base import FP8Module
+from .linear import default_init
+
+
+class LayerNormMLP(FP8Module):
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, *,
+                 bias: bool = True, normalization: str = "LayerNorm", activation: str = "gelu",
+                 return_bias: bool = False, return_layernorm_output: bool = False,
+                 zero_centered_gamma: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 device: Union[str, torch.device, None] = "cuda",
+                 init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None,
+                 checkpoint: bool = False, tp_group=None, tp_size: int = 1,
+                 set_parallel_mode: bool = False, sequence_parallel: bool = False,
+                 get_rng_state_tracker=None, seq_length=None, micro_batch_size=None):
+        super().__init__(num_gemms=2)
+        for name, value in (("hidden_size", hidden_size), ("ffn_hidden_size", ffn_hidden_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if tp_size != 1 or set_parallel_mode or sequence_parallel:
+            raise NotImplementedError("tensor/sequence parallel LayerNormMLP is not built yet: "
+                                      "use tp_size=1, set_parallel_mode=False")
+        params_dtype = params_dtype or torch.get_default_dtype()
+        if params_dtype not in HIGH_PRECISION_DTYPES:
+            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
+        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.eps, self.normalization, self.activation = float(eps), normalization, activation
+        self.zero_centered_gamma, self.use_bias = zero_centered_gamma, bias
+        self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
+        self.checkpoint = checkpoint
+        self.init_method = init_method or default_init
+        self.output_layer_init_method = output_layer_init_method or self.init_method
+        device = default_device(device)
+        factory = dict(dtype=params_dtype, device=device)
+        register_norm_params(self, hidden_size, normalization, zero_centered_gamma, params_dtype,
+                             device)
+        fc1_rows = 2 * ffn_hidden_size if activation in GATED else ffn_hidden_size
+        self.fc1_weight = torch.nn.Parameter(torch.empty(fc1_rows, hidden_size, **factory))
+        self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_rows, **factory)) if bias else None
+        self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
+        self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        reset_norm_params(self, self.zero_centered_gamma)
+        with torch.no_grad():
+            self.init_method(self.fc1_weight)
+            self.output_layer_init_method(self.fc2_weight)
+            for b in (self.fc1_bias, self.fc2_bias):
+                if b is not None:
+                    b.zero_()
+        self._clear_weight_caches()
+
+    def _check(self, inp) -> None:
+        if not isinstance(inp, torch.Tensor):
+            raise TypeError(f"LayerNormMLP.forward: inp must be a torch.Tensor, got {type(inp).__name__}")
+        w = self.fc1_weight
+        if inp.device != w.device:
+            raise ValueError(f"LayerNormMLP.forward: inp is on {inp.device} but the weights are on "
+                             f"{w.device}; move one of them")
+        if inp.dim() < 1 or inp.shape[-1] != self.hidden_size:
+            raise ValueError(f"LayerNormMLP.forward: inp has shape {tuple(inp.shape)}; its last dim "
+                             f"must be hidden_size={self.hidden_size}")
+        if inp.dtype != w.dtype and not torch.is_autocast_enabled(inp.device.type):
+            raise TypeError(f"LayerNormMLP.forward: inp dtype {inp.dtype} differs from the params "
+                            f"dtype {w.dtype}; cast the input, set params_dtype={inp.dtype}, or run "
+                            "under torch.autocast")
+        if is_fp8_enabled():
+            for name, size in (("hidden_size", self.hidden_size),
+                               ("ffn_hidden_size", self.ffn_hidden_size)):
+                if size % 16:
+                    raise ValueError(f"LayerNormMLP({name}={size}) cannot run in FP8: FP8 GEMMs "
+                                     f"need dims divisible by 16; pad {name} to "
+                                     f"{-(-size // 16) * 16} or run outside fp8_autocast")
+
+    def _fc1_act(self, ln_out: torch.Tensor, plan) -> torch.Tensor:
+        return apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan),
+                                self.activation)
+
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
+        self._check(inp)
+        plans = self._fp8_plans(inp.device, is_first_microbatch)
+        fc1_plan, fc2_plan = plans if plans is not None else (None, None)
+        ln_out = apply_norm(self, inp, self.normalization, self.eps, self.zero_centered_gamma)
+        if self.checkpoint and torch.is_grad_enabled():
+            replay = [fc1_plan, None if fc1_plan is None else fc1_plan.frozen()]
+
+            def fc1_act(x):  # first call: the live plan; the recompute: frozen scales
+                return self._fc1_act(x, replay.pop(0) if len(replay) > 1 else replay[0])
+            act_out = torch.utils.checkpoint.checkpoint(fc1_act, ln_out, use_reentrant=True)
+        else:
+            act_out = self._fc1_act(ln_out, fc1_plan)
+        fc2_bias = None if self.return_bias else self.fc2_bias
+        out = linear(act_out, self.fc2_weight, fc2_bias, fp8=fc2_plan)
+        result = (out, self.fc2_bias) if self.return_bias else (out,)
+        if self.return_layernorm_output:
+            result = result + (ln_out,)
+        return result if len(result) > 1 else result[0]
+
+    def extra_repr(self) -> str:
+        return (f"hidden_size={self.hidden_size}, ffn_hidden_size={self.ffn_hidden_size}, "
+                f"normalization={self.normalization}, activation={self.activation}, "
+                f"bias={self.use_bias}")
