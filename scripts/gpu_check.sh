@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: gpu test tier + benchmarks, logs and JSON under $OUT.
-# Usage: scripts/gpu_check.sh [tests] [cast] [linear]   (default: all three)
+# Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp]   (default: all)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -9,7 +9,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/peers .whl/*.whl && export PYTHONPATH=$PWD:/tmp/peers
 fi
-stages=${*:-tests cast linear}
+stages=${*:-tests cast linear norm act mlp}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $stages; do
@@ -17,5 +17,8 @@ for s in $stages; do
     tests)  python3 -m pytest -q -m "gpu or multigpu" tests 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
     cast)   python3 benchmarks/bench_cast.py 2>&1 | tee "$OUT/bench_cast.log" | grep -v "^{" ;;
     linear) python3 benchmarks/bench_linear.py 2>&1 | tee "$OUT/bench_linear.log" | grep -v "^{" ;;
+    norm)   python3 benchmarks/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log" | grep -v "^{" ;;
+    act)    python3 benchmarks/bench_activation.py 2>&1 | tee "$OUT/bench_act.log" | grep -v "^{" ;;
+    mlp)    python3 benchmarks/bench_mlp.py 2>&1 | tee "$OUT/bench_mlp.log" | grep -v "^{" ;;
   esac
 done
