@@ -89,7 +89,7 @@ def _sweep(rows, kind, r, h, x, dy, pass_bytes):
     block_n = default_tile(h, False)[1]
     try:
         for block_rows, warps in SWEEP_TILES:
-            knorm._tile = lambda *_a, t=(block_rows, block_n, warps): t
+            knorm._tile = lambda *_a, t=(block_rows, block_n, warps), **_k: t
             name = f"tritium sweep rows{block_rows} w{warps}"
             _time_into(rows, f"{kind} fwd {r}x{h}", name, fwd, 2 * pass_bytes)
             _time_into(rows, f"{kind} fwd+bwd {r}x{h}", name, fwd_bwd, 5 * pass_bytes)
