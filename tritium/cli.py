@@ -1,4 +1,4 @@
-"""`python -m tritium demo|bench`: the first things a newcomer runs.
+"""`python -m tritium demo|numerics|bench`: the first things a newcomer runs.
 
 demo  Trains a small MLP made of te.Linear layers on a synthetic regression task twice, from the
       same initial weights and on the same batches: once in high precision, once under
@@ -9,6 +9,8 @@ demo  Trains a small MLP made of te.Linear layers on a synthetic regression task
       weights on a GPU (the usual mixed-precision baseline FP8 is judged against). Feature sizes
       are multiples of 16 (the FP8 GEMM rule); the batch of 200 rows is not, on purpose: tritium
       pads token counts itself.
+numerics  Measures every module's error against float64 PyTorch in fp32, bf16, fp16 and FP8 and
+      writes docs/numerics.md (see tritium/numerics.py).
 bench Runs every `benchmarks/bench_*.py` of the source tree with this Python when CUDA is present;
       without a GPU it says so and exits 0 (benchmarks time GPU kernels, nothing else).
 
@@ -171,6 +173,11 @@ def bench(args) -> int:
     return 1 if failed else 0
 
 
+def numerics(args) -> int:
+    from .numerics import main as run  # imported on demand: the demo does not need it
+    return run(args)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tritium", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,6 +192,12 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="run benchmarks/bench_*.py (needs a CUDA GPU)")
     p.add_argument("only", nargs="*", help="run only benchmarks whose name contains one of these")
     p.set_defaults(func=bench)
+    p = sub.add_parser("numerics", help="measure every module's error vs float64 PyTorch")
+    p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if present)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per module (default 3)")
+    p.add_argument("--out", default="docs/numerics.md", help="markdown file to write")
+    p.add_argument("--quick", action="store_true", help="tiny shapes (tests)")
+    p.set_defaults(func=numerics)
     args = parser.parse_args(argv)
     if getattr(args, "steps", 1) < 1:
         parser.error("--steps must be >= 1")

@@ -1,0 +1,345 @@
+"""`python -m tritium numerics`: the margin of error of every module against float64 PyTorch.
+
+Design note. For each module (LayerNorm, RMSNorm, Linear, LayerNormLinear with either norm,
+LayerNormMLP with RMSNorm for every activation) and each mode:
+
+    fp32         params, input and grad_output in fp32 (TF32 off)
+    bf16, fp16   params, input and grad_output in that dtype
+    fp8 delayed  bf16 params, under fp8_autocast(DelayedScaling(amax_history_len=16)); three
+                 warm-up steps on fresh data of the same distribution settle the scales, the
+                 fourth step is measured (so the scales come from other batches, as in training)
+    fp8 current  bf16 params, under fp8_autocast(Float8CurrentScaling())
+
+one forward and one backward run, and the output and EVERY gradient (input and each parameter)
+is compared with a reference computed in float64 by plain torch ops (F.layer_norm, the RMSNorm
+formula, F.linear, the activation formulas written out below) from the very same values: the
+parameters, input and grad_output as the module saw them (already rounded to the mode's dtype).
+So a table entry is the error of the module's arithmetic alone, and for FP8 it is the total
+error (quantization of GEMM operands plus the bf16 roundings), not the distance to bf16.
+
+Error measures, per tensor: abs = max|a - r|; rel = max|a - r| / max|r| (the largest error over
+the largest reference value, not the elementwise max |a - r| / |r|, which near zeros of r is
+meaningless). Every entry is the max over seeds. Data: x ~ N(0, 1), grad_output ~ N(0, 1),
+GEMM weights ~ N(0, 1/fan_in), norm weights 1 + 0.1 N(0, 1), biases 0.1 N(0, 1), drawn on the
+CPU from a seeded generator, so every device measures the same numbers' errors.
+
+LayerNorm and RMSNorm have no FP8 path: under fp8_autocast they run in bf16, and their FP8
+rows equal the bf16 row. The last GEMM's bias gradient is the sum of the unquantized
+grad_output in FP8 too, so it also equals bf16's.
+
+Two effects make some entries large without an arithmetic error; INTRO (the text heading
+docs/numerics.md) explains them: relu/reglu's derivative jumps at 0, so the module's rounding of
+the norm output flips a few elements of fc1's gradient; and delayed scaling saturates a batch
+whose amax exceeds the history (srelu's heavy-tailed gradient at --quick shapes).
+
+Use `measure(...)` for the numbers and `render(...)` for the markdown; `main(args)` is the CLI.
+"""
+from __future__ import annotations
+
+import datetime
+import math
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import tritium as te
+from .ref.activation import ACTIVATIONS
+
+MODES = ("fp32", "bf16", "fp16", "fp8 delayed", "fp8 current")
+DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+         "fp8 delayed": torch.bfloat16, "fp8 current": torch.bfloat16}
+WARMUP_STEPS = 3  # fp8 delayed: steps before the measured one
+EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class Shapes:
+    batch: int
+    seq: int
+    hidden: int
+    ffn: int
+
+    def __str__(self) -> str:
+        return (f"input [{self.batch}, {self.seq}, hidden={self.hidden}], "
+                f"ffn={self.ffn} (Linear: {self.hidden} -> {self.ffn})")
+
+
+FULL = Shapes(2, 256, 512, 1024)
+QUICK = Shapes(2, 64, 64, 128)
+
+
+# float64 references: plain torch ops, written from the formulas, not from tritium's code.
+def _ln(x, P, w="weight", b="bias"):
+    return F.layer_norm(x, (x.shape[-1],), P[w], P[b], EPS)
+
+
+def _rms(x, P, w="weight"):
+    return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + EPS) * P[w]
+
+
+def _gelu_tanh(x):
+    return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+_BASE = {"gelu": _gelu_tanh, "qgelu": lambda x: x * torch.sigmoid(1.702 * x),
+         "relu": torch.relu, "srelu": lambda x: torch.relu(x) ** 2,
+         "silu": lambda x: x * torch.sigmoid(x), "sigmoid": torch.sigmoid}
+_GATE_OF = {"geglu": "gelu", "qgeglu": "qgelu", "reglu": "relu", "sreglu": "srelu",
+            "swiglu": "silu", "glu": "sigmoid"}  # gated: FIRST half through it, SECOND multiplies
+
+
+def _act(kind: str, h: torch.Tensor) -> torch.Tensor:
+    if kind not in _GATE_OF:
+        return _BASE[kind](h)
+    a, b = h.chunk(2, dim=-1)
+    return _BASE[_GATE_OF[kind]](a) * b
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable  # (dtype, device) -> module
+    ref: Callable    # (x float64, params dict float64) -> out float64
+    wide: bool = False  # the output has ffn features (Linear, LayerNormLinear), else hidden
+
+
+def cases(shapes: Shapes) -> list[Case]:
+    H, Fh = shapes.hidden, shapes.ffn
+    if set(ACTIVATIONS) != set(_BASE) - {"sigmoid"} | set(_GATE_OF):
+        raise RuntimeError("tritium's activation list changed: add the new formula here")
+    out = [
+        Case("LayerNorm", lambda dt, d: te.LayerNorm(H, params_dtype=dt, device=d), _ln),
+        Case("RMSNorm", lambda dt, d: te.RMSNorm(H, params_dtype=dt, device=d), _rms),
+        Case("Linear", lambda dt, d: te.Linear(H, Fh, params_dtype=dt, device=d),
+             lambda x, P: F.linear(x, P["weight"], P["bias"]), wide=True),
+    ]
+    for norm, f in (("LayerNorm", lambda x, P: _ln(x, P, "layer_norm_weight", "layer_norm_bias")),
+                    ("RMSNorm", lambda x, P: _rms(x, P, "layer_norm_weight"))):
+        out.append(Case(f"LayerNormLinear ({norm})",
+                        lambda dt, d, n=norm: te.LayerNormLinear(
+                            H, Fh, normalization=n, params_dtype=dt, device=d),
+                        lambda x, P, f=f: F.linear(f(x, P), P["weight"], P["bias"]), wide=True))
+    for kind in ACTIVATIONS:
+        def ref(x, P, kind=kind):
+            h = F.linear(_rms(x, P, "layer_norm_weight"), P["fc1_weight"], P["fc1_bias"])
+            return F.linear(_act(kind, h), P["fc2_weight"], P["fc2_bias"])
+        out.append(Case(f"LayerNormMLP ({kind}, RMSNorm)",
+                        lambda dt, d, k=kind: te.LayerNormMLP(
+                            H, Fh, normalization="RMSNorm", activation=k, params_dtype=dt,
+                            device=d), ref))
+    return out
+
+
+def _master_params(module: torch.nn.Module, gen: torch.Generator) -> dict:
+    params = {}
+    for name, p in module.named_parameters():
+        r = torch.randn(p.shape, generator=gen, dtype=torch.float32)
+        if p.dim() == 2:
+            params[name] = r / math.sqrt(p.shape[1])
+        elif name.endswith("weight"):
+            params[name] = 1 + 0.1 * r
+        else:
+            params[name] = 0.1 * r
+    return params
+
+
+def _run_module(case, mode, master, batches, device):
+    """Output and grads (input, then each parameter) of the last batch in `batches`."""
+    dt = DTYPE[mode]
+    m = case.build(dt, device)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            p.copy_(master[n].to(device=device, dtype=dt))
+    recipe = {"fp8 delayed": te.recipe.DelayedScaling(amax_history_len=16),
+              "fp8 current": te.recipe.Float8CurrentScaling()}.get(mode)
+    for x, dy in batches:
+        xi = x.to(device=device, dtype=dt).clone().requires_grad_()
+        for p in m.parameters():
+            p.grad = None
+        with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+            out = m(xi)
+        out.backward(dy.to(device=device, dtype=dt))
+    return {"out": out.detach(), "x": xi.grad, **{n: p.grad for n, p in m.named_parameters()}}
+
+
+def _reference(case, master, x, dy, dt, device):
+    P = {n: t.to(dt).to(device=device, dtype=torch.float64).clone().requires_grad_()
+         for n, t in master.items()}
+    xr = x.to(dt).to(device=device, dtype=torch.float64).clone().requires_grad_()
+    out = case.ref(xr, P)
+    out.backward(dy.to(dt).to(device=device, dtype=torch.float64))
+    return {"out": out.detach(), "x": xr.grad, **{n: p.grad for n, p in P.items()}}
+
+
+def _errors(got: dict, ref: dict) -> dict:
+    res = {}
+    for k, r in ref.items():
+        d = (got[k].double() - r).abs().max().item()
+        res[k] = (d, d / max(r.abs().max().item(), 1e-300))
+    return res
+
+
+def _worst(u: float, v: float) -> float:
+    """max that keeps a NaN (Python's max(nan, x) depends on the argument order)."""
+    return math.nan if math.isnan(u) or math.isnan(v) else max(u, v)
+
+
+def measure(device="cpu", seeds: int = 3, shapes: Shapes = FULL, names=None, modes=MODES,
+            log=None) -> dict:
+    """{module name: {mode: {tensor: (max abs, max rel)}}}, each the max over `seeds` seeds.
+    `names` picks modules by Case.name (default: all)."""
+    device = torch.device(device)
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision())
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    results = {}
+    try:
+        for case in cases(shapes):
+            if names is not None and case.name not in names:
+                continue
+            t0, table = time.perf_counter(), {mode: {} for mode in modes}
+            for seed in range(seeds):
+                gen = torch.Generator().manual_seed(1000 * seed + 17)
+                master = _master_params(case.build(torch.float32, "cpu"), gen)
+                shape = (shapes.batch, shapes.seq, shapes.hidden)
+                dy_shape = (*shape[:-1], shapes.ffn if case.wide else shapes.hidden)
+                batches = [(torch.randn(shape, generator=gen), torch.randn(dy_shape, generator=gen))
+                           for _ in range(WARMUP_STEPS + 1)]
+                refs = {}
+                for mode in modes:
+                    dt = DTYPE[mode]
+                    if dt not in refs:
+                        refs[dt] = _reference(case, master, *batches[-1], dt, device)
+                    run = batches if mode == "fp8 delayed" else batches[-1:]
+                    errs = _errors(_run_module(case, mode, master, run, device), refs[dt])
+                    for k, (a, r) in errs.items():
+                        a0, r0 = table[mode].get(k, (0.0, 0.0))
+                        table[mode][k] = (_worst(a, a0), _worst(r, r0))
+            results[case.name] = table
+            if log:
+                log(f"{case.name}: {time.perf_counter() - t0:.1f} s")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+    return results
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"GPU: {torch.cuda.get_device_name(device)} (CUDA {torch.version.cuda})"
+    name = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        "")
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine()
+    return f"CPU: {name} ({torch.get_num_threads()} threads)"
+
+
+def _fmt(v: float) -> str:
+    return "0" if v == 0 else f"{v:.2e}"
+
+
+def render(results: dict, device, seeds: int, shapes: Shapes, seconds: float,
+           intro: str = "") -> str:
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a dependency
+        triton_version = "not installed"
+    lines = ["# Numerics: the margin of error of every module", "",
+             "Generated by `python -m tritium numerics`; do not edit by hand "
+             "(rerun it after changing the math).", "",
+             f"- device: {device_name(device)}",
+             f"- torch {torch.__version__}, triton {triton_version}, Python "
+             f"{platform.python_version()}; TF32 off",
+             f"- date: {datetime.date.today().isoformat()}; measured in {seconds:.0f} s",
+             f"- shapes: {shapes}; eps {EPS}",
+             f"- seeds: {seeds} (each entry is the max over seeds)", ""]
+    if intro:
+        lines += [intro.strip(), ""]
+    modes = list(next(iter(results.values())).keys()) if results else []
+    lines += ["## Summary: max rel of the output / worst max rel over all gradients", "",
+              "| module | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
+    for name, table in results.items():
+        cells = [f"{_fmt(table[m]['out'][1])} / "
+                 f"{_fmt(max(r for k, (_, r) in table[m].items() if k != 'out'))}" for m in modes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    for name, table in results.items():
+        cols = list(next(iter(table.values())).keys())
+        head = ["output" if c == "out" else "grad input" if c == "x" else f"grad {c}"
+                for c in cols]
+        lines += ["", f"## {name}", "", "Each cell: max abs / max rel.", "",
+                  "| mode | " + " | ".join(head) + " |", "|---|" + "---|" * len(cols)]
+        for mode, errs in table.items():
+            lines.append(f"| {mode} | " + " | ".join(
+                f"{_fmt(errs[c][0])} / {_fmt(errs[c][1])}" for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+INTRO = """\
+How to read it. Each module runs one forward and one backward pass in each mode, and the output
+and every gradient (the input's, then each parameter's, by TE's parameter names) are compared
+with a float64 computation in plain PyTorch from the same parameter values, input and
+grad_output (rounded to the mode's dtype first, so only the module's arithmetic is measured; for
+FP8 the table shows the total FP8 error, not the distance to bf16). A cell is `abs / rel`, where
+max rel = max|a - r| / max|r| over the whole tensor: the largest error relative to the tensor's
+scale, not an elementwise ratio (meaningless next to zeros of r). Every entry is the worst over
+the seeds. The summary gives the output's max rel and the worst max rel over all gradients.
+
+What dominates each mode. **fp32**: accumulation order only, below 1e-6 relative (TF32 is off;
+with it on, fp32 matmuls on a GPU err by about 1e-3). **bf16 / fp16**: norms and activations
+compute in fp32 and round once at the end, GEMMs accumulate in fp32, so the error is about one
+rounding of each op's output, at most 2^-8 = 3.9e-3 of a value in bf16 (8 significant bits) and
+2^-11 = 4.9e-4 in fp16 (11 bits); roundings of intermediates (the norm's output, fc1's, the
+activation's) that feed the next GEMM add up to about twice that in LayerNormMLP. **FP8**: the
+quantization of GEMM operands dominates: input and weight in E4M3 in the forward (4 significant
+bits: up to 6% per element, partly averaging out over a dot product), grad_output in E5M2 in the
+backward (3 bits: up to 12.5%), so gradients err more than the output: about 4-8% of max for
+outputs, 7-16% for gradients here (relu and reglu aside, below). Current scaling fits each
+tensor's own amax. Delayed scaling takes the scale from the amax history of earlier batches
+(margin 0), so a batch whose amax exceeds the history's saturates there: rare and small for
+Gaussian-like tensors at these shapes, larger for heavy-tailed ones (at `--quick` shapes one
+seed of srelu clipped fc1's grad_output from an amax of 22.4 to the history's 13.7 and the input
+gradient erred by 45%). LayerNorm and RMSNorm have no FP8 GEMM, so their FP8 rows are the bf16
+computation; so is the last GEMM's bias gradient (a sum of the unquantized grad_output).
+
+relu and reglu: their derivative jumps at 0. The module rounds the norm's output to the mode's
+dtype before fc1 (the reference does not), which moves a few pre-activations next to 0 across it
+(a few dozen of 524288 in one fp16 run); each flips one entry of fc1's grad_output between 0 and
+O(1), so the gradients of the input, the norm weight and fc1 differ from the reference by 10-13%
+of their max in fp16 and up to 26% in bf16. That is the derivative taken at a point one rounding
+away, not an arithmetic error: against a reference that rounds the norm's output the same way
+the fp16 error falls to the usual 3e-4 to 6e-4. srelu's derivative is continuous and has no such
+jump. A Llama port's 16-bit numbers also differ from Hugging Face's for the reasons in
+`docs/porting.md`.
+"""
+
+
+def main(args) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("--device cuda given but torch sees no CUDA GPU", file=sys.stderr)
+        return 2
+    if args.seeds < 1:
+        print("--seeds must be >= 1", file=sys.stderr)
+        return 2
+    shapes = QUICK if args.quick else FULL
+    print(f"tritium numerics on {device_name(device)}: {shapes}, {args.seeds} seeds", flush=True)
+    t0 = time.perf_counter()
+    results = measure(device, args.seeds, shapes, log=lambda s: print(s, flush=True))
+    seconds = time.perf_counter() - t0
+    text = render(results, device, args.seeds, shapes, seconds, INTRO)
+    with open(args.out, "w") as f:
+        f.write(text)
+    print(f"wrote {args.out} ({seconds:.1f} s)")
+    return 0
