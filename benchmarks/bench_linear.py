@@ -15,25 +15,12 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, peak_mem_mb, time_ms  # noqa: E402
+from harness import finish, measure_fwd_bwd  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (16384, 8192, 8192)]
-
-
-def _fwd_bwd(module, x, dy, ctx=None, fresh_input=False):
-    def run():
-        inp = x * 1.0 if fresh_input else x
-        if ctx is None:
-            out = module(inp)
-        else:
-            with ctx():
-                out = module(inp)
-        del inp
-        out.backward(dy)
-    return run
 
 
 def _variants(t, k, n):
@@ -69,28 +56,15 @@ def main():
             if isinstance(module, Exception):
                 rows.append({"case": case, "variant": variant, "error": repr(module)})
                 continue
-            params = [p for p in module.parameters()]
-            run = _fwd_bwd(module, x, dy, ctx)
-
-            def step():
-                for p in params + [x]:
-                    p.grad = None
-                run()
             try:
-                step(); step()
-                ms = time_ms(step)
-                for p in params + [x]:
-                    p.grad = None
-                mem = peak_mem_mb(run)
-                for p in params + [x]:
-                    p.grad = None
-                mem_net = peak_mem_mb(_fwd_bwd(module, x, dy, ctx, fresh_input=True))
+                res = measure_fwd_bwd(module, x, dy, ctx, in_network=True)
             except Exception as exc:
                 rows.append({"case": case, "variant": variant, "error": repr(exc)})
                 continue
-            rows.append({"case": case, "variant": variant, "ms": round(ms, 4),
-                         "tflops": round(6 * t * k * n / ms / 1e9, 1), "peak_mb": round(mem, 1),
-                         "peak_mb_in_network": round(mem_net, 1)})
+            rows.append({"case": case, "variant": variant, "ms": res["ms"],
+                         "tflops": round(6 * t * k * n / res["ms"] / 1e9, 1),
+                         "peak_mb": res["peak_mb"],
+                         "peak_mb_in_network": res["peak_mb_in_network"]})
             print(rows[-1], flush=True)
         del x, dy
         torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, peak_mem_mb, time_ms  # noqa: E402
+from harness import finish, measure_fwd_bwd  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -53,31 +53,14 @@ def main():
                  lambda: te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()))]
     rows = []
     for name, module, ctx in variants:
-        params = list(module.parameters())
-
-        def run(module=module, ctx=ctx):
-            if ctx is None:
-                out = module(x)
-            else:
-                with ctx():
-                    out = module(x)
-            out.backward(dy)
-
-        def step(run=run, params=params):
-            for p in params + [x]:
-                p.grad = None
-            run()
         try:
-            step(); step()
-            ms = time_ms(step)
-            for p in params + [x]:
-                p.grad = None
-            mem = peak_mem_mb(run)
+            res = measure_fwd_bwd(module, x, dy, ctx)
         except Exception as exc:
             rows.append({"case": f"T{T} {H}->{F}", "variant": name, "error": repr(exc)})
             continue
-        rows.append({"case": f"T{T} {H}->{F}", "variant": name, "ms": round(ms, 4),
-                     "tflops": round(18 * T * H * F / ms / 1e9, 1), "peak_mb": round(mem, 1)})
+        rows.append({"case": f"T{T} {H}->{F}", "variant": name, "ms": res["ms"],
+                     "tflops": round(18 * T * H * F / res["ms"] / 1e9, 1),
+                     "peak_mb": res["peak_mb"]})
         print(rows[-1], flush=True)
     finish("mlp", rows, baseline="bf16 eager Llama MLP")
 

@@ -54,6 +54,46 @@ def peak_mem_mb(fn) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def fwd_bwd_runner(module, x, dy, ctx=None, fresh_input=False):
+    """A callable that runs module(x) (inside ctx() when given) and backward(dy). With
+    fresh_input the input is made inside the step by a previous op (`x * 1.0`), as in a
+    network, so that what the module keeps for backward counts in its peak memory."""
+    def run():
+        inp = x * 1.0 if fresh_input else x
+        if ctx is None:
+            out = module(inp)
+        else:
+            with ctx():
+                out = module(inp)
+        del inp
+        out.backward(dy)
+    return run
+
+
+def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
+    """Median ms and peak MiB of fwd+bwd, grads reset before each call (and the peak with the
+    input made in the step when in_network)."""
+    grads = list(module.parameters()) + [x]
+    run = fwd_bwd_runner(module, x, dy, ctx)
+
+    def reset():
+        for p in grads:
+            p.grad = None
+
+    def step():
+        reset()
+        run()
+    step(); step()
+    out = {"ms": round(time_ms(step), 4)}
+    reset()
+    out["peak_mb"] = round(peak_mem_mb(run), 1)
+    if in_network:
+        reset()
+        out["peak_mb_in_network"] = round(
+            peak_mem_mb(fwd_bwd_runner(module, x, dy, ctx, fresh_input=True)), 1)
+    return out
+
+
 def finish(bench: str, rows: list[dict], baseline: str) -> dict:
     by_case = {r["case"]: r for r in rows if r["variant"] == baseline and "ms" in r}
     for r in rows:

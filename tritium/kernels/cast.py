@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8.formats import FP32_MAX, fp8_max
+from ..fp8.formats import fp8_max
 from ._launch import Launcher
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
@@ -172,4 +172,4 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     return out
 
 
-__all__ = ["amax_into", "cast_transpose", "dequantize", "FP32_MAX"]
+__all__ = ["amax_into", "cast_transpose", "dequantize"]

@@ -15,8 +15,37 @@ from typing import Optional
 import torch
 
 from ..fp8.autocast import current as current_autocast
+from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..fp8.scaling import FP8Meta
 from ..functional.linear import FP8Plan, WeightCache
+
+
+def check_input(owner: str, inp, weight: torch.Tensor, dim_name: str, dim: int) -> None:
+    """The checks every GEMM module runs on its input, with messages that name the fix."""
+    if not isinstance(inp, torch.Tensor):
+        raise TypeError(f"{owner}.forward: inp must be a torch.Tensor, got {type(inp).__name__}")
+    if inp.device != weight.device:
+        raise ValueError(f"{owner}.forward: inp is on {inp.device} but the weight is on "
+                         f"{weight.device}; move one of them (inp.to({str(weight.device)!r}))")
+    if inp.dim() < 1 or inp.shape[-1] != dim:
+        raise ValueError(f"{owner}.forward: inp has shape {tuple(inp.shape)}; its last dim must "
+                         f"be {dim_name}={dim}")
+    if inp.dtype not in HIGH_PRECISION_DTYPES:
+        raise TypeError(f"{owner}.forward: inp dtype {inp.dtype} is not supported; pass float32, "
+                        "bfloat16 or float16")
+    if inp.dtype != weight.dtype and not torch.is_autocast_enabled(inp.device.type):
+        raise TypeError(f"{owner}.forward: inp dtype {inp.dtype} differs from the params dtype "
+                        f"{weight.dtype}; cast the input, build {owner} with "
+                        f"params_dtype={inp.dtype}, or run under torch.autocast")
+
+
+def check_fp8_dims(owner: str, sizes: dict) -> None:
+    """FP8 GEMMs need every feature dim divisible by 16: say which one and what to pad it to."""
+    for name, size in sizes.items():
+        if size % 16:
+            raise ValueError(f"{owner}({name}={size}) cannot run in FP8: FP8 GEMMs need "
+                             f"{' and '.join(sizes)} divisible by 16; pad {name} to "
+                             f"{-(-size // 16) * 16} or run this module outside fp8_autocast")
 
 
 class FP8Module(torch.nn.Module):

@@ -27,7 +27,7 @@ from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
 from ..functional.linear import linear
 from ._norm_params import apply_norm, register_norm_params, reset_norm_params
-from .base import FP8Module
+from .base import FP8Module, check_fp8_dims, check_input
 from .linear import default_init
 
 
@@ -83,26 +83,10 @@ class LayerNormMLP(FP8Module):
         self._clear_weight_caches()
 
     def _check(self, inp) -> None:
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"LayerNormMLP.forward: inp must be a torch.Tensor, got {type(inp).__name__}")
-        w = self.fc1_weight
-        if inp.device != w.device:
-            raise ValueError(f"LayerNormMLP.forward: inp is on {inp.device} but the weights are on "
-                             f"{w.device}; move one of them")
-        if inp.dim() < 1 or inp.shape[-1] != self.hidden_size:
-            raise ValueError(f"LayerNormMLP.forward: inp has shape {tuple(inp.shape)}; its last dim "
-                             f"must be hidden_size={self.hidden_size}")
-        if inp.dtype != w.dtype and not torch.is_autocast_enabled(inp.device.type):
-            raise TypeError(f"LayerNormMLP.forward: inp dtype {inp.dtype} differs from the params "
-                            f"dtype {w.dtype}; cast the input, set params_dtype={inp.dtype}, or run "
-                            "under torch.autocast")
+        check_input("LayerNormMLP", inp, self.fc1_weight, "hidden_size", self.hidden_size)
         if is_fp8_enabled():
-            for name, size in (("hidden_size", self.hidden_size),
-                               ("ffn_hidden_size", self.ffn_hidden_size)):
-                if size % 16:
-                    raise ValueError(f"LayerNormMLP({name}={size}) cannot run in FP8: FP8 GEMMs "
-                                     f"need dims divisible by 16; pad {name} to "
-                                     f"{-(-size // 16) * 16} or run outside fp8_autocast")
+            check_fp8_dims("LayerNormMLP", {"hidden_size": self.hidden_size,
+                                            "ffn_hidden_size": self.ffn_hidden_size})
 
     def _fc1_act(self, ln_out: torch.Tensor, plan) -> torch.Tensor:
         return apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan),

@@ -17,7 +17,7 @@ from .._device import default_device
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.linear import MainGradTarget, linear
-from .base import FP8Module
+from .base import FP8Module, check_fp8_dims, check_input
 
 DEFAULT_INIT_STD = 0.023
 
@@ -96,28 +96,11 @@ class Linear(FP8Module):
         self._clear_weight_caches()
 
     def _check_input(self, inp, weight: torch.Tensor) -> None:
-        if not isinstance(inp, torch.Tensor):
-            raise TypeError(f"Linear.forward: inp must be a torch.Tensor, got {type(inp).__name__}")
-        if inp.device != weight.device:
-            raise ValueError(f"Linear.forward: inp is on {inp.device} but the weight is on "
-                             f"{weight.device}; move one of them (inp.to({str(weight.device)!r}))")
-        if inp.dim() < 1 or inp.shape[-1] != self.in_features:
-            raise ValueError(f"Linear.forward: inp has shape {tuple(inp.shape)}; its last dim must "
-                             f"be in_features={self.in_features}")
-        if inp.dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"Linear.forward: inp dtype {inp.dtype} is not supported; pass float32, "
-                            "bfloat16 or float16")
-        if inp.dtype != weight.dtype and not torch.is_autocast_enabled(inp.device.type):
-            raise TypeError(f"Linear.forward: inp dtype {inp.dtype} differs from the params dtype "
-                            f"{weight.dtype}; cast the input, build Linear with "
-                            f"params_dtype={inp.dtype}, or run under torch.autocast")
+        check_input("Linear", inp, weight, "in_features", self.in_features)
 
     def _check_fp8_dims(self) -> None:
-        for name, size in (("in_features", self.in_features), ("out_features", self.out_features)):
-            if size % 16:
-                raise ValueError(f"Linear({name}={size}) cannot run in FP8: FP8 GEMMs need "
-                                 f"in_features and out_features divisible by 16; pad {name} to "
-                                 f"{-(-size // 16) * 16} or run this module outside fp8_autocast")
+        check_fp8_dims("Linear", {"in_features": self.in_features,
+                                  "out_features": self.out_features})
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         weights = self._parts("weight")
