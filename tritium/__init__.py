@@ -8,11 +8,13 @@
 """
 from . import recipe
 from .fp8.autocast import autocast, fp8_autocast
+from .fp8.model_init import fp8_model_init, quantized_model_init
 from .fp8.tensor import Float8Tensor
 from .modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
 
 __version__ = "0.1.0"
 
-__all__ = ["recipe", "autocast", "fp8_autocast", "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
+__all__ = ["recipe", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
+           "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
            "LayerNormLinear", "LayerNormMLP",
            "__version__"]

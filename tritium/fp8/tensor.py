@@ -7,6 +7,11 @@ high-precision values. A `__torch_dispatch__` subclass: ops it does not implemen
 dequantized values (so `x + 1`, `x.sum()`, `x @ w` simply work, in the nominal dtype); the few
 it implements (detach, clone, copy_ into it, views that keep the data) stay in FP8. In-place
 ops (`x.mul_(2)`) run on the dequantized values and requantize into x with x's scale.
+
+Checkpoints: the class is registered with `torch.serialization.add_safe_globals`, so a state
+dict holding Float8Tensors (FP8 params from fp8_model_init) loads with
+`torch.load(weights_only=True)` in any process that imported tritium; what it unpickles is
+tensors and dtypes only.
 """
 from __future__ import annotations
 
@@ -57,6 +62,14 @@ class Float8Tensor(torch.Tensor):
         data, data_t, scale_inv = cast_transpose(x2d.detach(), scale, amax, fp8_dtype,
                                                  write_transpose=with_transpose)
         return cls(data.view(x.shape), scale_inv, fp8_dtype, x.dtype, data_t, scale)
+
+    def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+        """The initial high-precision value, kept (on the CPU) by
+        fp8_model_init(preserve_high_precision_init_val=True); else None."""
+        return getattr(self, "_high_precision_init_val", None)
+
+    def clear_high_precision_init_val(self) -> None:
+        self._high_precision_init_val = None
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return _dequantize(self._data, self._scale_inv, dtype or self.dtype)
@@ -120,3 +133,6 @@ class Float8Tensor(torch.Tensor):
         if dst._transpose is not None:
             dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
         return dst
+
+
+torch.serialization.add_safe_globals([Float8Tensor])

@@ -31,6 +31,7 @@ from ..fp8.autocast import FP8Region
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.scaling import ScalingState
+from ..fp8.tensor import Float8Tensor
 from .gemm import fp8_gemm_tn
 
 
@@ -96,6 +97,12 @@ class FP8Plan:
                            write_transpose=write_transpose)
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
+        if isinstance(weight, Float8Tensor):  # an FP8 param (fp8_model_init): no cast at all
+            w8 = weight._data
+            w8_t = weight._transpose
+            if need_transpose and w8_t is None:
+                w8_t = w8.t().contiguous()
+            return w8, w8_t, weight._scale_inv
         cache, first = self.weight_cache, self.is_first_microbatch
         fp8_dtype = self.recipe.fp8_format.forward_dtype
         key = (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
@@ -213,6 +220,8 @@ class _LinearFunction(torch.autograd.Function):
             # its GEMM is done (lower peak memory); none of them is an input or output.
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
+            if isinstance(weight, Float8Tensor):
+                weight = weight.dequantize()
             if plan is not None and plan.fwd.amax_slot(plan.input_slot) is not None:
                 # calibration: record what FP8 would have seen (not when recomputing)
                 amax_into(x2d, plan.fwd.amax_slot(plan.input_slot))

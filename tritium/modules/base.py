@@ -7,6 +7,11 @@ autocast region and returns one `FP8Plan` per GEMM, or None when neither FP8 nor
 on. GEMM 0 (the first in forward, so the last in backward) carries the region's backward scale
 update when the module is the region's first. The FP8 state goes into checkpoints through
 get_extra_state/set_extra_state as tensors and plain values only.
+
+FP8 params (modules built under `fp8_model_init`): the subclass names its GEMM weights and their
+forward slots in `_fp8_weight_slots`; `reset_parameters` initialises them in high precision and
+`_quantize_fp8_params` then replaces each with a Float8Tensor Parameter tied to its slot (see
+tritium/fp8/model_init.py for the contract with the optimizer).
 """
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ from typing import Optional
 import torch
 
 from ..fp8.autocast import current as current_autocast
-from ..fp8.formats import HIGH_PRECISION_DTYPES
+from ..fp8.formats import HIGH_PRECISION_DTYPES, fp8_max
+from ..fp8.model_init import fp8_params_config
 from ..fp8.scaling import FP8Meta
+from ..fp8.tensor import Float8Tensor
 from ..functional.linear import FP8Plan, WeightCache
+from ..ref.scaling import compute_scale
 
 
 def check_input(owner: str, inp, weight: torch.Tensor, dim_name: str, dim: int) -> None:
@@ -53,6 +61,62 @@ class FP8Module(torch.nn.Module):
         super().__init__()
         self.fp8_meta = FP8Meta(2 * num_gemms, num_gemms)
         self._weight_caches = [WeightCache() for _ in range(num_gemms)]
+        config = fp8_params_config()
+        self._fp8_param_recipe = None if config is None else config[0]
+        self._preserve_init_val = config is not None and config[1]
+        self._fp8_weight_slots: dict[str, int] = {}  # set by the subclass: param name -> slot
+        self._linked_history = None
+
+    @property
+    def primary_weights_in_fp8(self) -> bool:
+        """True for a module built under fp8_model_init (its GEMM weights are Float8Tensors)."""
+        return self._fp8_param_recipe is not None
+
+    def _unquantize_fp8_params(self) -> None:
+        """Before re-initialising: give each FP8 weight a high-precision Parameter to init."""
+        for name in self._fp8_weight_slots:
+            p = self._parameters[name]
+            if isinstance(p, Float8Tensor):
+                self._parameters[name] = torch.nn.Parameter(
+                    torch.empty(p.shape, dtype=p.dtype, device=p.device),
+                    requires_grad=p.requires_grad)
+
+    def _quantize_fp8_params(self) -> None:
+        """After initialising: each GEMM weight becomes a Float8Tensor Parameter whose first
+        scale comes from its own amax (recorded in history row 0 as a cast would)."""
+        recipe = self._fp8_param_recipe
+        if recipe is None:
+            return
+        for name, slot in self._fp8_weight_slots.items():
+            p = self._parameters[name]
+            self.fp8_meta.prepare(recipe, p.device)
+            state = self.fp8_meta.fwd
+            value = p.detach()
+            with torch.no_grad():
+                amax = value.abs().amax().float().reshape(1)
+                scale = compute_scale(amax, state.scale_slot(slot), fp8_max(state.fp8_dtype),
+                                      recipe.margin)
+                state.scale_slot(slot).copy_(scale)
+                state.amax_slot(slot).copy_(amax)
+            q = Float8Tensor.quantize(value, state.scale_slot(slot), state.fp8_dtype,
+                                      with_transpose=True)
+            param = torch.nn.Parameter(q, requires_grad=p.requires_grad)
+            if self._preserve_init_val:
+                param._high_precision_init_val = value.to("cpu", copy=True)
+            self._parameters[name] = param
+        self._link_fp8_params()
+
+    def _link_fp8_params(self) -> None:
+        """Point each FP8 weight's `_scale` / `_amax` at its slot in the current state (the
+        state's tensors are replaced when a recipe changes the history length or format)."""
+        state = self.fp8_meta.fwd
+        if state is None or state.amax_history is self._linked_history:
+            return
+        for name, slot in self._fp8_weight_slots.items():
+            p = self._parameters[name]
+            if isinstance(p, Float8Tensor):
+                p._scale, p._amax = state.scale_slot(slot), state.amax_slot(slot)
+        self._linked_history = state.amax_history
 
     def _fp8_plans(self, device: torch.device,
                    is_first_microbatch: Optional[bool]) -> Optional[list]:
@@ -61,6 +125,8 @@ class FP8Module(torch.nn.Module):
             return None
         meta = self.fp8_meta
         meta.prepare(state.recipe, device)
+        if self._fp8_param_recipe is not None:
+            self._link_fp8_params()
         first = state.region.register(meta.fwd, meta.bwd, state.recipe, state.group)
         if not state.enabled and meta.fwd is None:  # calibrating needs a delayed-scaling state
             return None
@@ -86,3 +152,5 @@ class FP8Module(torch.nn.Module):
         device = next((p.device for p in self.parameters()), torch.device("cpu"))
         self.fp8_meta.load_extra_state(state, device)
         self._clear_weight_caches()
+        self._linked_history = None
+        self._link_fp8_params()

@@ -70,16 +70,20 @@ class LayerNormMLP(FP8Module):
         self.fc1_bias = torch.nn.Parameter(torch.empty(fc1_rows, **factory)) if bias else None
         self.fc2_weight = torch.nn.Parameter(torch.empty(hidden_size, ffn_hidden_size, **factory))
         self.fc2_bias = torch.nn.Parameter(torch.empty(hidden_size, **factory)) if bias else None
+        if self.primary_weights_in_fp8:
+            self._fp8_weight_slots = {"fc1_weight": 1, "fc2_weight": 3}
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         reset_norm_params(self, self.zero_centered_gamma)
+        self._unquantize_fp8_params()
         with torch.no_grad():
             self.init_method(self.fc1_weight)
             self.output_layer_init_method(self.fc2_weight)
             for b in (self.fc1_bias, self.fc2_bias):
                 if b is not None:
                     b.zero_()
+        self._quantize_fp8_params()
         self._clear_weight_caches()
 
     def _check(self, inp) -> None:

@@ -80,6 +80,12 @@ class Linear(FP8Module):
                                     torch.nn.Parameter(torch.empty(rows, in_features, **factory)))
             self.register_parameter(f"{prefix}bias", torch.nn.Parameter(torch.empty(rows, **factory))
                                     if bias else None)
+        if self.primary_weights_in_fp8:
+            if parameters_split is not None:
+                raise NotImplementedError(
+                    "parameters_split is not supported for modules built under fp8_model_init "
+                    "yet: build this Linear without parameters_split (one fused weight)")
+            self._fp8_weight_slots = {"weight": 1}
         self.reset_parameters()
 
     def _parts(self, kind: str) -> list:
@@ -87,12 +93,14 @@ class Linear(FP8Module):
         return [params[f"{p}_{kind}" if p else kind] for p in self.split_sizes]
 
     def reset_parameters(self) -> None:
+        self._unquantize_fp8_params()
         with torch.no_grad():
             for w in self._parts("weight"):
                 self.init_method(w)
             if self.use_bias:
                 for b in self._parts("bias"):
                     b.zero_()
+        self._quantize_fp8_params()
         self._clear_weight_caches()
 
     def _check_input(self, inp, weight: torch.Tensor) -> None:

@@ -1,0 +1,69 @@
+"""fp8_model_init / quantized_model_init: build modules whose GEMM weights are FP8 only.
+
+Inside `with fp8_model_init(enabled=True, recipe=DelayedScaling()):` the FP8-capable modules
+(Linear, LayerNormLinear, LayerNormMLP and what is built from them) turn each GEMM weight into a
+`Float8Tensor` Parameter after initialising it in high precision. The module keeps no
+high-precision copy: forward feeds the fp8 data straight to the GEMM (no cast), and an optimizer
+with master weights (tritium.optimizers.FusedAdam(master_weights=True)) writes new fp8 data after
+each step.
+
+How a weight param is tied to its module (the contract the optimizer relies on):
+  * `p._scale`  the module's forward scale slot of that weight (a view into its delayed-scaling
+                state: read it, never write it); forward scales update at autocast exit as usual.
+  * `p._amax`   row 0 of that slot's amax history: whoever writes new fp8 data (the optimizer)
+                max-accumulates the new values' amax there, so the next update sees it.
+  * `p._transpose` the fp8 transpose (dgrad needs it), refreshed by whoever writes `_data`.
+  * `p._scale_inv` written with the data as the exactly rounded 1/scale.
+
+Decisions where TE is silent or differs:
+  * The first scale comes from the initial weight's own amax (fp8_max / amax / 2^margin, as a
+    current-scaling cast would pick), and that amax is recorded in history row 0. TE starts at
+    scale 1, which flushes an init of std 0.02 to E4M3 subnormals; that is why TE needs
+    `preserve_high_precision_init_val` to seed master weights. We keep the option (it stores the
+    high-precision init on the CPU, read by `p.get_high_precision_init_val()` and dropped by
+    `p.clear_high_precision_init_val()`), but it is rarely needed.
+  * Only delayed scaling is supported for FP8 params (their scale lives in the module's state);
+    other recipes raise. FP8 params can run under any fp8_autocast recipe: the fp8 data carries
+    its own scale_inv.
+  * parameters_split is not supported with FP8 params yet (clear error).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Optional
+
+from .recipe import DelayedScaling, Recipe
+
+
+class _ModelInitState(threading.local):
+    def __init__(self):
+        self.stack: list[tuple[DelayedScaling, bool]] = []
+
+
+_state = _ModelInitState()
+
+
+def fp8_params_config() -> Optional[tuple[DelayedScaling, bool]]:
+    """(recipe, preserve_high_precision_init_val) of the innermost enabled fp8_model_init."""
+    return _state.stack[-1] if _state.stack and _state.stack[-1] is not None else None
+
+
+@contextlib.contextmanager
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """Modules built inside hold their GEMM weights as FP8 Float8Tensor params only."""
+    if recipe is None:
+        recipe = DelayedScaling()
+    if enabled and not isinstance(recipe, DelayedScaling):
+        raise NotImplementedError(
+            f"fp8_model_init(recipe={type(recipe).__name__}) is not supported: FP8 params take "
+            "their scale from the module's delayed-scaling state; pass recipe.DelayedScaling()")
+    _state.stack.append((recipe, bool(preserve_high_precision_init_val)) if enabled else None)
+    try:
+        yield
+    finally:
+        _state.stack.pop()
+
+
+quantized_model_init = fp8_model_init
