@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: gpu test tier + benchmarks, logs and JSON under $OUT.
-# Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp]   (default: all)
+# Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
+# (default: all). Any other word is taken as a pytest -k filter for the gpu tier: tests:EXPR.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -9,7 +10,7 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/peers .whl/*.whl && export PYTHONPATH=$PWD:/tmp/peers
 fi
-stages=${*:-tests cast linear norm act mlp}
+stages=${*:-tests cast linear norm act mlp attn rope adam block}
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 for s in $stages; do
@@ -20,5 +21,10 @@ for s in $stages; do
     norm)   python3 benchmarks/bench_norm.py 2>&1 | tee "$OUT/bench_norm.log" | grep -v "^{" ;;
     act)    python3 benchmarks/bench_activation.py 2>&1 | tee "$OUT/bench_act.log" | grep -v "^{" ;;
     mlp)    python3 benchmarks/bench_mlp.py 2>&1 | tee "$OUT/bench_mlp.log" | grep -v "^{" ;;
+    attn)   python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attn.log" | grep -v "^{" ;;
+    rope)   python3 benchmarks/bench_rope.py 2>&1 | tee "$OUT/bench_rope.log" | grep -v "^{" ;;
+    adam)   python3 benchmarks/bench_adam.py 2>&1 | tee "$OUT/bench_adam.log" | grep -v "^{" ;;
+    block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
+    tests:*) python3 -m pytest -q -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
 done
