@@ -62,15 +62,17 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr,
                  other=0.0).to(tl.float32)
     trow = pos[:, None] * ROT
     c = tl.load(cos_ptr + trow + d[None, :], mask=rmask2, other=0.0)
+    # sign flips as products with -1.0 (exact, and -(+0.0) is -0.0; Triton's unary minus is
+    # 0 - x, which gives +0.0 and would differ from the twin's torch negation)
+    sgn = tl.where(first, -1.0, 1.0)[None, :]
     if TRANSPOSE:
         # dx[d] = dy[d] cos[d] - s(d) (dy[p] sin[p]); s(d) = -1 on the first of each pair
         s = tl.load(sin_ptr + trow + partner[None, :], mask=rmask2, other=0.0)
-        r = xp * s
-        r = tl.where(first[None, :], r, -r)
+        r = (xp * s) * -sgn
     else:
         # y[d] = x[d] cos[d] + s(d) x[p] sin[d]
         s = tl.load(sin_ptr + trow + d[None, :], mask=rmask2, other=0.0)
-        r = tl.where(first[None, :], -xp, xp) * s
+        r = (xp * sgn) * s
     y = xf * c + r
     out = tl.where(in_rot[None, :], y.to(y_ptr.dtype.element_ty), x)
     tl.store(y_ptr + rows[:, None] * D + d[None, :], out, mask=mask)
