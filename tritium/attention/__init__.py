@@ -1,0 +1,24 @@
+"""tritium.attention: DotProductAttention, its backends (cuDNN / flash / mem-efficient through
+torch's ATen ops, and a pure-PyTorch reference) and the choice between them.
+
+    from tritium.attention import DotProductAttention, dot_product_attention, explain
+    print(explain(q, k, v, qkv_format="bshd", attn_mask_type="causal"))
+
+`attention_forward` / `attention_backward` (after `prepare`) are the block-level fwd/bwd pair a
+context-parallel ring calls: fp32 log-sum-exp out, any merged (out, lse) pair back in.
+"""
+from .backends import AttnArgs
+from .dot_product_attention import (DotProductAttention, Explanation, attention_backward,
+                                    attention_forward, dot_product_attention, explain, prepare)
+from .masks import MASK_TYPES
+
+__all__ = ["DotProductAttention", "dot_product_attention", "attention_forward",
+           "attention_backward", "prepare", "explain", "Explanation", "AttnArgs", "MASK_TYPES"]
+
+# RoPE lives in attention/rope.py (owned separately); exported here once it exists.
+try:  # pragma: no cover - depends on the rope module being present
+    from .rope import *  # noqa: F401,F403
+    from . import rope as _rope
+    __all__ += list(getattr(_rope, "__all__", []))
+except ImportError:
+    pass

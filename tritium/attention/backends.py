@@ -1,0 +1,449 @@
+"""Attention backends and the per-call choice between them (with the reason, logged).
+
+Every backend has the same three methods on canonical tensors (see `AttnArgs`):
+  check(q, k, v, a) -> None if it can run this call, else the reason it cannot (one line);
+  fwd(q, k, v, a)   -> (out, lse, aux): out like q but d_v wide, lse fp32 [b, h, s_q] ("bshd")
+                       or [h, t_q] ("thd"), natural log, -inf on rows with no visible key;
+                       aux is what backward needs besides (out, lse): dropout RNG state etc.;
+  bwd(dout, q, k, v, out, lse, aux, a) -> (dq, dk, dv).
+bwd accepts any (out, lse) of the same softmax rows, so a context-parallel ring can run fwd per
+KV block, merge outs and lses in fp32, and call bwd per block with the merged pair.
+
+  cudnn      torch.ops.aten._scaled_dot_product_cudnn_attention(+_backward): dense bshd, no/causal
+             mask (square only), no window, no padding, head dims <= 128, fp16/bf16, sm80+.
+             GQA natively where this torch's op takes it (probed once per device), else K/V heads
+             are repeated and their gradients summed.
+  flash      torch.ops.aten._flash_attention_forward/_backward (FlashAttention-2 in torch): dense
+             and varlen thd (cu_seqlens), GQA, sliding windows, bottom-right alignment (so
+             top-left causal only where s_q == s_kv per sequence), fp16/bf16, d % 8 == 0, d <= 256.
+  efficient  torch.ops.aten._scaled_dot_product_efficient_attention(+_backward): every mask as
+             an additive bias (fp32 too); thd through padding; GQA by repeating K/V.
+  torch      `tritium.ref.attention`: explicit fp32 softmax, everything, any device.
+"Auto" tries cudnn, flash, efficient, torch (flash before cudnn below sm90, where cuDNN is not
+the faster one) and takes the first whose check passes; each rejection reason is kept for
+`explain()` and for the error when nothing fits. The choice is cached per call signature, so a
+training step pays a dict lookup, not the checks.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Optional
+
+import torch
+
+from ..ref import attention as ref_attention
+from . import masks as M
+
+logger = logging.getLogger("tritium")
+_INF = float("inf")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class AttnArgs:
+    """One attention call, resolved: canonical format, sizes, mask semantics (masks.py)."""
+    __slots__ = ("fmt", "batch", "heads", "kv_heads", "d_qk", "d_v", "sq", "sk", "causal",
+                 "bottom_right", "left", "right", "scale", "dropout", "q_pad", "kv_pad", "mask",
+                 "cu_q", "cu_kv", "same_lengths", "mask_type")
+
+    def __init__(self, **kw):
+        for name in self.__slots__:
+            setattr(self, name, kw.get(name))
+
+    @property
+    def has_window(self) -> bool:
+        return self.left >= 0 or (self.right >= 0 and not self.causal)
+
+    def key(self):
+        return (self.fmt, self.batch, self.heads, self.kv_heads, self.d_qk, self.d_v, self.sq,
+                self.sk, self.causal, self.bottom_right, self.left, self.right, self.dropout,
+                self.q_pad is not None, self.mask is not None, self.same_lengths)
+
+
+def _cuda_reason(q: torch.Tensor, name: str, dtypes, min_cc=(8, 0)) -> Optional[str]:
+    if q.device.type != "cuda":
+        return f"{name}: needs CUDA tensors (inputs are on {q.device.type})"
+    if q.dtype not in dtypes:
+        kinds = "/".join(str(d).replace("torch.", "") for d in dtypes)
+        return f"{name}: {str(q.dtype).replace('torch.', '')} input, needs {kinds}"
+    cc = torch.cuda.get_device_capability(q.device)
+    if cc < min_cc:
+        return f"{name}: compute capability {cc[0]}.{cc[1]} < {min_cc[0]}.{min_cc[1]}"
+    return None
+
+
+def _dense_mask(a: AttnArgs, device, q_pad=None, kv_pad=None):
+    return M.dense_mask(a.batch, a.sq, a.sk, device, causal=a.causal,
+                        bottom_right=a.bottom_right, left=a.left, right=a.right,
+                        q_pad=a.q_pad if q_pad is None else q_pad,
+                        kv_pad=a.kv_pad if kv_pad is None else kv_pad, arbitrary=a.mask)
+
+
+class _Padded:
+    """thd -> padded bshd and back, for backends without a varlen kernel (exact: padding is
+    masked out, padded rows are dropped)."""
+
+    def __init__(self, a: AttnArgs, tq: int, tk: int):
+        self.a = a
+        self.iq = M.thd_index(a.cu_q, tq)
+        self.ik = self.iq if (a.cu_kv is a.cu_q and tk == tq) else M.thd_index(a.cu_kv, tk)
+        self.q_pad = M.padding_from_cu_seqlens(a.cu_q, a.batch, a.sq)
+        self.kv_pad = M.padding_from_cu_seqlens(a.cu_kv, a.batch, a.sk)
+
+    def q(self, x):
+        return M.unpack(x, self.iq, self.a.batch, self.a.sq)
+
+    def kv(self, x):
+        return M.unpack(x, self.ik, self.a.batch, self.a.sk)
+
+    def lse_in(self, lse):          # [h, t] -> [b, h, s_q]
+        return M.unpack(lse.t(), self.iq, self.a.batch, self.a.sq).transpose(1, 2)
+
+    def lse_out(self, lse):         # [b, h, s_q] -> [h, t]
+        return M.pack(lse.transpose(1, 2), self.iq).t().contiguous()
+
+
+class TorchBackend:
+    name = "torch"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        return None
+
+    def fwd(self, q, k, v, a):
+        if a.fmt == "thd":
+            pd = _Padded(a, q.shape[0], k.shape[0])
+            mask = _dense_mask(a, q.device, pd.q_pad, pd.kv_pad)
+            out, lse, keep = ref_attention.attention_fwd(pd.q(q), pd.kv(k), pd.kv(v), mask,
+                                                         a.scale, a.dropout)
+            return M.pack(out, pd.iq), pd.lse_out(lse), keep
+        return ref_attention.attention_fwd(q, k, v, _dense_mask(a, q.device), a.scale, a.dropout)
+
+    def bwd(self, dout, q, k, v, out, lse, aux, a):
+        if a.fmt == "thd":
+            pd = _Padded(a, q.shape[0], k.shape[0])
+            mask = _dense_mask(a, q.device, pd.q_pad, pd.kv_pad)
+            dq, dk, dv = ref_attention.attention_bwd(pd.q(dout), pd.q(q), pd.kv(k), pd.kv(v),
+                                                     pd.q(out), pd.lse_in(lse), mask, a.scale,
+                                                     a.dropout, aux)
+            return M.pack(dq, pd.iq), M.pack(dk, pd.ik), M.pack(dv, pd.ik)
+        return ref_attention.attention_bwd(dout, q, k, v, out, lse, _dense_mask(a, q.device),
+                                           a.scale, a.dropout, aux)
+
+
+@functools.lru_cache(maxsize=None)
+def _flash_has_window() -> bool:
+    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
+    if op is None:
+        return False
+    return any(arg.name == "window_size_left" for arg in op.default._schema.arguments)
+
+
+_FLASH_VARLEN_LSE_PADDED = [False]   # older torch: varlen lse [b, h, max_s_q], newer [h, t]
+
+
+class FlashBackend:
+    name = "flash"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        reason = _cuda_reason(q, "flash", _HALF)
+        if reason:
+            return reason
+        if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+            return "flash: this torch build has no aten._flash_attention_forward"
+        if a.d_qk != a.d_v:
+            return f"flash: head dims differ (d_qk {a.d_qk}, d_v {a.d_v})"
+        if a.d_qk % 8 or a.d_qk > 256:
+            return f"flash: head_dim {a.d_qk} unsupported (needs a multiple of 8, <= 256)"
+        if a.mask is not None:
+            return "flash: arbitrary mask tensors are not supported"
+        if a.q_pad is not None:
+            return ("flash: padding masks on bshd/sbhd are not supported (pass qkv_format='thd' "
+                    "with cu_seqlens for flash varlen)")
+        if (a.causal or a.has_window) and not a.bottom_right and not a.same_lengths:
+            return ("flash: top-left causal/window with s_q != s_kv (flash aligns the diagonal "
+                    "bottom-right)")
+        if a.has_window and not _flash_has_window():
+            return "flash: this torch's flash op takes no window_size"
+        return None
+
+    def _window(self, a):
+        if a.has_window:
+            return dict(window_size_left=a.left, window_size_right=0 if a.causal else a.right)
+        return {}
+
+    def fwd(self, q, k, v, a):
+        op = torch.ops.aten._flash_attention_forward
+        if a.fmt == "thd":
+            out, lse, rng, unused, _ = op(q, k, v, a.cu_q, a.cu_kv, a.sq, a.sk, a.dropout,
+                                          a.causal, False, scale=a.scale, **self._window(a))
+            if lse.dim() == 3:
+                _FLASH_VARLEN_LSE_PADDED[0] = True
+                lse = M.pack(lse.transpose(1, 2), M.thd_index(a.cu_q, q.shape[0])).t()
+        else:
+            out, lse, rng, unused, _ = op(q, k, v, None, None, a.sq, a.sk, a.dropout, a.causal,
+                                          False, scale=a.scale, **self._window(a))
+        # rows with no visible key: flash writes +inf, the convention here is -inf
+        lse = lse.masked_fill(lse == _INF, -_INF)
+        return out, lse, (rng, unused)
+
+    def bwd(self, dout, q, k, v, out, lse, aux, a):
+        rng, unused = aux
+        lse = lse.masked_fill(lse == -_INF, _INF)
+        if a.fmt == "thd" and _FLASH_VARLEN_LSE_PADDED[0]:
+            lse = M.unpack(lse.t(), M.thd_index(a.cu_q, q.shape[0]), a.batch, a.sq)
+            lse = lse.transpose(1, 2)
+        lse = lse.contiguous()
+        if dout.stride(-1) != 1:
+            dout = dout.contiguous()
+        cu_q, cu_kv = (a.cu_q, a.cu_kv) if a.fmt == "thd" else (None, None)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            dout, q, k, v, out, lse, cu_q, cu_kv, a.sq, a.sk, a.dropout, a.causal, rng, unused,
+            scale=a.scale, **self._window(a))
+        return dq, dk, dv
+
+
+def _bshd_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.is_contiguous() else x.contiguous()
+
+
+def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x.repeat_interleave(groups, dim=2) if groups > 1 else x
+
+
+def _sum_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, s, h, d = dx.shape
+    return dx.view(b, s, h // groups, groups, d).sum(3)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_native_gqa(device_index: int) -> bool:
+    """Does this torch's cuDNN op take fewer K/V heads than Q heads (forward and backward)?
+    Probed once per device on a tiny problem against the repeated-heads result."""
+    try:
+        dev = torch.device("cuda", device_index)
+        g = torch.Generator(device=dev).manual_seed(0)
+        q = torch.randn(1, 4, 128, 64, device=dev, generator=g, dtype=torch.bfloat16)
+        k = torch.randn(1, 2, 128, 64, device=dev, generator=g, dtype=torch.bfloat16)
+        v = torch.randn(1, 2, 128, 64, device=dev, generator=g, dtype=torch.bfloat16)
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention
+        r = op(q, k, v, None, True, 0.0, False, False, scale=0.125)
+        rr = op(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), None, True, 0.0, False,
+                False, scale=0.125)
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            r[0], q, k, v, r[0], r[1], r[6], r[7], None, None, None, 128, 128, 0.0, False,
+            scale=0.125)
+        ok = (grads[1].shape == k.shape
+              and torch.allclose(r[0].float(), rr[0].float(), atol=2e-2, rtol=2e-2))
+    except Exception as exc:  # the op refuses GQA: repeat heads instead
+        logger.debug("attention: cuDNN GQA probe failed (%s); K/V heads will be repeated", exc)
+        return False
+    return bool(ok)
+
+
+class CudnnBackend:
+    name = "cudnn"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        reason = _cuda_reason(q, "cudnn", _HALF)
+        if reason:
+            return reason
+        if not torch.backends.cudnn.is_available():
+            return "cudnn: cuDNN is not available in this torch build"
+        if a.fmt == "thd":
+            return "cudnn: thd (varlen) is not wired to cuDNN here; flash varlen takes it"
+        if a.mask is not None:
+            return "cudnn: arbitrary mask tensors are not supported"
+        if a.q_pad is not None:
+            return "cudnn: padding masks are not supported"
+        if a.has_window:
+            return f"cudnn: sliding window {(a.left, a.right)} is not supported"
+        if a.causal and a.sq != a.sk:
+            return f"cudnn: causal with s_q {a.sq} != s_kv {a.sk} is not supported"
+        if max(a.d_qk, a.d_v) > 128 or a.d_qk % 8 or a.d_v % 8:
+            return (f"cudnn: head dims ({a.d_qk}, {a.d_v}) unsupported (multiples of 8, "
+                    "<= 128)")
+        if a.sk == 1:
+            return "cudnn: s_kv == 1 is not supported"
+        if max(a.batch, a.heads) > 65535:
+            return "cudnn: batch or heads > 65535"
+        if a.dropout > 0:
+            if a.dropout * 16 != math.floor(a.dropout * 16):
+                return f"cudnn: dropout {a.dropout} is not a multiple of 1/16"
+            ver = torch.backends.cudnn.version() or 0
+            if 91100 < ver < 91400:
+                return f"cudnn: cuDNN {ver} has no SDPA dropout (9.11-9.13)"
+        if torch.are_deterministic_algorithms_enabled():
+            return "cudnn: not deterministic and torch.use_deterministic_algorithms is on"
+        return None
+
+    def _inputs(self, q, k, v, a):
+        groups = a.heads // a.kv_heads
+        if groups > 1 and _cudnn_native_gqa(q.get_device()):
+            groups = 1
+        q, k, v = (_bshd_contiguous(x) for x in (q, k, v))
+        return q, _repeat_kv(k, groups), _repeat_kv(v, groups), groups
+
+    def fwd(self, q, k, v, a):
+        q, k, v, _ = self._inputs(q, k, v, a)
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, a.dropout,
+            a.causal, False, scale=a.scale)
+        out, lse = r[0].transpose(1, 2), r[1]
+        return out, lse.reshape(a.batch, a.heads, a.sq), (r[6], r[7], lse.dim())
+
+    def bwd(self, dout, q, k, v, out, lse, aux, a):
+        seed, offset, lse_dim = aux
+        q, k, v, groups = self._inputs(q, k, v, a)
+        out, dout = _bshd_contiguous(out), _bshd_contiguous(dout)
+        lse = lse.reshape((a.batch, a.heads, a.sq) + ((1,) if lse_dim == 4 else ())).contiguous()
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            out.transpose(1, 2), lse, seed, offset, None, None, None, a.sq, a.sk, a.dropout,
+            a.causal, scale=a.scale)
+        return (dq.transpose(1, 2), _sum_groups(dk.transpose(1, 2), groups),
+                _sum_groups(dv.transpose(1, 2), groups))
+
+
+class EfficientBackend:
+    """Mem-efficient (CUTLASS) kernels; masks other than plain top-left causal become an additive
+    bias (0 / dtype min; rows with no visible key are zeroed afterwards)."""
+    name = "efficient"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        reason = _cuda_reason(q, "efficient", _HALF + (torch.float32,))
+        if reason:
+            return reason
+        if not hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"):
+            return "efficient: this torch build has no mem-efficient attention op"
+        align = 8 if q.dtype in _HALF else 4
+        if a.d_qk % align or a.d_v % align:
+            return f"efficient: head dims ({a.d_qk}, {a.d_v}) not multiples of {align}"
+        return None
+
+    def _plan(self, q, a, pd):
+        plain_causal = (a.causal and not a.bottom_right and not a.has_window and a.mask is None
+                        and a.q_pad is None and pd is None)
+        if plain_causal or not (a.causal or a.has_window or a.mask is not None
+                                or a.q_pad is not None or pd is not None):
+            return plain_causal, None, None
+        mask = _dense_mask(a, q.device, *((pd.q_pad, pd.kv_pad) if pd else (None, None)))
+        mask = mask.expand(a.batch, a.heads, a.sq, a.sk)
+        width = -(-a.sk // 16) * 16          # the kernel wants an aligned bias row stride
+        bias = torch.zeros(a.batch, a.heads, a.sq, width, dtype=q.dtype, device=q.device)
+        bias = bias[..., :a.sk]
+        bias.masked_fill_(mask, torch.finfo(q.dtype).min)
+        return False, bias, mask.all(-1)     # empty rows [b, h, s_q]
+
+    def _dense(self, q, k, v, a, pd):
+        groups = a.heads // a.kv_heads
+        return q, _repeat_kv(k, groups), _repeat_kv(v, groups), groups
+
+    def fwd(self, q, k, v, a):
+        pd = _Padded(a, q.shape[0], k.shape[0]) if a.fmt == "thd" else None
+        if pd:
+            q, k, v = pd.q(q), pd.kv(k), pd.kv(v)
+        causal, bias, empty = self._plan(q, a, pd)
+        qd, kd, vd, _ = self._dense(q, k, v, a, pd)
+        out, lse, seed, offset = torch.ops.aten._scaled_dot_product_efficient_attention(
+            qd.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2), bias, True, a.dropout,
+            causal, scale=a.scale)
+        out, lse = out.transpose(1, 2), lse[..., :a.sq]
+        if empty is not None:
+            out = out.masked_fill(empty.transpose(1, 2)[..., None], 0.0)
+            lse = lse.masked_fill(empty, -_INF)
+        if pd:
+            return M.pack(out, pd.iq), pd.lse_out(lse), (seed, offset)
+        return out, lse.contiguous(), (seed, offset)
+
+    def bwd(self, dout, q, k, v, out, lse, aux, a):
+        seed, offset = aux
+        pd = _Padded(a, q.shape[0], k.shape[0]) if a.fmt == "thd" else None
+        if pd:
+            q, k, v, dout, out, lse = (pd.q(q), pd.kv(k), pd.kv(v), pd.q(dout), pd.q(out),
+                                       pd.lse_in(lse))
+        causal, bias, empty = self._plan(q, a, pd)
+        qd, kd, vd, groups = self._dense(q, k, v, a, pd)
+        if empty is not None:
+            dout = dout.masked_fill(empty.transpose(1, 2)[..., None], 0.0)
+        lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+        lse = torch.nn.functional.pad(lse, (0, -(-a.sq // 32) * 32 - a.sq)).contiguous()
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout.transpose(1, 2), qd.transpose(1, 2), kd.transpose(1, 2), vd.transpose(1, 2),
+            bias, out.transpose(1, 2), lse, seed, offset, a.dropout, [True, True, True, False],
+            causal, scale=a.scale)
+        dq = dq.transpose(1, 2)
+        dk = _sum_groups(dk.transpose(1, 2), groups)
+        dv = _sum_groups(dv.transpose(1, 2), groups)
+        if pd:
+            return M.pack(dq, pd.iq), M.pack(dk, pd.ik), M.pack(dv, pd.ik)
+        return dq, dk, dv
+
+
+BACKENDS = {b.name: b for b in (CudnnBackend(), FlashBackend(), EfficientBackend(),
+                                TorchBackend())}
+ALIASES = {"math": "torch", "ref": "torch", "fused": "cudnn"}
+
+
+def _order(q: torch.Tensor) -> tuple[str, ...]:
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in (9, 10):
+        return ("cudnn", "flash", "efficient", "torch")
+    return ("flash", "cudnn", "efficient", "torch")
+
+
+def resolve_name(backend: Optional[str]) -> str:
+    name = ALIASES.get(backend or "auto", backend or "auto")
+    if name != "auto" and name not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is unknown; use 'auto' or one of "
+                         f"{tuple(BACKENDS)} (aliases {tuple(ALIASES)})")
+    return name
+
+
+def choose(q, k, v, a: AttnArgs, backend: str = "auto"):
+    """-> (backend object, reasons {name: why not or 'selected ...'}). Raises when none fits."""
+    reasons: dict[str, str] = {}
+    names = _order(q) if backend == "auto" else (backend,)
+    chosen = None
+    for name in names:
+        why = BACKENDS[name].check(q, k, v, a)
+        if why is None and chosen is None:
+            chosen = BACKENDS[name]
+            reasons[name] = ("selected: first of " + ", ".join(names) + " that supports this call"
+                             if backend == "auto" else "selected: forced by backend=")
+        else:
+            reasons[name] = why or "not tried: an earlier backend was selected"
+    if backend != "auto":
+        for name in _order(q):
+            if name not in reasons:
+                reasons[name] = "not tried: backend forced to " + backend
+    if chosen is None:
+        lines = "\n  ".join(reason_line(n, r) for n, r in reasons.items())
+        raise RuntimeError(f"DotProductAttention: no attention backend supports this call:\n"
+                           f"  {lines}")
+    return chosen, reasons
+
+
+def reason_line(name: str, reason: str) -> str:
+    return reason if reason.startswith(name + ":") else f"{name}: {reason}"
+
+
+_CACHE: dict = {}
+
+
+def choose_cached(q, k, v, a: AttnArgs, backend: str = "auto"):
+    key = (backend, q.device, q.dtype, q.requires_grad, a.key())
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = choose(q, k, v, a, backend)
+        if len(_CACHE) > 4096:
+            _CACHE.clear()
+        _CACHE[key] = hit
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("attention: %s backend (%s); %s", hit[0].name, a.mask_type,
+                         "; ".join(reason_line(n, r) for n, r in hit[1].items()))
+    return hit[0]
+
+
+__all__ = ["AttnArgs", "BACKENDS", "choose", "choose_cached", "resolve_name"]
