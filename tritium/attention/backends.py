@@ -104,31 +104,48 @@ class _Padded:
         return M.pack(lse.transpose(1, 2), self.iq).t().contiguous()
 
 
-class TorchBackend:
+class _Backend:
+    name = "?"
+
+    def saved_out(self, out, aux):
+        """The out the autograd Function keeps for backward (the returned one by default)."""
+        return out
+
+
+class TorchBackend(_Backend):
+    """The reference. Its autograd path keeps the fp32 out for backward's rowsum(dO * out), so
+    16-bit gradients are rounded once; attention_backward uses whatever out it is given."""
     name = "torch"
 
     def check(self, q, k, v, a) -> Optional[str]:
         return None
+
+    def saved_out(self, out, aux):
+        return aux[1]
 
     def fwd(self, q, k, v, a):
         if a.fmt == "thd":
             pd = _Padded(a, q.shape[0], k.shape[0])
             mask = _dense_mask(a, q.device, pd.q_pad, pd.kv_pad)
             out, lse, keep = ref_attention.attention_fwd(pd.q(q), pd.kv(k), pd.kv(v), mask,
-                                                         a.scale, a.dropout)
-            return M.pack(out, pd.iq), pd.lse_out(lse), keep
-        return ref_attention.attention_fwd(q, k, v, _dense_mask(a, q.device), a.scale, a.dropout)
+                                                         a.scale, a.dropout, out_dtype=None)
+            out = M.pack(out, pd.iq)
+            return out.to(q.dtype), pd.lse_out(lse), (keep, out)
+        out, lse, keep = ref_attention.attention_fwd(q, k, v, _dense_mask(a, q.device), a.scale,
+                                                     a.dropout, out_dtype=None)
+        return out.to(q.dtype), lse, (keep, out)
 
     def bwd(self, dout, q, k, v, out, lse, aux, a):
+        keep = aux[0]
         if a.fmt == "thd":
             pd = _Padded(a, q.shape[0], k.shape[0])
             mask = _dense_mask(a, q.device, pd.q_pad, pd.kv_pad)
             dq, dk, dv = ref_attention.attention_bwd(pd.q(dout), pd.q(q), pd.kv(k), pd.kv(v),
                                                      pd.q(out), pd.lse_in(lse), mask, a.scale,
-                                                     a.dropout, aux)
+                                                     a.dropout, keep)
             return M.pack(dq, pd.iq), M.pack(dk, pd.ik), M.pack(dv, pd.ik)
         return ref_attention.attention_bwd(dout, q, k, v, out, lse, _dense_mask(a, q.device),
-                                           a.scale, a.dropout, aux)
+                                           a.scale, a.dropout, keep)
 
 
 @functools.lru_cache(maxsize=None)
@@ -142,7 +159,7 @@ def _flash_has_window() -> bool:
 _FLASH_VARLEN_LSE_PADDED = [False]   # older torch: varlen lse [b, h, max_s_q], newer [h, t]
 
 
-class FlashBackend:
+class FlashBackend(_Backend):
     name = "flash"
 
     def check(self, q, k, v, a) -> Optional[str]:
@@ -243,7 +260,7 @@ def _cudnn_native_gqa(device_index: int) -> bool:
     return bool(ok)
 
 
-class CudnnBackend:
+class CudnnBackend(_Backend):
     name = "cudnn"
 
     def check(self, q, k, v, a) -> Optional[str]:
@@ -307,7 +324,7 @@ class CudnnBackend:
                 _sum_groups(dv.transpose(1, 2), groups))
 
 
-class EfficientBackend:
+class EfficientBackend(_Backend):
     """Mem-efficient (CUTLASS) kernels; masks other than plain top-left causal become an additive
     bias (0 / dtype min; rows with no visible key are zeroed afterwards)."""
     name = "efficient"

@@ -178,7 +178,7 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, args, backend):
         out, lse, aux = backend.fwd(q, k, v, args)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, backend.saved_out(out, aux), lse)
         ctx.args, ctx.backend, ctx.aux = args, backend, aux
         ctx.mark_non_differentiable(lse)
         return out, lse

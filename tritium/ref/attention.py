@@ -13,7 +13,8 @@ Contract:
   * Backward takes any (out, lse) pair of the same softmax rows (e.g. a context-parallel ring's
     merged ones): P = exp(S - lse), dV = P_drop^T dO, dP = (dO v^T) * keep/(1-p),
     D = rowsum(dO * out), dS = P * (dP - D), dQ = scale dS k, dK = scale dS^T q; GQA sums dK, dV
-    over each kv head's query heads. Gradients are rounded once to the inputs' dtypes.
+    over each kv head's query heads. Gradients are rounded once to the inputs' dtypes; D is
+    only as exact as the out given (pass the fp32 out to keep 16-bit grads single-rounded).
   * Memory is O(b h s_q s_kv): a reference, not a kernel.
 """
 from __future__ import annotations
@@ -51,8 +52,9 @@ def _probs(s, lse):
 
 def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor], scale: float, dropout_p: float = 0.0,
-                  generator: Optional[torch.Generator] = None):
-    """-> (out [b, s_q, h, d_v] in q.dtype, lse [b, h, s_q] fp32 (fp64 for fp64 q), keep)."""
+                  generator: Optional[torch.Generator] = None, out_dtype="like q"):
+    """-> (out [b, s_q, h, d_v] in q.dtype, lse [b, h, s_q] fp32 (fp64 for fp64 q), keep).
+    out_dtype=None keeps out in the compute dtype (for a backward that wants it unrounded)."""
     acc = _acc(q.dtype)
     s, _, _, groups = _scores(q, k, mask, scale, acc)
     lse = torch.logsumexp(s, dim=-1)
@@ -62,7 +64,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         keep = torch.rand(p.shape, device=p.device, generator=generator) >= dropout_p
         p = p * keep / (1.0 - dropout_p)
     out = torch.matmul(p, _heads_first(v, groups, acc))
-    return out.transpose(1, 2).to(q.dtype), lse, keep
+    out = out.transpose(1, 2)
+    return (out.to(q.dtype) if out_dtype == "like q" else out), lse, keep
 
 
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
