@@ -47,10 +47,10 @@ def _variants(freqs):
     yield "torch eager", lambda q, k: _eager(q, k, cos, sin), "sbhd"
     compiled = torch.compile(_eager)
     yield "torch.compile", lambda q, k: compiled(q, k, cos, sin), "sbhd"
-    yield "tritium", lambda q, k: (apply_rotary_pos_emb(q, freqs), apply_rotary_pos_emb(k, freqs)), \
-        "sbhd"
-    yield "tritium fused-QKV views", \
-        lambda q, k: (apply_rotary_pos_emb(q, freqs), apply_rotary_pos_emb(k, freqs)), "qkv"
+    def ours(q, k):
+        return apply_rotary_pos_emb(q, freqs), apply_rotary_pos_emb(k, freqs)
+    yield "tritium", ours, "sbhd"
+    yield "tritium fused-QKV views", ours, "qkv"
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
         lc, ls = cos.reshape(1, S, D), sin.reshape(1, S, D)

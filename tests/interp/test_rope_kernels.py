@@ -111,7 +111,8 @@ def test_functional_runs_the_kernel(fmt, dtype, gen):
             frope._impl = lambda _t: rrope
         try:
             assert (frope._impl(x) is krope) == (not force_ref) and _device.use_triton(x)
-            y = frope.apply_rotary_pos_emb(x, freqs, fmt.split("-")[0], interleaved=interleaved, **kw)
+            y = frope.apply_rotary_pos_emb(x, freqs, fmt.split("-")[0],
+                                           interleaved=interleaved, **kw)
             y.backward(dy)
         finally:
             if force_ref:

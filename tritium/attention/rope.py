@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from .. import _device
-from ..functional.rope import FORMATS, apply_rotary_pos_emb
+from ..functional.rope import apply_rotary_pos_emb
 
 
 class RotaryPositionEmbedding(torch.nn.Module):
@@ -59,7 +59,8 @@ class RotaryPositionEmbedding(torch.nn.Module):
         """fp32 freqs [max_seq_len, 1, 1, rot_dim] for positions offset .. offset+max_seq_len-1."""
         inv_freq = self.inv_freq.float()
         seq = torch.arange(max_seq_len, device=inv_freq.device, dtype=torch.float32) + offset
-        factor, pretrained = self.seq_len_interpolation_factor, self.pretrained_max_position_embeddings
+        factor = self.seq_len_interpolation_factor
+        pretrained = self.pretrained_max_position_embeddings
         if factor is not None and pretrained is not None:
             if max_seq_len > pretrained * factor:
                 seq *= 1 / (max_seq_len / pretrained)  # dynamic linear scaling
@@ -77,4 +78,4 @@ class RotaryPositionEmbedding(torch.nn.Module):
                 f"interleaved={self.interleaved}")
 
 
-__all__ = ["FORMATS", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]
+__all__ = ["RotaryPositionEmbedding", "apply_rotary_pos_emb"]

@@ -84,7 +84,8 @@ def _dense_positions(s: int, cp_size: int, cp_rank: int, dev: torch.device) -> t
 
 def _check_freqs(freqs, t, d: int) -> torch.Tensor:
     if not isinstance(freqs, torch.Tensor):
-        raise TypeError(f"freqs must be a tensor [s_max, 1, 1, rot_dim], got {type(freqs).__name__}")
+        raise TypeError("freqs must be a tensor [s_max, 1, 1, rot_dim], got "
+                        f"{type(freqs).__name__}")
     if not freqs.is_floating_point():
         raise TypeError(f"freqs must be a floating-point tensor (angles in radians), got "
                         f"{freqs.dtype}; RotaryPositionEmbedding returns float32 freqs")
@@ -100,7 +101,8 @@ def _check_freqs(freqs, t, d: int) -> torch.Tensor:
     rot = freqs.shape[1]
     if rot > d:
         raise ValueError(f"freqs has rot_dim {rot} > head dim {d} of t: rot_dim must be <= d "
-                         "(build freqs with RotaryPositionEmbedding(d) or a smaller rotary_percent)")
+                         "(build freqs with RotaryPositionEmbedding(d) or a smaller "
+                         "rotary_percent)")
     if rot % 2 or rot == 0:
         raise ValueError(f"freqs' rot_dim (its last dim) must be even and > 0, got {rot}: "
                          "features rotate in pairs")
