@@ -257,7 +257,8 @@ def explain(query_layer, key_layer, value_layer, backend="auto", **kwargs) -> Ex
         be, reasons = B.choose(q, k, v, args, _backend_name(backend))
         return Explanation(be.name, reasons, args)
     except RuntimeError as exc:
-        reasons = {n: B.BACKENDS[n].check(q, k, v, args) for n in B._order(q)}
+        reasons = {n: B.BACKENDS[n].check(q, k, v, args) or "supported, but not the forced one"
+                   for n in B._order(q)}
         return Explanation(None, reasons, args, str(exc))
 
 
