@@ -15,7 +15,9 @@ A plain kind on contiguous tensors runs on the flat [1, numel] view instead, so 
 gets full vectors; a gated kind with an odd F cannot have them (b starts mid-vector) and still
 runs correctly with narrower accesses.
 
-Not done here: fusing the fp8 cast (and amax) of fc2's input into the forward, double backward.
+The fp8-writing variants (fc2's input in forward, fc1's output grad in backward) live in
+`tritium.kernels.act_cast` and share `_fwd_values` / `_bwd_values` with these kernels, so they
+compute the same bits. Not done here: double backward.
 """
 from __future__ import annotations
 
@@ -122,16 +124,38 @@ def _tile_offsets(R, F, n_col_blocks, BLOCK_R: tl.constexpr, BLOCK_C: tl.constex
 
 
 @triton.jit
-def _fwd_kernel(x_ptr, y_ptr, R, F, stride_x, n_col_blocks,
-                ACT: tl.constexpr, GATED: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    rows, cols, mask = _tile_offsets(R, F, n_col_blocks, BLOCK_R, BLOCK_C)
-    x_offs = rows[:, None] * stride_x + cols[None, :]
+def _fwd_values(x_ptr, x_offs, F, mask, ACT: tl.constexpr, GATED: tl.constexpr):
+    """act(a) (* b): the fp32 forward values of one tile (shared with kernels.act_cast)."""
     a = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
     y = _act(a, ACT)
     if GATED:
         b = tl.load(x_ptr + x_offs + F, mask=mask, other=0.0).to(tl.float32)
         y = y * b
+    return y
+
+
+@triton.jit
+def _bwd_values(dy, x_ptr, x_offs, F, mask, ACT: tl.constexpr, GATED: tl.constexpr):
+    """(d_a, d_b) of a gated tile, (dx, dx) of a plain one, fp32 (shared with kernels.act_cast)."""
+    a = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
+    act, dact = _act_and_grad(a, ACT)
+    if GATED:
+        b = tl.load(x_ptr + x_offs + F, mask=mask, other=0.0).to(tl.float32)
+        da = (dy * b) * dact
+        db = dy * act
+    else:
+        da = dy * dact
+        db = da
+    return da, db
+
+
+@triton.jit
+def _fwd_kernel(x_ptr, y_ptr, R, F, stride_x, n_col_blocks,
+                ACT: tl.constexpr, GATED: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    rows, cols, mask = _tile_offsets(R, F, n_col_blocks, BLOCK_R, BLOCK_C)
+    x_offs = rows[:, None] * stride_x + cols[None, :]
+    y = _fwd_values(x_ptr, x_offs, F, mask, ACT, GATED)
     tl.store(y_ptr + rows[:, None] * F + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -143,16 +167,14 @@ def _bwd_kernel(dy_ptr, x_ptr, dx_ptr, R, F, stride_dy, stride_x, n_col_blocks,
     x_offs = rows[:, None] * stride_x + cols[None, :]
     dy = tl.load(dy_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask,
                  other=0.0).to(tl.float32)
-    a = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)
-    act, dact = _act_and_grad(a, ACT)
+    da, db = _bwd_values(dy, x_ptr, x_offs, F, mask, ACT, GATED)
     out_ty = dx_ptr.dtype.element_ty
     if GATED:
-        b = tl.load(x_ptr + x_offs + F, mask=mask, other=0.0).to(tl.float32)
         dx_offs = rows[:, None] * (2 * F) + cols[None, :]
-        tl.store(dx_ptr + dx_offs, ((dy * b) * dact).to(out_ty), mask=mask)
-        tl.store(dx_ptr + dx_offs + F, (dy * act).to(out_ty), mask=mask)
+        tl.store(dx_ptr + dx_offs, da.to(out_ty), mask=mask)
+        tl.store(dx_ptr + dx_offs + F, db.to(out_ty), mask=mask)
     else:
-        tl.store(dx_ptr + rows[:, None] * F + cols[None, :], (dy * dact).to(out_ty), mask=mask)
+        tl.store(dx_ptr + rows[:, None] * F + cols[None, :], da.to(out_ty), mask=mask)
 
 
 _launch_fwd = Launcher(_fwd_kernel)

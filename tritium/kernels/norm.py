@@ -22,6 +22,9 @@ then sums the G rows of each column in fp32 and writes dweight (and dbias) in th
 dtype. Deterministic, run to run. Each buffer adds 8*G*hidden bytes of traffic (written, read:
 about 2% of a 16384x4096 bf16 backward on 132 SMs).
 
+Norm + FP8 cast: `tritium.kernels.norm_cast` runs the same forward tile (`_norm_fwd_tile`, same
+BLOCK_ROWS/BLOCK_N/num_warps from `_tile`) and writes the next GEMM's fp8 input directly.
+
 Limits: the whole row lives in registers, so hidden <= MAX_HIDDEN (65536); `tritium.functional`
 sends longer rows to the PyTorch twin. ptxas (sm_90, bf16) reports no spills up to hidden 8192
 and spills in the backward from 12288 on (BLOCK_N 16384; 32 warps keep them smaller): correct
@@ -49,11 +52,12 @@ _SUM_BLOCK_G, _SUM_BLOCK_N = 32, 128
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
-                     rows, N, n, stride_x, eps,  # n: N as an fp32 value
-                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+def _norm_fwd_tile(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, r, rows, N, n, stride_x, eps,
+                   IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """y (fp32, not yet rounded) of the whole rows `r`, storing their mean and rstd. Shared by
+    the plain forward and the norm + FP8 cast forward (`tritium.kernels.norm_cast`): with the
+    same tile shape and num_warps both compile to the same reductions, hence the same bits."""
     c = tl.arange(0, BLOCK_N)
     rmask, cmask = r < rows, c < N
     mask = rmask[:, None] & cmask[None, :]
@@ -76,6 +80,17 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
     y = (xc * rstd[:, None]) * gamma[None, :]
     if HAS_BIAS:
         y = y + tl.load(b_ptr + c, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    return y, mask, r64, c
+
+
+@triton.jit
+def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
+                     rows, N, n, stride_x, eps,  # n: N as an fp32 value
+                     IS_RMS: tl.constexpr, HAS_BIAS: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    y, mask, r64, c = _norm_fwd_tile(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, r, rows, N, n,
+                                     stride_x, eps, IS_RMS, HAS_BIAS, ZERO_CENTERED, BLOCK_N)
     tl.store(y_ptr + r64[:, None] * N + c[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

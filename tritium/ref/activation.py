@@ -29,11 +29,22 @@ rounding level:
 Special values follow torch's fp32 formulas: NaN propagates, act(-inf) of the sigmoid family is
 NaN (-inf * 0), and gelu's derivative is NaN for |x| > ~1e19 (x^2 overflows), as torch's is.
 
-Not done here: fusion with the fp8 cast of fc2's input (a later kernel), double backward.
+Activation + FP8 cast (twins of `tritium.kernels.act_cast`): `activation_fwd_fp8` is
+`activation_fwd` followed by `tritium.ref.cast.cast_transpose` of its (x.dtype-rounded) output
+with fc2's input scale; `activation_bwd_fp8` is `activation_bwd` followed by the cast of its
+(x.dtype-rounded) dx with fc1's grad scale, data and transpose. Both max-accumulate the amax of
+the rounded values into `amax` (unless None), write scale_inv = 1/scale exactly and zero-pad the
+rows to a multiple of 16: the unfused path, by construction.
+
+Not done here: double backward.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+
+from .cast import cast_transpose
 
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu",
                "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "glu")
@@ -149,4 +160,29 @@ def activation_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor
     return dx.to(x.dtype)
 
 
-__all__ = ["ACTIVATIONS", "GATED", "activation_fwd", "activation_bwd"]
+def activation_fwd_fp8(x: torch.Tensor, kind: str, scale: torch.Tensor,
+                       amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
+                       write_data: bool = True, write_transpose: bool = False,
+                       pad_rows_to: int = 16):
+    """fp8 of activation_fwd(x, kind) -> (data [Rp, F] or None, data_t [F, Rp] or None,
+    scale_inv [1])."""
+    return cast_transpose(activation_fwd(x, kind), scale, amax, fp8_dtype,
+                          pad_rows_to=pad_rows_to, write_data=write_data,
+                          write_transpose=write_transpose)
+
+
+def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torch.Tensor,
+                       amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
+                       write_data: bool = True, write_transpose: bool = True,
+                       write_hp: bool = False, pad_rows_to: int = 16):
+    """fp8 of activation_bwd(dy, x, kind) -> (dx or None, data [Rp, W] or None,
+    data_t [W, Rp] or None, scale_inv [1]); W = x.shape[1]."""
+    dx = activation_bwd(dy, x, kind)
+    data, data_t, scale_inv = cast_transpose(dx, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
+                                             write_data=write_data,
+                                             write_transpose=write_transpose)
+    return (dx if write_hp else None), data, data_t, scale_inv
+
+
+__all__ = ["ACTIVATIONS", "GATED", "activation_fwd", "activation_bwd", "activation_fwd_fp8",
+           "activation_bwd_fp8"]

@@ -19,12 +19,21 @@ Contract (both implementations):
       RMSNorm   dx = rstd * (g - xhat * mean(g * xhat))
       dweight = sum over rows of dy * xhat, dbias = sum over rows of dy (fp32 sums), returned in
       the weight's dtype (zero_centered_gamma does not change them: d(1 + w)/dw = 1).
+
+Norm + FP8 cast (`layernorm_fwd_fp8`, `rmsnorm_fwd_fp8`, twins of `tritium.kernels.norm_cast`):
+the forward above, its output y rounded to x.dtype, then `tritium.ref.cast.cast_transpose` of
+that rounded y with the following GEMM's delayed-scaling `scale` (amax of the rounded y
+max-accumulated into `amax` unless it is None; scale_inv = 1/scale exactly; rows zero-padded to
+a multiple of 16). So the fused path is, by construction, the unfused norm followed by the
+unfused cast. Returns (y or None, data [Tp, H], data_t [H, Tp] or None, scale_inv, mean, rstd).
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+from .cast import cast_transpose
 
 
 def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
@@ -79,4 +88,31 @@ def rmsnorm_bwd(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: t
     return dx.to(x.dtype), (dyf * xhat).sum(dim=0).to(weight.dtype)
 
 
-__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd"]
+def _cast(y, scale, amax, fp8_dtype, write_transpose, write_hp, pad_rows_to):
+    data, data_t, scale_inv = cast_transpose(y, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
+                                             write_transpose=write_transpose)
+    return (y if write_hp else None), data, data_t, scale_inv
+
+
+def layernorm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      eps: float, zero_centered_gamma: bool, scale: torch.Tensor,
+                      amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
+                      write_transpose: bool = False, write_hp: bool = False,
+                      pad_rows_to: int = 16):
+    """LayerNorm whose output is written as fp8 for the next GEMM (see the module docstring).
+    -> (y or None, data [Tp, H], data_t [H, Tp] or None, scale_inv [1], mean, rstd)."""
+    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
+    return (*_cast(y, scale, amax, fp8_dtype, write_transpose, write_hp, pad_rows_to),
+            mean, rstd)
+
+
+def rmsnorm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered_gamma: bool,
+                    scale: torch.Tensor, amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
+                    write_transpose: bool = False, write_hp: bool = False, pad_rows_to: int = 16):
+    """RMSNorm with an fp8 output. -> (y or None, data, data_t or None, scale_inv, rstd)."""
+    y, rstd = rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+    return (*_cast(y, scale, amax, fp8_dtype, write_transpose, write_hp, pad_rows_to), rstd)
+
+
+__all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
+           "layernorm_fwd_fp8", "rmsnorm_fwd_fp8"]
