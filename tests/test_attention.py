@@ -152,7 +152,8 @@ def test_masks_vs_oracle(mask_type, fmt, dtype, sq, sk, randn, _seed):
     lk = lq if sq == sk else _lengths(b, sk, _seed + 1)
     attention_mask, lq, lk = _padding_for(mask_type, b, sq, sk, (lq, lk))
     if mask_type == "arbitrary":
-        attention_mask = torch.rand(b, 1, sq, sk, generator=torch.Generator().manual_seed(_seed)) < 0.3
+        gen = torch.Generator().manual_seed(_seed)
+        attention_mask = torch.rand(b, 1, sq, sk, generator=gen) < 0.3
         attention_mask[:, :, :, 0] = False                 # every row sees at least one key
         allow = ~attention_mask
     else:

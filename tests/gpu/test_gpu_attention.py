@@ -146,7 +146,8 @@ def test_efficient_masks(mask_type):
     q, k, v, dout = data(b, s, s, h, h, d, torch.bfloat16, seed=11)
     lens = [200, 131, 7]
     if mask_type == "arbitrary":
-        m = torch.rand(b, 1, s, s, device="cuda", generator=torch.Generator("cuda").manual_seed(1)) < 0.5
+        gen = torch.Generator("cuda").manual_seed(1)
+        m = torch.rand(b, 1, s, s, device="cuda", generator=gen) < 0.5
         m[..., 0] = False
         allow, mask = ~m, m
     else:
