@@ -10,11 +10,14 @@ from . import recipe
 from .fp8.autocast import autocast, fp8_autocast
 from .fp8.model_init import fp8_model_init, quantized_model_init
 from .fp8.tensor import Float8Tensor
-from .modules import LayerNorm, LayerNormLinear, LayerNormMLP, Linear, RMSNorm
+from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
+from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
+                      RMSNorm, TransformerLayer)
 
 __version__ = "0.1.0"
 
 __all__ = ["recipe", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
            "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
-           "LayerNormLinear", "LayerNormMLP",
+           "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
+           "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "__version__"]

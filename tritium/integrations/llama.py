@@ -1,4 +1,4 @@
-"""Llama-style MLP weights <-> tritium.LayerNormMLP.
+"""Llama-style weights <-> tritium.LayerNormMLP and tritium.TransformerLayer.
 
 A Llama MLP block is `down_proj(silu(gate_proj(h)) * up_proj(h))` with `h = RMSNorm(x)`.
 LayerNormMLP(hidden, ffn, bias=False, normalization="RMSNorm", activation="swiglu") computes the
@@ -6,6 +6,12 @@ same thing with one fused fc1: its FIRST F rows are gate_proj (they go through S
 SECOND F rows are up_proj (they multiply). `load_llama_mlp` writes that layout (and the norm
 weight, turned into 1 + w form when zero_centered_gamma), `llama_mlp_weights` reads it back.
 Arguments may be tensors or modules with a `.weight` (nn.Linear, HF LlamaRMSNorm, ...).
+
+A whole decoder layer: `load_llama_decoder_layer(layer, q_proj=..., k_proj=..., v_proj=...,
+o_proj=..., input_layernorm=..., gate_proj=..., up_proj=..., down_proj=...,
+post_attention_layernorm=...)` (or `**hf_llama_layer_weights(hf_decoder_layer)`) fills a
+TransformerLayer built with RMSNorm, swiglu, bias=False and fuse_qkv_params=True, in the QKV
+layout its qkv_weight_interleaved flag says (docs/porting.md).
 """
 from __future__ import annotations
 
@@ -59,3 +65,51 @@ def llama_mlp_weights(mlp) -> dict:
     return {"gate_proj": w[:f].clone(), "up_proj": w[f:].clone(),
             "down_proj": mlp.fc2_weight.detach().clone(),
             "norm_weight": (norm + 1) if mlp.zero_centered_gamma else norm.clone()}
+
+
+def hf_llama_layer_weights(hf_layer) -> dict:
+    """The keyword arguments of load_llama_decoder_layer from an HF LlamaDecoderLayer."""
+    attn, mlp = hf_layer.self_attn, hf_layer.mlp
+    return dict(q_proj=attn.q_proj, k_proj=attn.k_proj, v_proj=attn.v_proj, o_proj=attn.o_proj,
+                input_layernorm=hf_layer.input_layernorm, gate_proj=mlp.gate_proj,
+                up_proj=mlp.up_proj, down_proj=mlp.down_proj,
+                post_attention_layernorm=hf_layer.post_attention_layernorm)
+
+
+def load_llama_decoder_layer(layer, *, q_proj, k_proj, v_proj, o_proj, input_layernorm,
+                             gate_proj, up_proj, down_proj, post_attention_layernorm) -> None:
+    """Copy one Llama decoder layer's weights into a tritium TransformerLayer (all shapes are
+    checked before anything is written)."""
+    attn = layer.self_attention
+    if not (attn.input_layernorm and attn.fuse_qkv_params and attn.attention_type == "self"):
+        raise ValueError("build the TransformerLayer with fuse_qkv_params=True (one fused QKV "
+                         "weight) and without output_layernorm to load Llama weights into it")
+    qkv = attn.layernorm_qkv
+    if qkv.normalization != "RMSNorm" or qkv.use_bias:
+        raise ValueError("a Llama layer uses RMSNorm and no bias: build the TransformerLayer "
+                         "with normalization=\"RMSNorm\", bias=False")
+    h, g, d = attn.num_attention_heads, attn.num_gqa_groups, attn.hidden_size_per_attention_head
+    hidden = attn.hidden_size
+    q, k, v = (_tensor(n, t) for n, t in (("q_proj", q_proj), ("k_proj", k_proj),
+                                          ("v_proj", v_proj)))
+    o, norm = _tensor("o_proj", o_proj), _tensor("input_layernorm", input_layernorm)
+    for name, t, shape in (("q_proj", q, (h * d, hidden)), ("k_proj", k, (g * d, hidden)),
+                           ("v_proj", v, (g * d, hidden)), ("o_proj", o, (hidden, h * d)),
+                           ("input_layernorm", norm, (hidden,))):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for "
+                             f"hidden_size={hidden}, heads={h}, gqa_groups={g}, head_dim={d}")
+    if attn.qkv_weight_interleaved:  # per KV group: its query heads, its key head, its value head
+        fused = torch.cat([q.view(g, h // g, d, hidden), k.view(g, 1, d, hidden),
+                           v.view(g, 1, d, hidden)], dim=1).reshape(-1, hidden)
+    else:
+        fused = torch.cat([q, k, v])
+    mlp_weights = dict(gate_proj=gate_proj, up_proj=up_proj, down_proj=down_proj,
+                       norm_weight=post_attention_layernorm)
+    load_llama_mlp(layer.layernorm_mlp, **mlp_weights)  # checks its shapes before writing
+    with torch.no_grad():
+        qkv.weight.copy_(fused)
+        qkv.layer_norm_weight.copy_(norm - 1 if qkv.zero_centered_gamma else norm)
+        attn.proj.weight.copy_(o)
+    qkv._clear_weight_caches()
+    attn.proj._clear_weight_caches()

@@ -3,6 +3,9 @@ from .base import FP8Module
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
+from .multihead_attention import MultiheadAttention
 from .norm import LayerNorm, RMSNorm
+from .transformer_layer import TransformerLayer
 
-__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "LayerNorm", "RMSNorm"]
+__all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "LayerNorm", "RMSNorm",
+           "MultiheadAttention", "TransformerLayer"]
