@@ -6,6 +6,8 @@ TRITIUM_EMULATE_FP8=1   emulate FP8 GEMMs (dequantize + fp32 matmul) even on a G
                         tensor cores; the casts and scales stay exactly as in the real path.
 TRITON_INTERPRET=1      Triton's own switch: kernels run in its CPU interpreter. tritium then
                         launches its Triton kernels on CPU tensors too (the `interp` test tier).
+TRITIUM_ATTN_BACKEND=B  force DotProductAttention's backend: cudnn, flash, efficient or torch
+                        (default: chosen per call; `tritium.attention.explain` says why).
 TRITIUM_LOG=LEVEL       logging level of the `tritium` logger (default WARNING).
 
 The variables are read once, at import: an FP8 step asks several times per layer, and reading
@@ -16,6 +18,7 @@ from __future__ import annotations
 import os
 
 _flags: dict[str, bool] = {}
+_values: dict[str, str] = {}
 
 
 def _flag(name: str) -> bool:
@@ -26,6 +29,7 @@ def reload() -> None:
     """Re-read the environment (tests and tools that change a variable at run time)."""
     for name in ("TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8", "TRITON_INTERPRET"):
         _flags[name] = _flag(name)
+    _values["TRITIUM_ATTN_BACKEND"] = os.environ.get("TRITIUM_ATTN_BACKEND", "").strip().lower()
 
 
 reload()
@@ -41,6 +45,11 @@ def emulate_fp8() -> bool:
 
 def triton_interpret() -> bool:
     return _flags["TRITON_INTERPRET"]
+
+
+def attn_backend():
+    """The forced attention backend name, or None (chosen per call)."""
+    return _values["TRITIUM_ATTN_BACKEND"] or None
 
 
 def log_level() -> str:
