@@ -6,8 +6,8 @@ TRITIUM_EMULATE_FP8=1   emulate FP8 GEMMs (dequantize + fp32 matmul) even on a G
                         tensor cores; the casts and scales stay exactly as in the real path.
 TRITON_INTERPRET=1      Triton's own switch: kernels run in its CPU interpreter. tritium then
                         launches its Triton kernels on CPU tensors too (the `interp` test tier).
-TRITIUM_ATTN_BACKEND=B  force DotProductAttention's backend: cudnn, flash, efficient or torch
-                        (default: chosen per call; `tritium.attention.explain` says why).
+TRITIUM_ATTN_BACKEND=B  force DotProductAttention's backend: cudnn, flash, efficient or torch (alias math);
+                        unset or "auto": chosen per call (`tritium.attention.explain` says why).
 TRITIUM_LOG=LEVEL       logging level of the `tritium` logger (default WARNING).
 
 The variables are read once, at import: an FP8 step asks several times per layer, and reading
@@ -49,7 +49,8 @@ def triton_interpret() -> bool:
 
 def attn_backend():
     """The forced attention backend name, or None (chosen per call)."""
-    return _values["TRITIUM_ATTN_BACKEND"] or None
+    value = _values["TRITIUM_ATTN_BACKEND"]
+    return None if value in ("", "auto") else value
 
 
 def log_level() -> str:
