@@ -97,10 +97,11 @@ def store_weight(param: torch.Tensor, master: Optional[torch.Tensor],
         param.view(torch.int16).copy_(p_bits)
         remainder.copy_(rem)
         return
-    if master is not None:
+    if master is not None and master is not w:
         master.copy_(w)
     if fp8 is None:
-        param.copy_(w)
+        if param is not w:
+            param.copy_(w)
         return
     scale, scale_inv, amax = fp8
     limit = FP8_MAX[param.dtype]
@@ -138,21 +139,38 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             continue
         p, master, rem, m_state, v_state = _flat(p, _opt(masters, i), _opt(remainders, i),
                                                  exp_avgs[i], exp_avg_sqs[i])
-        w = load_weight(p, master, rem)
-        g = grads[i].reshape(-1).to(torch.float32)
+        # In-place ops on fp32 state and scratch buffers: the same roundings as the formulas
+        # in the docstring, without allocating a fresh tensor per op (the CPU path is memory
+        # bound). An fp32 master (or fp32 param without one) is updated where it lies.
+        w = weight_in_place(p, master, rem)
+        g = grads[i].reshape(-1).to(torch.float32, copy=True)
         if weight_decay and not adam_w_mode:
-            g = g + w * wd
-        m = m_state.to(torch.float32) * b1 + g * omb1
-        v = v_state.to(torch.float32) * b2 + (g * g) * omb2
-        denom = torch.sqrt(v / bc2) + eps
-        u = (m / bc1) / denom
+            g += w * wd
+        m = m_state if m_state.dtype == torch.float32 else m_state.float()
+        v = v_state if v_state.dtype == torch.float32 else v_state.float()
+        m.mul_(b1).add_(g * omb1)
+        g.mul_(g).mul_(omb2)
+        v.mul_(b2).add_(g)
+        denom = torch.div(v, bc2, out=g).sqrt_().add_(eps)   # g is free from here on
+        u = (m / bc1).div_(denom)
         if weight_decay and adam_w_mode:
-            u = u + w * wd
-        w = w - u * lr
-        m_state.copy_(m)
-        v_state.copy_(v)
+            u += w * wd
+        w.sub_(u.mul_(lr))
+        if m is not m_state:
+            m_state.copy_(m)
+        if v is not v_state:
+            v_state.copy_(v)
         store_weight(p, master, rem, _opt(fp8_meta, i), w)
 
 
-__all__ = ["NUM_HP", "adam_step", "load_weight", "store_weight", "split_remainder",
-           "join_remainder"]
+def weight_in_place(p, master, rem) -> torch.Tensor:
+    """The fp32 weight to update: the master or fp32 param itself, else a fresh copy."""
+    if rem is None and master is not None:
+        return master
+    if rem is None and p.dtype == torch.float32:
+        return p
+    return load_weight(p, master, rem)
+
+
+__all__ = ["NUM_HP", "adam_step", "load_weight", "weight_in_place", "store_weight",
+           "split_remainder", "join_remainder"]

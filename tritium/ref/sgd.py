@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .adam import Fp8Meta, load_weight, store_weight
+from .adam import Fp8Meta, weight_in_place, store_weight
 
 LR, MOMENTUM, OMD, WD = range(4)
 NUM_HP = 4
@@ -40,18 +40,23 @@ def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             continue
         p = p.view(-1)
         master = None if masters is None else masters[i].view(-1)
-        w = load_weight(p, master, None)
-        d = grads[i].reshape(-1).to(torch.float32)
+        w = weight_in_place(p, master, None)   # updated in place where it is fp32 state
+        d = grads[i].reshape(-1).to(torch.float32, copy=True)
         if weight_decay and not wd_after_momentum:
-            d = d + w * wd
+            d += w * wd
         if momentum_buffers is not None:
-            buf_state = momentum_buffers[i].view(-1)
-            buf = d if first else buf_state * mom + d * omd
-            buf_state.copy_(buf)
-            d = d + buf * mom if nesterov else buf
+            buf = momentum_buffers[i].view(-1)
+            if first:
+                buf.copy_(d)
+            else:
+                buf.mul_(mom).add_(d * omd)
+            if nesterov:
+                d += buf * mom
+            else:
+                d.copy_(buf)
         if weight_decay and wd_after_momentum:
-            d = d + w * wd
-        w = w - d * lr
+            d += w * wd
+        w.sub_(d.mul_(lr))
         store_weight(p, master, None, None if fp8_meta is None else fp8_meta[i], w)
 
 
