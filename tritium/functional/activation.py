@@ -9,10 +9,18 @@ Math in fp32, one rounding to x.dtype; formulas in `tritium.ref.activation`.
 Each call picks the Triton kernel (CUDA tensors, or CPU under TRITON_INTERPRET=1) or its
 pure-PyTorch twin. Backward recomputes the activation from the saved input (no extra forward
 output is kept) in one elementwise pass. Double backward is not supported.
+
+Fused FP8 casts (LayerNormMLP under delayed scaling, see `tritium.functional.fused_cast`):
+with `fp8_out=CastSpec` the forward writes fc2's fp8 input directly and returns it as a
+Float8Tensor (the high-precision activation is never materialized); with
+`fp8_grad=GradCastSpec` the backward writes d(x) as fp8 data + transpose with fc1's grad scale
+(recording its amax) and returns it as a Float8Tensor, which fc1's `_LinearFunction.backward`
+uses without casting (autograd accepts a Float8Tensor as the gradient of a plain tensor).
 """
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -20,6 +28,7 @@ from torch.autograd.function import once_differentiable
 from .. import _device
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
+from .fused_cast import CastSpec, GradCastSpec, wrap_fp8
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -28,6 +37,13 @@ def _impl(t: torch.Tensor):
     if _device.use_triton(t):
         from ..kernels import activation as kernel_activation
         return kernel_activation
+    return ref_activation
+
+
+def _impl_fp8(t: torch.Tensor):
+    if _device.use_triton(t):
+        from ..kernels import act_cast as kernel_act_cast
+        return kernel_act_cast
     return ref_activation
 
 
@@ -52,26 +68,44 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 class _Activation(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, kind: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, kind: str, fp8_out: Optional[CastSpec] = None,
+                fp8_grad: Optional[GradCastSpec] = None) -> torch.Tensor:
         x2 = _rows(x)
-        y = _impl(x2).activation_fwd(x2, kind)
         ctx.save_for_backward(x)
-        ctx.kind = kind
-        return y.view(*x.shape[:-1], y.shape[-1])
+        ctx.kind, ctx.fp8_grad = kind, fp8_grad
+        f = x.shape[-1] // 2 if kind in GATED else x.shape[-1]
+        shape = (*x.shape[:-1], f)
+        if fp8_out is None:
+            return _impl(x2).activation_fwd(x2, kind).view(shape)
+        data, data_t, scale_inv = _impl_fp8(x2).activation_fwd_fp8(
+            x2, kind, fp8_out.scale, fp8_out.amax, fp8_out.fp8_dtype,
+            write_transpose=fp8_out.write_transpose)
+        return wrap_fp8(data, data_t, scale_inv, fp8_out.fp8_dtype, x.dtype, shape)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         (x,) = ctx.saved_tensors
         x2, dy2 = _rows(x), _rows(dy)
-        dx = _impl(x2).activation_bwd(dy2, x2, ctx.kind)
-        return dx.view(x.shape), None
+        g = ctx.fp8_grad
+        if g is None:
+            dx = _impl(x2).activation_bwd(dy2, x2, ctx.kind)
+            return dx.view(x.shape), None, None, None
+        state = g.state
+        hp, data, data_t, scale_inv = _impl_fp8(x2).activation_bwd_fp8(
+            dy2, x2, ctx.kind, state.scale_slot(g.slot), state.amax_slot(g.slot),
+            state.fp8_dtype, write_hp=g.write_hp)
+        hp = None if hp is None else hp.view(x.shape)
+        return wrap_fp8(data, data_t, scale_inv, state.fp8_dtype, x.dtype, x.shape, hp), \
+            None, None, None
 
 
-def activation(x: torch.Tensor, kind: str) -> torch.Tensor:
-    """TE activation `kind` of x [..., F] (plain) or [..., 2F] (gated) -> [..., F]."""
+def activation(x: torch.Tensor, kind: str, *, fp8_out: Optional[CastSpec] = None,
+               fp8_grad: Optional[GradCastSpec] = None) -> torch.Tensor:
+    """TE activation `kind` of x [..., F] (plain) or [..., 2F] (gated) -> [..., F].
+    `fp8_out` / `fp8_grad`: the fused FP8 casts of LayerNormMLP (module docstring)."""
     _validate(x, kind)
-    return _Activation.apply(x, kind)
+    return _Activation.apply(x, kind, fp8_out, fp8_grad)
 
 
 __all__ = ["ACTIVATIONS", "GATED", "activation"]

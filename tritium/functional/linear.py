@@ -16,6 +16,13 @@ across micro-batches (`is_first_microbatch`): True casts and keeps, False reuses
 recording a new weight amax. Without FP8 (and without calibration or main_grad) the call is
 plain `F.linear`, so parity with `nn.Linear` is exact.
 
+Float8Tensor operands (the fused norm / activation casts, see `tritium.functional.fused_cast`):
+an FP8 input of the forward's fp8 dtype is used as it is (its padded data and transpose), and an
+FP8 grad_output of the backward's dtype likewise (its high-precision copy, when the producer
+wrote one, gives the bias gradient); the blocked backward slices the given operands exactly
+where it would have cast blocks, so the GEMMs and their bits are the unfused path's. Without
+FP8 compute such operands are dequantized.
+
 `fuse_wgrad_accumulation`: the weight gradient is added into `param.main_grad` (fp32) and the
 Function returns no gradient for the weight, so `param.grad` stays None.
 """
@@ -32,6 +39,7 @@ from ..fp8.cast import amax_into, cast_transpose, quantize_2d
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
+from .fused_cast import fp8_operands, pad16
 from .gemm import fp8_gemm_tn
 
 
@@ -159,7 +167,8 @@ def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
 
 
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
-                  wgrad_dtype):
+                  wgrad_dtype, dyq=None):
+    """dyq: grad_output already in fp8, (dy8 [Tp, N], dy8^T [N, Tp] or None, scale_inv)."""
     x8_t, x_si, w8_t, w_si = operands
     operands.clear()  # the caller's list must not keep the fp8 operands alive
     bwd_dtype = plan.recipe.fp8_format.backward_dtype
@@ -167,8 +176,11 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     dx = dw = None
     parts = backward_blocks(tokens, in_features, out_features)
     if parts == 1:
-        dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
-                                          write_data=need_dgrad, write_transpose=need_wgrad)
+        if dyq is not None:
+            dy8, dy8_t, dy_si = dyq
+        else:
+            dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
+                                              write_data=need_dgrad, write_transpose=need_wgrad)
         if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
             dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
         del dy8_t, x8_t
@@ -176,14 +188,17 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
-    if isinstance(plan.recipe, Float8CurrentScaling):  # one scale for all blocks of dy
+    if dyq is None and isinstance(plan.recipe, Float8CurrentScaling):  # one scale for all blocks of dy
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place
         dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
         for t0, t1 in _blocks(tokens, parts):
-            dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
-                                          tensor_amax=tensor_amax)
+            if dyq is not None:  # the rows the block cast would give, zero padding included
+                dy8, dy_si = dyq[0][t0:t0 + pad16(t1 - t0)], dyq[2]
+            else:
+                dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
+                                              tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype, out=dx[t0:t0 + dy8.shape[0]])
             del dy8
         dx = dx[:tokens]
@@ -191,9 +206,12 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     if need_wgrad:  # dW row block = (dy column block)^T @ x, written in place
         dw = torch.empty(out_features, in_features, dtype=wgrad_dtype, device=dy2d.device)
         for n0, n1 in _blocks(out_features, parts):
-            _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, plan.grad_slot, bwd_dtype,
-                                            write_data=False, write_transpose=True,
-                                            tensor_amax=tensor_amax)
+            if dyq is not None:
+                dy8_t, dy_si = dyq[1][n0:n1], dyq[2]
+            else:
+                _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, plan.grad_slot,
+                                                bwd_dtype, write_data=False, write_transpose=True,
+                                                tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype, out=dw[n0:n1])
             del dy8_t
     return dx, dw
@@ -208,10 +226,15 @@ class _LinearFunction(torch.autograd.Function):
         tokens = x2d.shape[0]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
         fp8 = plan is not None and plan.compute_in_fp8
+        fwd_dtype = plan.recipe.fp8_format.forward_dtype if fp8 else None
+        if isinstance(inp, Float8Tensor) and not (fp8 and inp._fp8_dtype == fwd_dtype):
+            x2d = inp.dequantize().reshape(-1, shape[-1])
         if fp8:
-            fwd_dtype = plan.recipe.fp8_format.forward_dtype
-            x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fwd_dtype,
-                                           write_transpose=need_wgrad)
+            if isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
+                x8, x8_t, x_si = fp8_operands(inp, need_wgrad)
+            else:
+                x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fwd_dtype,
+                                               write_transpose=need_wgrad)
             w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
@@ -236,6 +259,13 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
+        dyq = dy_hp = None
+        if isinstance(grad_out, Float8Tensor):  # written in fp8 by a fused activation backward
+            if ctx.fp8 and grad_out._fp8_dtype == plan.recipe.fp8_format.backward_dtype:
+                dyq = fp8_operands(grad_out, need_wgrad)
+                dy_hp = getattr(grad_out, "_hp", None)
+            else:
+                grad_out = grad_out.dequantize()
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
@@ -247,7 +277,7 @@ class _LinearFunction(torch.autograd.Function):
                     "supported; run the forward again instead")
             operands, ctx.fp8_operands = ctx.fp8_operands, None
             dx, dw = _fp8_backward(plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad,
-                                   wgrad_dtype)
+                                   wgrad_dtype, dyq)
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
@@ -257,7 +287,13 @@ class _LinearFunction(torch.autograd.Function):
             if need_wgrad:
                 dw = (_wgrad_into_fp32(dy2d, x2d) if ctx.main_grad
                       else (dy2d.t() @ x2d).to(wgrad_dtype))
-        db = dy2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        db = None
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            if dyq is not None and dy_hp is None:
+                raise RuntimeError("tritium: an FP8 grad_output without its high-precision copy "
+                                   "reached a Linear with a bias to differentiate (the fused "
+                                   "activation backward must be asked for write_hp)")
+            db = (dy_hp.reshape(dy2d.shape) if dyq is not None else dy2d).sum(0)
         if ctx.main_grad:
             for target in ctx.main_grad:
                 target.param.main_grad.add_(dw[target.start:target.stop])

@@ -11,6 +11,12 @@ twins too for rows longer than the kernels' MAX_HIDDEN.
 Forward saves x (2D view), weight, and the fp32 per-row mean/rstd: backward reads them and
 recomputes nothing but the normalized row. The math (fp32, one rounding at the end) is stated
 in `tritium/ref/norm.py`.
+
+Fused FP8 cast (`fp8_cast=CastSpec`, used by LayerNormLinear / LayerNormMLP under delayed
+scaling, see `tritium.functional.fused_cast`): the forward writes the next GEMM's fp8 input and
+returns it as a Float8Tensor (plus the high-precision output with `return_hp`, for
+return_layernorm_output). The backward is unchanged: it receives a plain gradient (the GEMM's
+dgrad; summed with the high-precision output's gradient when both arrive).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import torch
 
 from .. import _device
 from ..ref import norm as ref_norm
+from .fused_cast import CastSpec, wrap_fp8
 
 _MAX_HIDDEN = 65536  # == tritium.kernels.norm.MAX_HIDDEN (not imported: it would import triton)
 
@@ -31,19 +38,55 @@ def _impl(t: torch.Tensor):
     return ref_norm
 
 
+def _impl_fp8(t: torch.Tensor):
+    if t.shape[-1] <= _MAX_HIDDEN and _device.use_triton(t):
+        from ..kernels import norm_cast as kernel_norm_cast
+        return kernel_norm_cast
+    return ref_norm
+
+
+def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
+    """y, or the Float8Tensor (and y) of a fused cast."""
+    if cast is None:
+        return y.view(x.shape)
+    data, data_t, scale_inv = fp8_out
+    out = wrap_fp8(data, data_t, scale_inv, cast.fp8_dtype, x.dtype, x.shape)
+    if not return_hp:
+        return out
+    ctx.set_materialize_grads(False)  # d(out) + 0 would turn a -0.0 gradient into +0.0
+    return out, y.view(x.shape)
+
+
+def _grad(ctx, grads):
+    """The one gradient of the norm's output (fused with return_hp: two outputs, summed)."""
+    given = [g for g in grads if g is not None]
+    if not given:
+        return None
+    return given[0] if len(given) == 1 else given[0] + given[1]
+
+
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps, zero_centered_gamma):
+    def forward(ctx, x, weight, bias, eps, zero_centered_gamma, cast=None, return_hp=False):
         x2d = x.reshape(-1, x.shape[-1])
-        y, mean, rstd = _impl(x2d).layernorm_fwd(x2d, weight, bias, eps, zero_centered_gamma)
+        fp8_out = None
+        if cast is None:
+            y, mean, rstd = _impl(x2d).layernorm_fwd(x2d, weight, bias, eps, zero_centered_gamma)
+        else:
+            y, *fp8_out, mean, rstd = _impl_fp8(x2d).layernorm_fwd_fp8(
+                x2d, weight, bias, eps, zero_centered_gamma, cast.scale, cast.amax,
+                cast.fp8_dtype, write_transpose=cast.write_transpose, write_hp=return_hp)
         ctx.save_for_backward(x2d, weight, mean, rstd)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.x_shape, ctx.bias = x.shape, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.view(x.shape)
+        return _outputs(ctx, x, y, fp8_out, cast, return_hp)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *grads):
+        dy = _grad(ctx, grads)
+        if dy is None:
+            return None, None, None, None, None, None, None
         x2d, weight, mean, rstd = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape)
         need_db = ctx.bias and ctx.needs_input_grad[2]
@@ -51,38 +94,55 @@ class _LayerNormFunction(torch.autograd.Function):
                                                ctx.zero_centered_gamma, need_bias_grad=need_db)
         if db is not None and db.dtype != ctx.bias_dtype:
             db = db.to(ctx.bias_dtype)
-        return (dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, db, None, None)
+        return (dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, db, None, None,
+                None, None)
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps, zero_centered_gamma):
+    def forward(ctx, x, weight, eps, zero_centered_gamma, cast=None, return_hp=False):
         x2d = x.reshape(-1, x.shape[-1])
-        y, rstd = _impl(x2d).rmsnorm_fwd(x2d, weight, eps, zero_centered_gamma)
+        fp8_out = None
+        if cast is None:
+            y, rstd = _impl(x2d).rmsnorm_fwd(x2d, weight, eps, zero_centered_gamma)
+        else:
+            y, *fp8_out, rstd = _impl_fp8(x2d).rmsnorm_fwd_fp8(
+                x2d, weight, eps, zero_centered_gamma, cast.scale, cast.amax, cast.fp8_dtype,
+                write_transpose=cast.write_transpose, write_hp=return_hp)
         ctx.save_for_backward(x2d, weight, rstd)
         ctx.zero_centered_gamma, ctx.x_shape = zero_centered_gamma, x.shape
-        return y.view(x.shape)
+        return _outputs(ctx, x, y, fp8_out, cast, return_hp)
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, *grads):
+        dy = _grad(ctx, grads)
+        if dy is None:
+            return None, None, None, None, None, None
         x2d, weight, rstd = ctx.saved_tensors
         dy2d = dy.reshape(x2d.shape)
         dx, dw = _impl(dy2d).rmsnorm_bwd(dy2d, x2d, weight, rstd, ctx.zero_centered_gamma)
-        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None
+        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-               eps: float = 1e-5, zero_centered_gamma: bool = False) -> torch.Tensor:
+               eps: float = 1e-5, zero_centered_gamma: bool = False, *,
+               fp8_cast: Optional[CastSpec] = None, return_hp: bool = False):
     """LayerNorm over the last dim of x: ((x - mean) * rstd) * gamma + bias, in fp32, rounded
-    once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. bias may be None."""
-    return _LayerNormFunction.apply(x, weight, bias, float(eps), bool(zero_centered_gamma))
+    once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. bias may be None.
+    With `fp8_cast` the output is a Float8Tensor written by the fused kernel (and with
+    `return_hp`, the pair (Float8Tensor, high-precision output))."""
+    return _LayerNormFunction.apply(x, weight, bias, float(eps), bool(zero_centered_gamma),
+                                    fp8_cast, bool(return_hp))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
-             zero_centered_gamma: bool = False) -> torch.Tensor:
+             zero_centered_gamma: bool = False, *, fp8_cast: Optional[CastSpec] = None,
+             return_hp: bool = False):
     """RMSNorm over the last dim of x: (x * rsqrt(mean(x^2) + eps)) * gamma, in fp32, rounded
-    once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma."""
-    return _RMSNormFunction.apply(x, weight, float(eps), bool(zero_centered_gamma))
+    once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. `fp8_cast`,
+    `return_hp`: as for layer_norm."""
+    return _RMSNormFunction.apply(x, weight, float(eps), bool(zero_centered_gamma), fp8_cast,
+                                  bool(return_hp))
 
 
 __all__ = ["layer_norm", "rms_norm"]

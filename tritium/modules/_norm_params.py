@@ -2,7 +2,9 @@
 
 `normalization` is "LayerNorm" (params `layer_norm_weight`, `layer_norm_bias`) or "RMSNorm"
 (`layer_norm_weight` only); with zero_centered_gamma the weight starts at 0 and (1 + weight)
-is used. `apply_norm` runs the functional norm on any leading dims.
+is used. `apply_norm` runs the functional norm on any leading dims; with `fp8_cast` (a
+`tritium.functional.fused_cast.CastSpec`) the norm writes the next GEMM's fp8 input directly and
+returns a Float8Tensor, or (Float8Tensor, high-precision output) with `return_hp`.
 """
 from __future__ import annotations
 
@@ -36,8 +38,30 @@ def reset_norm_params(module: torch.nn.Module, zero_centered_gamma: bool) -> Non
 
 
 def apply_norm(module: torch.nn.Module, inp: torch.Tensor, normalization: str, eps: float,
-               zero_centered_gamma: bool) -> torch.Tensor:
+               zero_centered_gamma: bool, fp8_cast=None, return_hp: bool = False):
     if normalization == "LayerNorm":
         return layer_norm(inp, module.layer_norm_weight, module.layer_norm_bias, eps,
-                          zero_centered_gamma)
-    return rms_norm(inp, module.layer_norm_weight, eps, zero_centered_gamma)
+                          zero_centered_gamma, fp8_cast=fp8_cast, return_hp=return_hp)
+    return rms_norm(inp, module.layer_norm_weight, eps, zero_centered_gamma, fp8_cast=fp8_cast,
+                    return_hp=return_hp)
+
+
+def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
+                         want_hp: bool):
+    """(the GEMM's input, the norm's high-precision output or None): with `fp8_cast` the first
+    is the fused norm's Float8Tensor and the second is written only when `want_hp`."""
+    args = (module, inp, module.normalization, module.eps, module.zero_centered_gamma)
+    if fp8_cast is None:
+        ln_out = apply_norm(*args)
+        return ln_out, ln_out
+    if want_hp:
+        return apply_norm(*args, fp8_cast=fp8_cast, return_hp=True)
+    return apply_norm(*args, fp8_cast=fp8_cast), None
+
+
+def norm_cast_spec(fp8_meta, recipe, device, write_transpose: bool):
+    """The CastSpec of the fused norm: the first GEMM's input slot (0) of the forward state."""
+    from ..functional.fused_cast import CastSpec
+    fp8_meta.prepare(recipe, device)
+    fwd = fp8_meta.fwd
+    return CastSpec(fwd.scale_slot(0), fwd.amax_slot(0), fwd.fp8_dtype, write_transpose)

@@ -6,8 +6,10 @@ fp8_autocast, weight caching, main_grad, return_bias) applies to the GEMM; the n
 math with one rounding to the input's dtype. With return_layernorm_output the norm's output is
 returned too: (out, ln_out), or (out, bias, ln_out) with return_bias.
 
-Not fused yet: the norm writes its high-precision output and the GEMM's cast reads it (the
-fused norm + FP8 cast kernel is the next step for speed).
+Under fp8_autocast with DelayedScaling the norm writes the GEMM's fp8 input itself (norm + cast +
+amax + transpose in one kernel, bit-identical to norm then cast; `tritium.functional.fused_cast`
+says when it applies); the high-precision norm output is then written only for
+return_layernorm_output. Other recipes, calibration and high precision: norm, then the GEMM.
 """
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from typing import Optional
 
 import torch
 
-from ._norm_params import apply_norm, register_norm_params, reset_norm_params
+from ..functional.fused_cast import fusable_state
+from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
+    reset_norm_params
 from .linear import Linear
 
 
@@ -38,8 +42,14 @@ class LayerNormLinear(Linear):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.layer_norm_weight)
-        ln_out = apply_norm(self, inp, self.normalization, self.eps, self.zero_centered_gamma)
-        out = super().forward(ln_out, is_first_microbatch)
+        cast, state = None, fusable_state(inp)
+        if state is not None:
+            self._check_fp8_dims()
+            need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
+                w.requires_grad for w in self._parts("weight")))
+            cast = norm_cast_spec(self.fp8_meta, state.recipe, inp.device, need_t)
+        gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output)
+        out = super().forward(gemm_in, is_first_microbatch)
         if not self.return_layernorm_output:
             return out
         return (*out, ln_out) if self.return_bias else (out, ln_out)

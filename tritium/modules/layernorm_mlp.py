@@ -11,8 +11,11 @@ grad 0; fc2: input 2, weight 3, grad 1) and weight caches. checkpoint=True recom
 the activation in backward instead of keeping them (reentrant checkpoint; the recompute uses the
 forward's scales, frozen, and records no amax).
 
-Not fused yet: the norm, fc1's cast, the activation and fc2's cast are separate kernels (the
-fused norm + cast and activation + cast kernels are the next step for speed).
+Fused FP8 casts (DelayedScaling only; `tritium.functional.fused_cast` says when they apply): the
+norm writes fc1's fp8 input (+ transpose, amax), the activation writes fc2's fp8 input, and the
+activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the high-precision
+grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
+checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
 """
 from __future__ import annotations
 
@@ -25,8 +28,10 @@ from .._device import default_device
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
+from ..functional.fused_cast import CastSpec, GradCastSpec, fusable_state
 from ..functional.linear import linear
-from ._norm_params import apply_norm, register_norm_params, reset_norm_params
+from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
+    reset_norm_params
 from .base import FP8Module, check_fp8_dims, check_input
 from .linear import default_init
 
@@ -92,28 +97,43 @@ class LayerNormMLP(FP8Module):
             check_fp8_dims("LayerNormMLP", {"hidden_size": self.hidden_size,
                                             "ffn_hidden_size": self.ffn_hidden_size})
 
-    def _fc1_act(self, ln_out: torch.Tensor, plan) -> torch.Tensor:
-        return apply_activation(linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan),
-                                self.activation)
+    def _fc1_act(self, ln_out: torch.Tensor, plan, fused) -> torch.Tensor:
+        h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan)
+        if fused is None:
+            return apply_activation(h, self.activation)
+        fc2_input_slot, fc2_need_t = fused
+        act_cast = CastSpec(plan.fwd.scale_slot(fc2_input_slot), plan.fwd.amax_slot(fc2_input_slot),
+                            plan.recipe.fp8_format.forward_dtype, fc2_need_t)
+        fc1_bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
+        grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
+        return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check(inp)
+        state = fusable_state(inp)
         plans = self._fp8_plans(inp.device, is_first_microbatch)
         fc1_plan, fc2_plan = plans if plans is not None else (None, None)
-        ln_out = apply_norm(self, inp, self.normalization, self.eps, self.zero_centered_gamma)
+        norm_cast = fused = None
+        if state is not None and plans is not None:
+            grad_on = torch.is_grad_enabled()
+            norm_cast = norm_cast_spec(self.fp8_meta, state.recipe, inp.device,
+                                       grad_on and self.fc1_weight.requires_grad)
+            fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
+        ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
+                                                 self.return_layernorm_output)
         if self.checkpoint and torch.is_grad_enabled():
             replay = [fc1_plan, None if fc1_plan is None else fc1_plan.frozen()]
 
             def fc1_act(x):  # first call: the live plan; the recompute: frozen scales
-                return self._fc1_act(x, replay.pop(0) if len(replay) > 1 else replay[0])
+                return self._fc1_act(x, replay.pop(0) if len(replay) > 1 else replay[0], fused)
             act_out = torch.utils.checkpoint.checkpoint(fc1_act, ln_out, use_reentrant=True)
         else:
-            act_out = self._fc1_act(ln_out, fc1_plan)
+            act_out = self._fc1_act(ln_out, fc1_plan, fused)
         fc2_bias = None if self.return_bias else self.fc2_bias
         out = linear(act_out, self.fc2_weight, fc2_bias, fp8=fc2_plan)
         result = (out, self.fc2_bias) if self.return_bias else (out,)
         if self.return_layernorm_output:
-            result = result + (ln_out,)
+            result = result + (ln_out_hp,)
         return result if len(result) > 1 else result[0]
 
     def extra_repr(self) -> str:

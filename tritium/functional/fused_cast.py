@@ -1,0 +1,125 @@
+"""Fused FP8 casts: when they apply, what a fused kernel needs, and the Float8Tensor it hands on.
+
+Under fp8_autocast with DelayedScaling the scale of a GEMM operand is known before the operand
+exists, so the kernel that produces the operand can write it in fp8 directly:
+  * LayerNormLinear / LayerNormMLP: the norm writes the first GEMM's input (data, transpose, amax,
+    scale_inv) -- `tritium.kernels.norm_cast`;
+  * LayerNormMLP: the activation writes fc2's input, and the activation's backward writes fc1's
+    output gradient (data + transpose, its amax) -- `tritium.kernels.act_cast`.
+The producer returns a `Float8Tensor` (nominal dtype = the high-precision dtype; `_data` is the
+[T, K] view of the padded [Tp, K] buffer, which is kept in `_padded_data`; `_transpose` is the
+padded [K, Tp] transpose) and `_LinearFunction` takes its fp8 operands as they are (forward
+input, or backward grad_output) instead of casting. Autograd accepts a Float8Tensor both as the
+output of a Function and as the gradient of a plain tensor (checked in tests/test_fused_casts.py),
+so no side channel is needed. A Float8Tensor that lost `_padded_data` (detached by activation
+checkpointing) still works: `fp8_operands` re-pads `_data` with zero rows, the same bits.
+
+Everything stays bit-identical to the unfused path (norm/activation kernel, then the cast
+kernel): same scale, same values rounded to the high-precision dtype before scaling, same amax
+(max is order-free), same scale_inv. Not fused (unfused path kept): Float8CurrentScaling (the
+scale needs the amax first), calibration, high precision, torch.autocast (the unfused path
+casts the norm output to the autocast dtype first), empty inputs.
+
+`fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+
+from ..fp8.autocast import AutocastState, current as current_autocast
+from ..fp8.recipe import DelayedScaling
+from ..fp8.scaling import ScalingState
+from ..fp8.tensor import Float8Tensor
+
+_enabled = True
+
+
+def fused_casts_enabled() -> bool:
+    return _enabled
+
+
+@contextlib.contextmanager
+def fused_casts(enabled: bool):
+    """Turn the fused norm/activation FP8 casts on or off inside the block (default: on)."""
+    global _enabled
+    before, _enabled = _enabled, bool(enabled)
+    try:
+        yield
+    finally:
+        _enabled = before
+
+
+def fusable_state(inp: torch.Tensor) -> Optional[AutocastState]:
+    """The active autocast state when the fused casts apply to a module call on `inp`."""
+    if not _enabled:
+        return None
+    state = current_autocast()
+    if state is None or not state.enabled or not isinstance(state.recipe, DelayedScaling):
+        return None
+    if inp.numel() == 0 or torch.is_autocast_enabled(inp.device.type):
+        return None
+    return state
+
+
+@dataclasses.dataclass(frozen=True)
+class CastSpec:
+    """Where a fused forward kernel writes a GEMM input: the delayed-scaling `scale` slot, the
+    `amax` slot (None: record nothing, e.g. a recompute under frozen scales), the fp8 dtype, and
+    whether to write the transpose (the GEMM's wgrad needs it)."""
+
+    scale: torch.Tensor
+    amax: Optional[torch.Tensor]
+    fp8_dtype: torch.dtype
+    write_transpose: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class GradCastSpec:
+    """Where a fused backward kernel writes a GEMM's grad_output: slot `slot` of the backward
+    state (read at backward time, as the unfused cast does); `write_hp`: also the
+    high-precision gradient (the GEMM's bias gradient sums it)."""
+
+    state: ScalingState
+    slot: int
+    write_hp: bool
+
+
+def pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def wrap_fp8(data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torch.Tensor,
+             fp8_dtype: torch.dtype, nominal_dtype: torch.dtype, shape,
+             hp: Optional[torch.Tensor] = None) -> Float8Tensor:
+    """A Float8Tensor of `shape` over the padded buffers of a fused kernel."""
+    tokens = math.prod(shape[:-1])
+    t = Float8Tensor(data[:tokens].view(shape), scale_inv, fp8_dtype, nominal_dtype, data_t)
+    t._padded_data, t._hp = data, hp
+    return t
+
+
+def fp8_operands(t: Float8Tensor, need_transpose: bool):
+    """(data [Tp, K], data_t [K, Tp] or None, scale_inv) of a Float8Tensor GEMM operand,
+    Tp = rows rounded up to 16 with zero rows."""
+    k = t.shape[-1]
+    d2 = t._data.reshape(-1, k)
+    tokens = d2.shape[0]
+    tp = pad16(tokens)
+    data = getattr(t, "_padded_data", None)
+    if data is None:
+        data = d2 if tp == tokens else torch.cat([d2, d2.new_zeros(tp - tokens, k)])
+    data_t = None
+    if need_transpose:
+        data_t = t._transpose
+        if data_t is None or tuple(data_t.shape) != (k, tp):
+            data_t = data.t().contiguous()
+    return data, data_t, t._scale_inv
+
+
+__all__ = ["CastSpec", "GradCastSpec", "fused_casts", "fused_casts_enabled", "fusable_state",
+           "fp8_operands", "wrap_fp8"]
