@@ -40,8 +40,8 @@ def _sdpa(backend, causal, gqa):
     return run
 
 
-def _ours(mask, h, hk, backend="auto"):
-    mod = A.DotProductAttention(h, D, num_gqa_groups=hk, qkv_format="bshd",
+def _ours(mask, h, hk, backend="auto", d=D):
+    mod = A.DotProductAttention(h, d, num_gqa_groups=hk, qkv_format="bshd",
                                 attn_mask_type=mask, backend=backend)
     return lambda q, k, v: mod(q, k, v)
 
@@ -92,7 +92,7 @@ def main():
     q = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dout = torch.randn(1, 128, 4, 64, device="cuda", dtype=torch.bfloat16)
     for variant, fn in (("sdpa cudnn", _sdpa("cudnn", True, False)),
-                        ("tritium auto", _ours("causal", 4, 4))):
+                        ("tritium auto", _ours("causal", 4, 4, d=64))):
         _time(rows, "tiny B1 H4 S128 D64 causal (overhead)", variant, fn, q, q, q, dout,
               4 * 128 * 128 * 64 * 4 * 0.5)
     finish("attention", rows, baseline="sdpa cudnn")

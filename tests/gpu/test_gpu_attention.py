@@ -63,6 +63,7 @@ def assert_fused_close(got, ref64, low, what):
 
 
 def run(backend, q, k, v, dout, fmt="bshd", **kw):
+    fmt = kw.pop("qkv_format", fmt)
     ql, kl, vl = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
     out, lse = A.dot_product_attention(ql, kl, vl, qkv_format=fmt, backend=backend,
                                        return_lse=True, **kw)
