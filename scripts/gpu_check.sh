@@ -24,6 +24,7 @@ for s in $stages; do
     attn)   python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attn.log" | grep -v "^{" ;;
     rope)   python3 benchmarks/bench_rope.py 2>&1 | tee "$OUT/bench_rope.log" | grep -v "^{" ;;
     adam)   python3 benchmarks/bench_adam.py 2>&1 | tee "$OUT/bench_adam.log" | grep -v "^{" ;;
+    prof)   python3 scripts/profile_ops.py 2>&1 | tee "$OUT/profile_ops.log" ;;
     block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
     tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
