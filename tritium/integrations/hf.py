@@ -1,0 +1,210 @@
+"""Hugging Face Llama <-> tritium: `convert_llama(model)` and `to_hf_state_dict(model)`.
+
+convert_llama(model) replaces, in place, every decoder layer `model.model.layers[i]` of a
+transformers `LlamaForCausalLM` (or `LlamaModel`) by a `TritiumLlamaDecoderLayer`: a thin
+wrapper around one te.TransformerLayer (RMSNorm, swiglu, bias=False, GQA, fuse_qkv_params=True,
+qkv_weight_interleaved=False, bshd, the config's rms_norm_eps and head_dim) filled by
+`integrations/llama.py:load_llama_decoder_layer`. Everything else (embeddings, final norm,
+rotary embedding, lm_head, loss, generation plumbing) stays HF's, so the model keeps HF's
+forward signature (input_ids, attention_mask, labels, ...) and outputs.
+
+Weights. "Sharing" means the TransformerLayer's parameters ARE the model's parameters from now
+on: q/k/v are copied once into the fused QKV weight and gate/up into fc1, and the HF q/k/v/o,
+MLP and norm modules of each layer are dropped (so `model.parameters()` holds each weight once;
+an optimizer built after the conversion trains the tritium weights). The conversion copies
+values; it does not alias storage (a fused QKV weight cannot be a view of three tensors).
+`to_hf_state_dict(model)` maps back to HF's key names, in HF's order, for `save_pretrained`-
+style use or `LlamaForCausalLM.load_state_dict`.
+
+The wrapper's call signature is HF's decoder-layer one: (hidden_states, attention_mask=None,
+position_ids=None, past_key_values=None, use_cache=False, position_embeddings=(cos, sin),
+**kwargs). It returns a tensor where the installed LlamaModel expects one (transformers >= 4.54,
+which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel reads
+`layer_outputs[0]` (older versions); `_layer_returns_tuple()` decides from LlamaModel's source.
+  * RoPE: the angles are recomputed in fp32 from position_ids and the model's own
+    `rotary_emb.inv_freq` exactly as HF does (so rope scaling types that only change inv_freq,
+    e.g. "linear", "llama3", "dynamic", are covered); types with an attention_scaling != 1
+    (yarn, longrope) are refused. Batch rows with different position_ids run one at a time.
+  * Masks: None -> causal (HF's sdpa path without padding); a 4D bool mask (True = attend) or
+    additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). Query rows
+    with no visible key give 0 (TE's convention; HF gives garbage there, which it ignores).
+  * Not supported (clear errors): KV caches (convert_llama sets config.use_cache = False; an
+    explicit use_cache=True or past_key_values raises: generate(..., use_cache=False) works), flex-attention BlockMask, attention/MLP biases, activations other than SiLU,
+    output_attentions (there are no attention weights to return).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Optional
+
+import torch
+
+from .llama import hf_llama_layer_weights, llama_mlp_weights, load_llama_decoder_layer
+
+_HF_LAYER_KEYS = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                  "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                  "mlp.down_proj.weight", "input_layernorm.weight",
+                  "post_attention_layernorm.weight")
+
+
+def _layer_returns_tuple() -> bool:
+    """True where the installed LlamaModel reads `layer_outputs[0]` from each decoder layer."""
+    from transformers.models.llama import modeling_llama
+    try:
+        return "layer_outputs[0]" in inspect.getsource(modeling_llama.LlamaModel.forward)
+    except (OSError, TypeError):  # no source shipped: go by version (4.54 returns a tensor)
+        import transformers
+        major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+        return (major, minor) < (4, 54)
+
+
+def _check_config(config) -> None:
+    problems = []
+    if getattr(config, "attention_bias", False) or getattr(config, "mlp_bias", False):
+        problems.append("attention_bias/mlp_bias (tritium's Llama block has no biases)")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={config.hidden_act!r} (only silu: swiglu)")
+    if getattr(config, "pretraining_tp", 1) != 1:
+        problems.append(f"pretraining_tp={config.pretraining_tp} (use 1)")
+    if problems:
+        raise NotImplementedError("convert_llama cannot convert this config: " + "; ".join(problems))
+
+
+def _te_mask(attention_mask: Optional[torch.Tensor]):
+    """HF's 4D mask -> (TE mask or None, attn_mask_type)."""
+    if attention_mask is None:
+        return None, "causal"
+    if not isinstance(attention_mask, torch.Tensor):
+        raise NotImplementedError(f"attention_mask of type {type(attention_mask).__name__} (flex "
+                                  "attention's BlockMask?) is not supported: load the model with "
+                                  "attn_implementation='sdpa' or 'eager'")
+    if attention_mask.dim() != 4:
+        raise ValueError(f"expected HF's 4D attention mask [b, 1, q, kv], got shape "
+                         f"{tuple(attention_mask.shape)}")
+    if attention_mask.dtype == torch.bool:
+        return ~attention_mask, "arbitrary"
+    return attention_mask != 0, "arbitrary"
+
+
+class TritiumLlamaDecoderLayer(torch.nn.Module):
+    """HF LlamaDecoderLayer's call signature around a te.TransformerLayer (`self.layer`)."""
+
+    def __init__(self, layer, rotary_emb, layer_idx: int, return_tuple: bool):
+        super().__init__()
+        self.layer = layer
+        # Not a submodule: the rotary embedding belongs to LlamaModel (no duplicate state).
+        object.__setattr__(self, "_rotary_emb", rotary_emb)
+        self.layer_idx, self.return_tuple = layer_idx, return_tuple
+
+    def _freqs(self, pos: torch.Tensor) -> torch.Tensor:
+        """[s, 1, 1, d] angles for one row of position_ids, as HF's LlamaRotaryEmbedding."""
+        inv_freq = self._rotary_emb.inv_freq.to(device=pos.device, dtype=torch.float32)
+        freqs = pos[:, None].float() * inv_freq
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
+                past_key_values=None, use_cache: bool = False, position_embeddings=None,
+                output_attentions: bool = False, **kwargs):
+        if past_key_values is not None or use_cache:
+            raise NotImplementedError("tritium decoder layers have no KV cache: call the model "
+                                      "with use_cache=False (training, scoring)")
+        if output_attentions:
+            raise NotImplementedError("output_attentions: tritium's attention returns no weights")
+        scaling = getattr(self._rotary_emb, "attention_scaling", 1.0)
+        if scaling != 1.0:
+            raise NotImplementedError(f"rope type with attention_scaling={scaling} (yarn, "
+                                      "longrope) is not supported")
+        b, s = hidden_states.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(s, device=hidden_states.device)[None]
+        position_ids = position_ids.expand(b, s)
+        mask, mask_type = _te_mask(attention_mask)
+        if b == 1 or bool((position_ids == position_ids[:1]).all()):
+            out = self.layer(hidden_states, attention_mask=mask, self_attn_mask_type=mask_type,
+                             rotary_pos_emb=self._freqs(position_ids[0]))
+        else:  # each row its own angles
+            rows = []
+            for i in range(b):
+                m = None if mask is None else mask[i:i + 1] if mask.shape[0] > 1 else mask
+                rows.append(self.layer(hidden_states[i:i + 1], attention_mask=m,
+                                       self_attn_mask_type=mask_type,
+                                       rotary_pos_emb=self._freqs(position_ids[i])))
+            out = torch.cat(rows)
+        return (out,) if self.return_tuple else out
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}"
+
+
+def _llama_model(model):
+    inner = getattr(model, "model", model)
+    if not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        raise TypeError(f"expected a transformers LlamaForCausalLM or LlamaModel, got "
+                        f"{type(model).__name__}")
+    return inner
+
+
+def convert_llama(model):
+    """Swap every decoder layer of an HF Llama model for a tritium TransformerLayer holding
+    the same weights (in place; returns the model). See the module note."""
+    from tritium.modules.transformer_layer import TransformerLayer
+    inner = _llama_model(model)
+    config = model.config
+    _check_config(config)
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    groups = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    return_tuple = _layer_returns_tuple()
+    for i, hf_layer in enumerate(inner.layers):
+        if isinstance(hf_layer, TritiumLlamaDecoderLayer):
+            continue
+        weight = hf_layer.self_attn.q_proj.weight
+        layer = TransformerLayer(
+            hidden, config.intermediate_size, heads, num_gqa_groups=groups, kv_channels=head_dim,
+            layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0,
+            attention_dropout=getattr(config, "attention_dropout", 0.0) or 0.0,
+            normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True,
+            qkv_weight_interleaved=False, attn_input_format="bshd",
+            self_attn_mask_type="causal", layer_number=i + 1, params_dtype=weight.dtype,
+            device=weight.device)
+        load_llama_decoder_layer(layer, **hf_llama_layer_weights(hf_layer))
+        layer.train(hf_layer.training)
+        inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple)
+    config.use_cache = False  # no KV cache: forward(...) then makes none by default
+    return model
+
+
+def _layer_weights(wrapper: TritiumLlamaDecoderLayer) -> dict:
+    """HF decoder-layer key -> tensor, from a wrapped TransformerLayer."""
+    attn = wrapper.layer.self_attention
+    qkv = attn.layernorm_qkv
+    h, g, d = attn.num_attention_heads, attn.num_gqa_groups, attn.hidden_size_per_attention_head
+    q, k, v = qkv.weight.detach().split([h * d, g * d, g * d])
+    norm = qkv.layer_norm_weight.detach()
+    mlp = llama_mlp_weights(wrapper.layer.layernorm_mlp)
+    values = (q, k, v, attn.proj.weight.detach(), mlp["gate_proj"], mlp["up_proj"],
+              mlp["down_proj"], norm + 1 if qkv.zero_centered_gamma else norm,
+              mlp["norm_weight"])
+    return {key: t.clone() for key, t in zip(_HF_LAYER_KEYS, values)}
+
+
+def to_hf_state_dict(model) -> dict:
+    """The state_dict the original HF model would have: HF key names, HF order, same tensors'
+    values (tritium's FP8 metadata is not part of it)."""
+    inner = _llama_model(model)
+    prefix = "model." if inner is not model else ""
+    out = {}
+    for key, value in model.state_dict().items():
+        rest = key[len(prefix):] if key.startswith(prefix) else None
+        if rest is None or not rest.startswith("layers."):
+            out[key] = value
+            continue
+        idx = int(rest.split(".")[1])
+        layer = inner.layers[idx]
+        if not isinstance(layer, TritiumLlamaDecoderLayer):
+            out[key] = value
+            continue
+        base = f"{prefix}layers.{idx}."
+        if base + _HF_LAYER_KEYS[0] not in out:
+            out.update({base + k: t for k, t in _layer_weights(layer).items()})
+    return out
