@@ -1,5 +1,10 @@
 """Per-call choice between a Triton cast kernel and its pure-PyTorch twin, plus the
 recipe-level helper `quantize_2d` that every FP8 module uses to cast a GEMM operand.
+
+`cast_transpose(..., skip=flag, out=buffers)` (CUDA graphs with FP8 weight caching): the cast
+writes into the caller's persistent `out` buffers unless the int32 [1] device `flag` is non-zero,
+in which case it is a no-op (see `tritium.kernels.cast`). The buffers are checked here, once for
+both implementations.
 """
 from __future__ import annotations
 
@@ -19,7 +24,34 @@ def _impl(t: torch.Tensor):
 
 
 def cast_transpose(x, scale, amax, fp8_dtype, **kwargs):
+    if kwargs.get("out") is not None or kwargs.get("skip") is not None:
+        _check_out(x, fp8_dtype, **kwargs)
     return _impl(x).cast_transpose(x, scale, amax, fp8_dtype, **kwargs)
+
+
+def _check_out(x, fp8_dtype, *, pad_rows_to=1, write_data=True, write_transpose=False,
+               skip=None, out=None, **_):
+    if skip is not None:
+        if out is None:
+            raise ValueError("cast_transpose(skip=...) needs out=(data, data_t, scale_inv): a "
+                             "skipped cast returns the buffers an earlier cast wrote")
+        if skip.dtype != torch.int32 or skip.numel() != 1 or skip.device != x.device:
+            raise ValueError(f"cast_transpose: skip must be an int32 [1] tensor on {x.device}, got "
+                             f"{skip.dtype}{tuple(skip.shape)} on {skip.device}")
+    m, n = x.shape
+    mp = -(-m // pad_rows_to) * pad_rows_to
+    want = ((mp, n) if write_data else None, (n, mp) if write_transpose else None, (1,))
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise ValueError("cast_transpose: out must be a tuple (data, data_t, scale_inv)")
+    for name, t, shape in zip(("data", "data_t", "scale_inv"), out, want):
+        if shape is None:
+            continue
+        dtype = torch.float32 if name == "scale_inv" else fp8_dtype
+        if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device \
+                or not t.is_contiguous():
+            got = None if t is None else f"{t.dtype}{tuple(t.shape)} on {t.device}"
+            raise ValueError(f"cast_transpose: out {name} must be a contiguous {dtype}{shape} "
+                             f"tensor on {x.device}, got {got}")
 
 
 def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
@@ -32,14 +64,18 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
 
 def quantize_2d(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: Optional[torch.Tensor],
                 amax: Optional[torch.Tensor], current: Optional[tuple], pad_rows_to: int = 16,
-                write_data: bool = True, write_transpose: bool = False):
+                write_data: bool = True, write_transpose: bool = False,
+                skip: Optional[torch.Tensor] = None, out: Optional[tuple] = None):
     """Cast a 2D GEMM operand. Delayed scaling: `scale` and `amax` are the state's slot views
     (amax may be None for a cast that must not record, e.g. a cached weight). Current scaling:
     `current=(amax_epsilon, power_2_scale)`; the amax is measured first, then the cast reads it.
+    skip / out: see the module docstring (forwarded only when given).
     """
+    extra = {} if skip is None and out is None else {"skip": skip, "out": out}
     if current is not None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         amax_into(x, amax)
         scale = None
     return cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
-                          write_data=write_data, write_transpose=write_transpose, current=current)
+                          write_data=write_data, write_transpose=write_transpose, current=current,
+                          **extra)

@@ -11,6 +11,11 @@ the approximate reciprocal). The scale is read from device memory, so nothing sy
 With `current=(eps, power_2_scale)` each program derives the scale from the finished amax
 (Float8CurrentScaling) instead of reading it.
 
+`skip` (CUDA graphs with FP8 weight caching): an int32 [1] device flag; when it is non-zero every
+program returns before reading or writing anything, so the caller's `out` buffers keep what an
+earlier launch wrote and no amax is recorded. The flag is read on the device, so a captured
+launch is a cast or a no-op depending on what the host wrote into the flag before the replay.
+
 Not done here: tiles of block scaling, fused norms/activations (they live with their ops).
 """
 from __future__ import annotations
@@ -56,12 +61,15 @@ def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr)
 
 @triton.jit
 def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
-                           M, N, Mp, stride_xm,
+                           skip_ptr, M, N, Mp, stride_xm,
                            FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                            WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
                            UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr,
-                           EPS: tl.constexpr, POW2: tl.constexpr,
+                           EPS: tl.constexpr, POW2: tl.constexpr, HAS_SKIP: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
+            return
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -137,27 +145,32 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
 
 def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
                    fp8_dtype: torch.dtype, *, pad_rows_to: int = 1, write_data: bool = True,
-                   write_transpose: bool = False, current: Optional[tuple] = None):
+                   write_transpose: bool = False, current: Optional[tuple] = None,
+                   skip: Optional[torch.Tensor] = None, out: Optional[tuple] = None):
     """See `tritium.ref.cast.cast_transpose` for the contract."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, n = x.shape
     mp = -(-m // pad_rows_to) * pad_rows_to
     dev = x.device
-    data = torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None
-    data_t = torch.empty(n, mp, dtype=fp8_dtype, device=dev) if write_transpose else None
-    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    if out is not None:
+        data, data_t, scale_inv = out
+        data, data_t = (data if write_data else None), (data_t if write_transpose else None)
+    else:
+        data = torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None
+        data_t = torch.empty(n, mp, dtype=fp8_dtype, device=dev) if write_transpose else None
+        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
     grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))  # triton.cdiv costs host time
     _launch_cast_transpose(
         grid, x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
         scale if current is None else amax, amax if amax is not None else scale_inv,
-        scale_inv, m, n, mp, x.stride(0),
+        scale_inv, skip if skip is not None else scale_inv, m, n, mp, x.stride(0),
         FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=write_data,
         WRITE_T=write_transpose, UPDATE_AMAX=amax is not None and current is None,
-        CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2), BLOCK_M=bm, BLOCK_N=bn,
-        num_warps=warps)
+        CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2), HAS_SKIP=skip is not None,
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return data, data_t, scale_inv
 
 

@@ -8,6 +8,9 @@ Same names, signatures and results, bit for bit, as the Triton launchers:
     NaN winning over inf winning over finite values, as the kernel's atomic max does.
   * scale_inv is the exactly rounded fp32 1/scale (IEEE division).
   * rows are zero-padded to a multiple of `pad_rows_to` (FP8 GEMMs need dims divisible by 16).
+  * `skip` (int32 [1], CUDA graphs with weight caching): non-zero makes the cast a no-op that
+    returns `out` untouched and records no amax. The kernel reads the flag on the device; this
+    twin reads it on the host (it never runs inside a CUDA graph).
 """
 from __future__ import annotations
 
@@ -44,14 +47,19 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
 
 def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
                    fp8_dtype: torch.dtype, *, pad_rows_to: int = 1, write_data: bool = True,
-                   write_transpose: bool = False, current: Optional[tuple] = None):
+                   write_transpose: bool = False, current: Optional[tuple] = None,
+                   skip: Optional[torch.Tensor] = None, out: Optional[tuple] = None):
     """Cast a 2D tensor to fp8, optionally with its transpose, in one pass.
 
     x: [M, N] fp32/bf16/fp16. scale: [1] fp32 (delayed scaling) or None with
     `current=(amax_epsilon, power_2_scale)`, in which case the scale is computed from `amax`
     (which must already hold max|x|, see `amax_into`) and amax is not updated.
+    out: optional (data [Mp, N], data_t [N, Mp], scale_inv [1] fp32) to write into (an entry
+    may be None where it is not written); skip: see the module docstring (needs `out`).
     Returns (data [Mp, N] or None, data_t [N, Mp] or None, scale_inv [1] fp32).
     """
+    if skip is not None and bool(skip.reshape(-1)[0] != 0):
+        return (out[0] if write_data else None, out[1] if write_transpose else None, out[2])
     m, n = x.shape
     mp = -(-m // pad_rows_to) * pad_rows_to
     if current is not None:
@@ -65,6 +73,11 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     data = y if write_data else None
     data_t = y.t().contiguous() if write_transpose else None
     scale_inv = torch.ones_like(scale.float()) / scale.float()
+    if out is not None:
+        for dst, src in zip(out, (data, data_t, scale_inv)):
+            if src is not None:
+                dst.copy_(src)
+        return (out[0] if write_data else None, out[1] if write_transpose else None, out[2])
     return data, data_t, scale_inv
 
 
