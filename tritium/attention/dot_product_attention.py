@@ -18,8 +18,10 @@ sbhd into a bshd view (no copy), giving canonical tensors and an `AttnArgs`; a b
 runs its fwd/bwd and returns (out, lse). `attention_forward` / `attention_backward` expose the
 same fwd/bwd pair without autograd, for a context-parallel ring (fp32 lse, any (out, lse) pair
 in backward). The module owns no parameters: forward is one functional call.
-Not supported (clear errors): core attention bias / ALiBi, inference KV caches, FP8 attention,
-context parallelism inside the module (the ring lives in attention/cp/).
+Context parallelism: with a cp_group of more than one rank, forward runs
+`attention.cp.context_parallel_attention` (the ring or all_gather strategy; inputs are the local
+load-balanced part of the sequence); attributes cp_mode / cp_fp32_accumulation pick precision.
+Not supported (clear errors): core attention bias / ALiBi, inference KV caches, FP8 attention.
 """
 from __future__ import annotations
 
@@ -307,14 +309,18 @@ class DotProductAttention(torch.nn.Module):
         if cp_comm_type not in ("p2p", "all_gather"):
             _fail("DotProductAttention", f"cp_comm_type={cp_comm_type!r} must be 'p2p' or "
                   "'all_gather'")
+        from .cp.layout import resolve_group
+        size, rank, _ = resolve_group(cp_group, cp_global_ranks, "DotProductAttention")
         self.cp_group, self.cp_global_ranks = cp_group, cp_global_ranks
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
+        self.cp_size, self.cp_rank = size, rank
+        # attention/cp precision knobs (merge.py): fp32 merge/accumulation, and "auto" |
+        # "exact" (fp32 partials) | "fast" (fused 16-bit blocks); plain attributes, set freely
+        if not hasattr(self, "cp_mode"):
+            self.cp_mode, self.cp_fp32_accumulation = "auto", True
 
     def _cp_size(self) -> int:
-        if self.cp_group is None:
-            return 1
-        import torch.distributed as dist
-        return dist.get_world_size(self.cp_group)
+        return self.cp_size
 
     def forward(self, query_layer, key_layer, value_layer, attention_mask=None, qkv_format=None,
                 cu_seqlens_q=None, cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
@@ -329,9 +335,6 @@ class DotProductAttention(torch.nn.Module):
             _fail(cls, "alibi_slopes: ALiBi is not supported", NotImplementedError)
         if inference_params is not None:
             _fail(cls, "inference_params: KV caching is not supported", NotImplementedError)
-        if self._cp_size() > 1:
-            _fail(cls, "context parallelism is not wired into this module yet (cp_group has "
-                  "more than one rank)", NotImplementedError)
         fmt = qkv_format or self.qkv_format
         for name, t, heads, dim in (("query_layer", query_layer, self.num_attention_heads,
                                      self.kv_channels[0]),
@@ -344,6 +347,18 @@ class DotProductAttention(torch.nn.Module):
                 _fail(cls, f"{name} has shape {tuple(t.shape)}; its last two dims must be "
                       f"[heads, head_dim] = [{heads}, {dim}] (num_attention_heads / "
                       "num_gqa_groups, kv_channels)")
+        if self._cp_size() > 1:
+            from .cp import context_parallel_attention
+            return context_parallel_attention(
+                query_layer, key_layer, value_layer, self.cp_group, self.cp_global_ranks,
+                cp_comm_type=self.cp_comm_type, qkv_format=fmt,
+                attn_mask_type=attn_mask_type or self.attn_mask_type,
+                attention_mask=attention_mask,
+                window_size=self.window_size if window_size is None else window_size,
+                softmax_scale=self.softmax_scale,
+                dropout_p=self.attention_dropout if self.training else 0.0,
+                cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, backend=self.backend,
+                mode=self.cp_mode, fp32_accumulation=self.cp_fp32_accumulation)
         return dot_product_attention(
             query_layer, key_layer, value_layer, qkv_format=fmt,
             attn_mask_type=attn_mask_type or self.attn_mask_type, attention_mask=attention_mask,

@@ -168,8 +168,13 @@ class MultiheadAttention(torch.nn.Module):
             q_freqs, k_freqs = (rotary_pos_emb if isinstance(rotary_pos_emb, (tuple, list))
                                 else (rotary_pos_emb, rotary_pos_emb))
             fmt = self.qkv_format
-            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_q)
-            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_kv)
+            # with context parallelism, local tokens sit at their load-balanced global positions
+            cp = dict(cp_size=getattr(self.core_attention, "cp_size", 1),
+                      cp_rank=getattr(self.core_attention, "cp_rank", 0))
+            q = apply_rotary_pos_emb(q, q_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_q,
+                                     **cp)
+            k = apply_rotary_pos_emb(k, k_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_kv,
+                                     **cp)
         attn_kwargs = dict(attention_mask=attention_mask, qkv_format=self.qkv_format,
                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
@@ -188,6 +193,13 @@ class MultiheadAttention(torch.nn.Module):
         if self.return_layernorm_output:
             result = result + (ln_out,)
         return result if len(result) > 1 else result[0]
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Context parallelism for the core attention (TE's method; see attention/cp/).
+        Inputs are then this rank's load-balanced part of the sequence; RoPE follows it."""
+        self.core_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
+                                                       cp_comm_type)
 
     def extra_repr(self) -> str:
         return (f"hidden_size={self.hidden_size}, heads={self.num_attention_heads}, "

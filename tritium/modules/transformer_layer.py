@@ -90,6 +90,12 @@ class TransformerLayer(torch.nn.Module):
                                       zero_centered_gamma=zero_centered_gamma,
                                       params_dtype=params_dtype, device=device)
 
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
+                                   cp_comm_type: str = "p2p") -> None:
+        """Context parallelism for the self-attention's core attention (TE's method)."""
+        self.self_attention.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream,
+                                                       cp_comm_type)
+
     def _dropout_add(self, out, bias, residual):
         if bias is not None:
             out = out + bias

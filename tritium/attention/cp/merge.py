@@ -1,0 +1,147 @@
+"""Pieces shared by the CP strategies: one attention block (fwd/bwd through the backends), the
+log-sum-exp merge of partial outputs, accumulation dtypes, and the ring exchange.
+
+A strategy splits local attention into blocks: (rows of the local q, rows of a KV tensor,
+causal or not). For each block `Runner.fwd` calls `attention_forward` (backends.py) and returns
+the partial (out_i, lse_i); `OutAcc.add` merges it into running buffers:
+    lse = logaddexp(lse, lse_i)          (torch's stable form: max + log1p(exp(-|diff|)))
+    out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)
+The factors are computed in fp32 from the fp32 lses; `out` lives in the accumulation dtype.
+Backward calls `attention_backward` per block with the merged (out, lse) and the strategy adds
+dq/dk/dv into buffers of the accumulation dtype.
+
+Precision knobs (`Precision`):
+  * fp32_accumulation (default on): out, dq, dk, dv buffers in fp32 (dk/dv also travel the
+    ring in fp32), cast once at the end. Off: buffers in the input dtype, rounded every step
+    (what TE does today for bf16; kept for measuring the difference).
+  * exact: each block runs on fp32 copies of q, k, v, so partial out/lse/dq/dk/dv come back
+    unrounded (the reference on CPU; on CUDA the fp32 path of the mem-efficient kernel, which
+    computes in fp32 on tensor cores, slower than bf16 cuDNN). Not exact ("fast"): blocks run
+    in the input dtype on the fused backends; their bf16 partials add one rounding per block.
+The merged lse is always fp32. Rows without a visible key cannot occur with the causal /
+no_mask schedules used here (every row sees its own diagonal or a whole block).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..dot_product_attention import attention_backward, attention_forward, prepare
+
+ALL = slice(None)
+
+
+@dataclass(frozen=True)
+class Block:
+    q: slice            # rows of the local q
+    kv: slice           # rows of the KV tensor this block reads
+    causal: bool        # top-left causal on the [q rows, kv rows] square
+
+
+@dataclass(frozen=True)
+class Precision:
+    exact: bool = True
+    fp32_accumulation: bool = True
+
+    def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return torch.float32 if self.fp32_accumulation and dtype != torch.float64 else dtype
+
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """The tensor a block computes on: an fp32 copy in exact mode."""
+        if self.exact and x.dtype in (torch.bfloat16, torch.float16):
+            return x.float()
+        return x
+
+
+class Runner:
+    """Runs blocks through the attention backends; keeps each block's backward state."""
+
+    def __init__(self, scale: float, dropout: float, backend: str, precision: Precision):
+        self.scale, self.dropout, self.backend, self.p = scale, dropout, backend, precision
+        # fp32 blocks (exact mode) cannot run on cuDNN/flash: let the choice pick an fp32 one
+        self.fp32_backend = backend if backend in ("torch", "efficient") else "auto"
+
+    def _args(self, q, k, v, causal):
+        _, _, _, args = prepare(q, k, v, qkv_format="bshd",
+                                attn_mask_type="causal" if causal else "no_mask",
+                                softmax_scale=self.scale, dropout_p=self.dropout,
+                                where="context parallel attention")
+        return args
+
+    def fwd(self, q, k, v, blk: Block):
+        """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV."""
+        qs, ks, vs = q[:, blk.q], k[:, blk.kv], v[:, blk.kv]
+        args = self._args(qs, ks, vs, blk.causal)
+        backend = self.fp32_backend if qs.dtype == torch.float32 else self.backend
+        out, lse, (be, aux) = attention_forward(qs, ks, vs, args, backend)
+        if be.name == "torch":          # drop the reference's fp32 copy of out (not needed)
+            aux = (aux[0], None)
+        return out, lse, (be, aux, args)
+
+    def bwd(self, dout, q, k, v, out, lse, blk: Block, state):
+        """-> (dq_i, dk_i, dv_i) for the block, given the merged out and lse."""
+        be, aux, args = state
+        rows = blk.q
+        return attention_backward(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
+                                  out[:, rows], lse[:, :, rows], (be, aux), args)
+
+
+class OutAcc:
+    """Running (out, lse) of the local q rows: out [b, L, h, d_v] in acc dtype, lse fp32."""
+
+    def __init__(self, q: torch.Tensor, d_v: int, acc_dtype: torch.dtype):
+        b, s, h, _ = q.shape
+        self.out = torch.zeros(b, s, h, d_v, dtype=acc_dtype, device=q.device)
+        lse_dtype = torch.float64 if acc_dtype == torch.float64 else torch.float32
+        self.lse = torch.full((b, h, s), float("-inf"), dtype=lse_dtype, device=q.device)
+        self._fresh = torch.ones(s, dtype=torch.bool)  # host-side: rows not written yet
+
+    def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
+        o, l = self.out[:, rows], self.lse[:, :, rows]
+        if bool(self._fresh[rows].all()):
+            o.copy_(out_i)
+            l.copy_(lse_i)
+        else:
+            new = torch.logaddexp(l, lse_i)
+            a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
+            b = torch.exp(lse_i - new).transpose(1, 2).unsqueeze(-1)
+            if o.dtype == torch.float32 or o.dtype == torch.float64:
+                o.mul_(a).add_(out_i.to(o.dtype) * b)
+            else:  # 16-bit accumulator: fp32 arithmetic, one rounding per step
+                o.copy_(o.float() * a + out_i.float() * b)
+            l.copy_(new)
+        self._fresh[rows] = False
+
+
+class Ring:
+    """Send to the next rank of the CP group and receive from the previous one (async)."""
+
+    def __init__(self, group, ranks: list, rank: int):
+        self.group, n = group, len(ranks)
+        self.next, self.prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+
+    def exchange(self, tensors, tag: int = 0):
+        """Post sends of `tensors` and receives of same-shaped ones -> (received, requests)."""
+        import torch.distributed as dist
+        recv = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i)
+               for i, t in enumerate(tensors)]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
+                for i, t in enumerate(recv)]
+        return recv, dist.batch_isend_irecv(ops)
+
+    @staticmethod
+    def wait(pending):
+        recv, reqs = pending
+        for r in reqs:
+            r.wait()
+        return recv
+
+
+def contiguous(x: Optional[torch.Tensor]):
+    return x if x is None or x.is_contiguous() else x.contiguous()
+
+
+__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL"]
