@@ -189,8 +189,10 @@ def _layer_weights(wrapper: TritiumLlamaDecoderLayer) -> dict:
 
 
 def to_hf_state_dict(model) -> dict:
-    """The state_dict the original HF model would have: HF key names, HF order, same tensors'
-    values (tritium's FP8 metadata is not part of it)."""
+    """The state_dict the original HF model would have: HF key names, HF order, the same
+    values (tritium's FP8 metadata is not part of it). Like state_dict(), entries outside the
+    decoder layers are the model's own tensors; the layers' entries are new tensors (split out
+    of the fused QKV and fc1 weights)."""
     inner = _llama_model(model)
     prefix = "model." if inner is not model else ""
     out = {}

@@ -1,0 +1,150 @@
+"""cpu tier: tritium.integrations.hf.convert_llama / to_hf_state_dict against the transformers
+Llama it converts (a tiny random LlamaConfig built offline; skipped without transformers).
+
+fp32: logits, loss and the gradients of every weight (mapped back to HF names) equal the
+original model's at TE's fp32 tolerance (rtol 1.3e-6, atol 1e-5); with padding (left-padded
+rows, HF's 4D mask -> TE's arbitrary mask) on the real tokens; with per-row position_ids. The
+norm weights are perturbed away from 1 so a swapped or missing norm shows. FP8 (HYBRID delayed
+scaling, all dims multiples of 16): the loss within fp8 tolerance (relative 0.125). Round trip:
+to_hf_state_dict == the original state_dict (same keys, order, values), and it loads into a
+fresh LlamaForCausalLM that then matches the converted model.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tritium as te
+
+transformers = pytest.importorskip("transformers")
+
+from tritium.integrations.hf import (TritiumLlamaDecoderLayer, convert_llama,  # noqa: E402
+                                     to_hf_state_dict)
+
+from testlib import FP32_TOL  # noqa: E402
+
+pytestmark = pytest.mark.cpu
+
+VOCAB = 96
+
+
+def _hf_model(hidden=64, ffn=96, heads=4, kv=2, layers=2, head_dim=None, attn="sdpa"):
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
+        rope_theta=500.0, max_position_embeddings=64, tie_word_embeddings=False,
+        attn_implementation=attn)
+    model = transformers.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():  # norms away from 1, and larger weights than HF's 0.02 init
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.2 * torch.randn_like(p) if "norm" in name
+                    else torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model
+
+
+def _pair(**kw):
+    hf = _hf_model(**kw)
+    return hf, convert_llama(copy.deepcopy(hf))
+
+
+def _grads_by_hf_name(model) -> dict:
+    """Gradients under HF names: for a converted model, to_hf_state_dict over the grads."""
+    if any(isinstance(m, TritiumLlamaDecoderLayer) for m in model.modules()):
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.grad)
+        grads = {k: v.clone() for k, v in to_hf_state_dict(model).items()}
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(saved[n])
+        return {k: v for k, v in grads.items() if "rotary" not in k}
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(heads=4, kv=1, layers=3),
+                                dict(hidden=64, heads=2, kv=2, head_dim=48, ffn=80)])
+def test_fp32_logits_and_grads_match(kw):
+    hf, conv = _pair(**kw)
+    assert not any(isinstance(m, transformers.models.llama.modeling_llama.LlamaAttention)
+                   for m in conv.modules())  # HF's q/k/v/o modules are gone
+    ids = torch.randint(0, VOCAB, (3, 17))
+    ref, out = hf(input_ids=ids, labels=ids), conv(input_ids=ids, labels=ids)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    torch.testing.assert_close(out.loss, ref.loss, **FP32_TOL)
+    ref.loss.backward()
+    out.loss.backward()
+    ref_grads, grads = _grads_by_hf_name(hf), _grads_by_hf_name(conv)
+    assert list(grads) == list(ref_grads)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+
+
+def test_padding_mask_and_eager_attention():
+    hf, conv = _pair(attn="eager")  # eager: HF passes an additive float mask
+    ids = torch.randint(0, VOCAB, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    mask[2, :1] = 0
+    ref, out = hf(input_ids=ids, attention_mask=mask), conv(input_ids=ids, attention_mask=mask)
+    keep = mask.bool()
+    torch.testing.assert_close(out.logits[keep], ref.logits[keep], **FP32_TOL)
+    hf.config._attn_implementation = conv.config._attn_implementation = "sdpa"  # bool mask
+    ref, out = hf(input_ids=ids, attention_mask=mask), conv(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(out.logits[keep], ref.logits[keep], **FP32_TOL)
+
+
+def test_per_row_position_ids():
+    hf, conv = _pair()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    pos = torch.stack([torch.arange(9), torch.arange(9) + 5])
+    ref, out = hf(input_ids=ids, position_ids=pos), conv(input_ids=ids, position_ids=pos)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+
+
+def test_fp8_loss_within_fp8_tolerance():
+    hf, conv = _pair(hidden=64, ffn=128, heads=4, kv=2)
+    ids = torch.randint(0, VOCAB, (2, 32))
+    ref = hf(input_ids=ids, labels=ids).loss
+    recipe = te.recipe.DelayedScaling(fp8_format=te.recipe.Format.HYBRID)
+    with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+        out = conv(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert torch.isfinite(out.loss)
+    torch.testing.assert_close(out.loss, ref, rtol=0.125, atol=0.0)
+    grads = [p.grad for p in conv.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    with torch.no_grad():  # and the FP8 forward really differs from fp32 (it ran in FP8)
+        assert not torch.equal(out.logits, conv(input_ids=ids).logits)
+
+
+def test_round_trip_state_dict():
+    hf = _hf_model(layers=3)
+    original = {k: v.clone() for k, v in hf.state_dict().items()}
+    conv = convert_llama(copy.deepcopy(hf))
+    back = to_hf_state_dict(conv)
+    assert list(back) == list(original)
+    for k in original:
+        assert torch.equal(back[k], original[k]), k
+    fresh = transformers.LlamaForCausalLM(hf.config).float()
+    fresh.load_state_dict(back)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    torch.testing.assert_close(conv(input_ids=ids).logits, fresh(input_ids=ids).logits,
+                               **FP32_TOL)
+
+
+def test_unsupported_configs_and_calls():
+    hf = _hf_model()
+    hf.config.mlp_bias = True
+    with pytest.raises(NotImplementedError, match="mlp_bias"):
+        convert_llama(copy.deepcopy(hf))
+    hf.config.mlp_bias = False
+    conv = convert_llama(copy.deepcopy(hf))
+    assert conv.config.use_cache is False
+    ids = torch.randint(0, VOCAB, (1, 5))
+    with pytest.raises(NotImplementedError, match="KV cache"):
+        conv(input_ids=ids, use_cache=True)
+    with pytest.raises(TypeError, match="LlamaForCausalLM"):
+        convert_llama(torch.nn.Linear(2, 2))
