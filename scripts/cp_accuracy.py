@@ -82,6 +82,7 @@ def main(argv=None) -> int:
             jobs.append((torch.cuda.get_device_name(0) + " (nccl)", 2, "nccl",
                          dict(b=1, s=s, h=12, hk=12, d=128, causal=True)))
     from tritium.attention.cp.accuracy import table
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast
     everything = []
     for device, world, backend, shape in jobs:
         t0 = time.time()

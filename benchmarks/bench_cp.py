@@ -1,0 +1,146 @@
+"""Context-parallel attention on 2 GPUs (NCCL, 2 processes spawned here) vs one GPU.
+
+B1 H12 D128 causal bf16, S = 8192 and 32768. Rows per S: "single GPU" (dot_product_attention
+on the full sequence, auto backend = cuDNN on Hopper; the baseline), and CP=2 fwd+bwd of the
+same S split over 2 GPUs: p2p fast (cuDNN blocks, fp32 merge/accumulation: the default on GPU),
+p2p exact (fp32 blocks on the mem-efficient kernel), p2p fast with 16-bit accumulation, and
+all_gather fast. speedup_vs_single = single ms / CP ms (target >= 1.8 at 32768 for p2p fast).
+Timing: a fixed number of fwd+bwd iterations on every rank (do_bench picks its own count per
+process, which would desynchronize the ranks' collectives), CUDA events per iteration, median,
+the max over ranks. Each CP row also carries its error vs an fp64 reference, as the ratio to the
+single-GPU error (max abs, worst of out/dq/dk/dv) and the fraction of elements that differ
+from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy), measured at S=8192.
+
+    python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
+Needs 2 GPUs; otherwise it says so and exits with status 1.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import finish  # noqa: E402
+
+B, H, D = 1, 12, 128
+SEQS = (8192, 32768)
+WARMUP, ITERS = 3, 10
+# variant: (cp_comm_type, mode, fp32_accumulation)
+VARIANTS = {"cp2 p2p fast": ("p2p", "fast", True), "cp2 p2p exact": ("p2p", "exact", True),
+            "cp2 p2p fast, bf16 acc": ("p2p", "fast", False),
+            "cp2 all_gather fast": ("all_gather", "fast", True)}
+ACC_CONFIGS = {"cp2 p2p fast": "fast, fp32 acc", "cp2 p2p exact": "exact, fp32 acc",
+               "cp2 p2p fast, bf16 acc": "fast, 16-bit acc"}
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _median_ms(fn) -> float:
+    """Median ms of fn on this GPU over ITERS iterations (after WARMUP)."""
+    for _ in range(WARMUP):
+        fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+          for _ in range(ITERS)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def _time(fn, group) -> float:
+    """Median ms of fn on every rank of the group (same iteration count), max over ranks."""
+    import torch.distributed as dist
+    dist.barrier(group)
+    ms = torch.tensor(_median_ms(fn), device="cuda")
+    dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
+    return float(ms)
+
+
+def _step(attn, q, k, v, dout):
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v)]
+
+    def run():
+        for x in leaves:
+            x.grad = None
+        attn(*leaves).backward(dout)
+    return run
+
+
+def _worker(rank, port, queue):
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    import tritium.attention as A
+    from tritium.attention import cp
+    from tritium.attention.cp import accuracy
+    group, dev = dist.group.WORLD, torch.device("cuda", rank)
+    rows = []
+    try:
+        for s in SEQS:
+            q, k, v, dout = accuracy.make_inputs(B, s, H, H, D, torch.bfloat16, dev, seed=s)
+            dout = dout.reshape(B, s, H * D)
+            case = f"B{B} H{H} D{D} S{s} causal bf16"
+            if rank == 0:    # single-GPU time on rank 0 while rank 1 waits
+                single = _step(lambda a, b, c: A.dot_product_attention(
+                    a, b, c, qkv_format="bshd", attn_mask_type="causal"), q, k, v, dout)
+                rows.append(dict(bench="cp", case=case, variant="single GPU",
+                                 ms=round(_median_ms(single), 3)))
+                del single
+            dist.barrier()
+            loc = [cp.shard(x, 2, rank, 1) for x in (q, k, v, dout)]
+            for name, (comm, mode, acc) in VARIANTS.items():
+                fn = _step(lambda a, b, c: cp.context_parallel_attention(
+                    a, b, c, group, qkv_format="bshd", attn_mask_type="causal",
+                    cp_comm_type=comm, mode=mode, fp32_accumulation=acc), *loc)
+                ms = _time(fn, group)
+                rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
+            del q, k, v, dout, loc
+            torch.cuda.empty_cache()
+        acc_rows = accuracy.measure(group, b=B, s=SEQS[0], h=H, hk=H, d=D, causal=True,
+                                    device=dev, seed=7)
+        if rank == 0:
+            by = {r["config"]: r for r in acc_rows}
+            for r in rows:
+                label = ACC_CONFIGS.get(r["variant"])
+                if label:
+                    e = by[label]
+                    r["err_ratio_vs_single"] = round(max(e[n]["ratio"] for n in accuracy.NAMES), 3)
+                    r["frac_off_single"] = round(max(e[n]["vs_single"] for n in accuracy.NAMES), 4)
+            queue.put((rows, acc_rows))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> int:
+    if torch.cuda.device_count() < 2:
+        print("bench_cp: needs 2 CUDA GPUs, found", torch.cuda.device_count())
+        return 1
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True,
+                       start_method="spawn")
+    rows, acc_rows = queue.get()
+    from tritium.attention.cp.accuracy import table
+    print(table(acc_rows, f"{torch.cuda.get_device_name(0)} cp=2, B{B} H{H} D{D} "
+                          f"S{SEQS[0]} causal bf16: error vs fp64"))
+    finish("cp", rows, baseline="single GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
