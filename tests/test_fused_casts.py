@@ -68,10 +68,11 @@ def _states(m):
 def _run(module, fused, steps, shape, dtype, rec=REC, hp_grad=True, grad_enabled=True):
     """Outputs, grads and FP8 states of `steps` fwd+bwd steps (fresh data each step)."""
     gen = torch.Generator().manual_seed(1234)
+    dev = next(module.parameters()).device
     record = []
     with fused_casts(fused):
         for step in range(steps):
-            x = (torch.randn(shape, generator=gen) * (1 + step)).to(dtype).requires_grad_()
+            x = (torch.randn(shape, generator=gen) * (1 + step)).to(dev, dtype).requires_grad_()
             with torch.set_grad_enabled(grad_enabled), te.fp8_autocast(fp8_recipe=rec):
                 outs = module(x)
             outs = outs if isinstance(outs, tuple) else (outs,)
@@ -81,7 +82,7 @@ def _run(module, fused, steps, shape, dtype, rec=REC, hp_grad=True, grad_enabled
                 tensors = [o for o in outs if isinstance(o, torch.Tensor) and o.grad_fn]
                 if not hp_grad:
                     tensors = tensors[:1]
-                grads = [torch.randn(o.shape, generator=gen).to(o.dtype) for o in tensors]
+                grads = [torch.randn(o.shape, generator=gen).to(dev, o.dtype) for o in tensors]
                 torch.autograd.backward(tensors, grads)
                 record.append((f"step{step}.dx", x.grad.clone()))
                 for name, p in module.named_parameters():
