@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# A CUDA machine keeps its own torch; a CPU machine takes the CPU wheel 2.13.0.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q "triton==3.6.0" "numpy<2.4" "pytest>=8"
+	# matplotlib: the demo's PNG plot (4 s); transformers: tests/test_hf.py (12 s, from a wheel index)
+	$(PY) -m pip install -q "triton==3.6.0" "numpy<2.4" "pytest>=8" "matplotlib>=3.7" "transformers>=4.45"
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 

@@ -62,7 +62,7 @@ INIT_STD = 0.02
 # whose two runs take a few minutes on one H100/H200.
 PRESETS = {
     "cpu": dict(layers=2, hidden=128, heads=4, kv_groups=2, ffn=352, seq_len=128, batch=8,
-                steps=300, lr=2e-3, eval_batches=4),
+                steps=600, lr=2e-3, eval_batches=4),
     "cuda": dict(layers=16, hidden=2048, heads=16, kv_groups=4, ffn=5632, seq_len=2048, batch=8,
                  steps=400, lr=3e-4, eval_batches=8),
 }

@@ -138,9 +138,12 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
 
 def _llama_model(model):
     inner = getattr(model, "model", model)
-    if not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+    if not hasattr(inner, "layers"):
         raise TypeError(f"expected a transformers LlamaForCausalLM or LlamaModel, got "
                         f"{type(model).__name__}")
+    if not hasattr(inner, "rotary_emb"):
+        raise NotImplementedError("this transformers version keeps RoPE inside each attention "
+                                  "layer (before 4.45): install transformers>=4.45")
     return inner
 
 
