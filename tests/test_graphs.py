@@ -2,7 +2,7 @@
 
 Three parts:
   * bad use raises before anything is captured (hooks, non-tensor args, mixed train/eval, FP8
-    arguments without FP8, conflicting TE names, ...), and a failed call leaves modules as they were;
+    arguments without FP8, conflicting TE names, ...); a failed call leaves modules as they were;
   * without CUDA the callables run eagerly with one warning, under the FP8 settings they were
     given, with is_first_microbatch going through the weight caches' device flag;
   * the replay logic with an eager emulation of CUDA graphs (`Emu` below: a "capture" runs

@@ -1,0 +1,126 @@
+"""CUDA graphs: an FP8 training step of a small model, graphed vs eager (issue 7: >= 2x).
+
+Model: 4 tritium TransformerLayers (hidden 512, 8 heads, ffn 2048, bf16 params, dropout 0), input
+sbhd seq 128 x batch 2: small enough that an eager step is bound by host launch overhead.
+Recipe DelayedScaling (HYBRID, history 16, "max"). A step is forward + backward + FusedAdam step
++ zero_grad; the FP8 scale updates (outer fp8_autocast exit, after the backward) stay eager in
+every variant, as they must. Variants:
+  * "fp8 eager": the baseline;
+  * "fp8 graphed fwd+bwd": make_graphed_callables(fp8_enabled=True), optimizer eager;
+  * "fp8 graphed fwd+bwd+adam": the same plus FusedAdam(capturable=True).step() captured by
+    torch.cuda.graph (grads zeroed in place);
+  * two micro-batches per step with FP8 weight caching (eager is_first_microbatch vs the graphed
+    device flag), graphed with the optimizer captured;
+  * bf16 eager and graphed for reference.
+Timing: triton.testing.do_bench median of whole steps (see harness.py).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import finish, time_ms  # noqa: E402
+
+import tritium as te  # noqa: E402
+from tritium import recipe  # noqa: E402
+from tritium.graphs import make_graphed_callables  # noqa: E402
+from tritium.optimizers import FusedAdam  # noqa: E402
+
+LAYERS, H, HEADS, FFN, SEQ, BATCH = 4, 512, 8, 2048, 128, 2
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            te.TransformerLayer(H, FFN, HEADS, hidden_dropout=0.0, attention_dropout=0.0,
+                                params_dtype=torch.bfloat16) for _ in range(LAYERS))
+
+    def forward(self, x, is_first_microbatch=None):
+        for layer in self.layers:
+            x = layer(x, is_first_microbatch=is_first_microbatch)
+        return x
+
+
+def make_step(fp8: bool, graph: bool, capture_opt: bool, micro_batches: int = 1):
+    torch.manual_seed(0)
+    model = Model()
+    rec = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+    shape = (SEQ, BATCH, H)
+    xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(micro_batches)]
+    dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
+    caching = fp8 and micro_batches > 1
+    if graph:
+        model = make_graphed_callables(model, (xs[0],), fp8_enabled=fp8,
+                                       fp8_recipe=rec if fp8 else None,
+                                       fp8_weight_caching=caching)
+    opt = FusedAdam(model.parameters(), lr=1e-4, capturable=capture_opt)
+
+    def fwd_bwd():
+        for mb, x in enumerate(xs):
+            kw = {"is_first_microbatch": mb == 0} if caching else {}
+            with te.fp8_autocast(enabled=fp8, fp8_recipe=rec):
+                y = model(x, **kw)
+            y.backward(dy)
+
+    if not capture_opt:
+        def step():
+            fwd_bwd()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    fwd_bwd()  # one eager optimizer step: state created, kernels compiled, then capture it
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    fwd_bwd()
+    torch.cuda.synchronize()
+    opt_graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(opt_graph):
+        opt.step()
+    opt.zero_grad(set_to_none=False)
+
+    def step():
+        fwd_bwd()
+        opt_graph.replay()
+        opt.zero_grad(set_to_none=False)
+    return step
+
+
+def main():
+    if not torch.cuda.is_available():
+        print("bench_graphs needs a CUDA GPU")
+        return
+    fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
+    variants = [  # (case, variant, fp8, graph, capture optimizer, micro-batches)
+        ("1 micro-batch", "fp8 eager", True, False, False, 1),
+        ("1 micro-batch", "fp8 graphed fwd+bwd", True, True, False, 1),
+        ("1 micro-batch", "fp8 graphed fwd+bwd+adam", True, True, True, 1),
+        ("1 micro-batch", "bf16 eager", False, False, False, 1),
+        ("1 micro-batch", "bf16 graphed fwd+bwd+adam", False, True, True, 1),
+        ("2 micro-batches, weight caching", "fp8 eager", True, False, False, 2),
+        ("2 micro-batches, weight caching", "fp8 graphed fwd+bwd+adam", True, True, True, 2),
+    ]
+    rows = []
+    for case, name, fp8, graph, capture_opt, mbs in variants:
+        full = f"L{LAYERS} H{H} heads{HEADS} S{SEQ} B{BATCH}, {case}"
+        if fp8 and not fp8_ok:
+            rows.append({"case": full, "variant": name, "error": "no FP8 on this GPU"})
+            continue
+        try:
+            step = make_step(fp8, graph, capture_opt, mbs)
+            ms = time_ms(step)
+        except Exception as exc:  # a failing variant is a row, not a crash
+            rows.append({"case": full, "variant": name, "error": repr(exc)[:400]})
+            print(rows[-1], flush=True)
+            continue
+        rows.append({"case": full, "variant": name, "ms": ms,
+                     "ktok_per_s": round(mbs * SEQ * BATCH / ms, 1)})
+        print(rows[-1], flush=True)
+        torch.cuda.empty_cache()
+    finish("graphs", rows, baseline="fp8 eager")
+
+
+if __name__ == "__main__":
+    main()
