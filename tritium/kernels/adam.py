@@ -29,6 +29,7 @@ param group is one launch), a no-op flag for skipped steps (amp's inf checks).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -290,6 +291,13 @@ def build_tables(cache: Optional[dict], block: int, params: Sequence[torch.Tenso
     return cache["table"], cache["chunks"], cache["n_chunks"], cache["aligned"]
 
 
+def on_device(t: torch.Tensor):
+    """Context that makes t's GPU current: the Launcher launches on the current device."""
+    if t.is_cuda and t.get_device() != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
 def _one(dtypes: set, what: str):
     if len(dtypes) != 1:
         raise ValueError(f"one multi-tensor launch needs one {what} dtype, got {sorted(map(str, dtypes))}")
@@ -312,17 +320,18 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     table, chunks, n_chunks, aligned = tables
     p_dtype = _one({p.dtype for p in params}, "param")
     is_fp8 = fp8_meta is not None
-    _launch_adam(
-        (n_chunks,), table, chunks, hp,
-        P_DTYPE=TL_DTYPE[torch.int16 if remainders is not None else p_dtype],
-        G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
-        M_DTYPE=TL_DTYPE[_one({m.dtype for m in exp_avgs}, "exp_avg")],
-        V_DTYPE=TL_DTYPE[_one({v.dtype for v in exp_avg_sqs}, "exp_avg_sq")],
-        HAS_MASTER=masters is not None, REMAINDER=remainders is not None,
-        FP8_MAX=FP8_MAX[p_dtype] if is_fp8 else 0.0,
-        DECAY_GRAD=bool(weight_decay and not adam_w_mode),
-        DECAY_UPDATE=bool(weight_decay and adam_w_mode),
-        ALIGNED=aligned, CHUNK=chunk, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+    with on_device(params[0]):
+        _launch_adam(
+            (n_chunks,), table, chunks, hp,
+            P_DTYPE=TL_DTYPE[torch.int16 if remainders is not None else p_dtype],
+            G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
+            M_DTYPE=TL_DTYPE[_one({m.dtype for m in exp_avgs}, "exp_avg")],
+            V_DTYPE=TL_DTYPE[_one({v.dtype for v in exp_avg_sqs}, "exp_avg_sq")],
+            HAS_MASTER=masters is not None, REMAINDER=remainders is not None,
+            FP8_MAX=FP8_MAX[p_dtype] if is_fp8 else 0.0,
+            DECAY_GRAD=bool(weight_decay and not adam_w_mode),
+            DECAY_UPDATE=bool(weight_decay and adam_w_mode),
+            ALIGNED=aligned, CHUNK=chunk, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
 
 
 __all__ = ["adam_step", "build_tables", "block_config", "CHUNK", "BLOCK", "NUM_WARPS"]

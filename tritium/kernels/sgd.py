@@ -17,7 +17,7 @@ import triton.language as tl
 from ..fp8.formats import FP8_MAX
 from ._launch import Launcher
 from .adam import (TL_DTYPE, _G, _M, _chunk, _fp8_scale_inv, _ld, _load_weight, _one, _ptr,
-                   _st, _store_weight, block_config, build_tables)
+                   _st, _store_weight, block_config, build_tables, on_device)
 
 
 @triton.jit
@@ -91,15 +91,16 @@ def sgd_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         return
     table, chunks, n_chunks, aligned = tables
     p_dtype = _one({p.dtype for p in params}, "param")
-    _launch_sgd(
-        (n_chunks,), table, chunks, hp,
-        P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
-        HAS_MASTER=masters is not None,
-        FP8_MAX=FP8_MAX[p_dtype] if fp8_meta is not None else 0.0,
-        DECAY=bool(weight_decay and not wd_after_momentum),
-        DECAY_AFTER=bool(weight_decay and wd_after_momentum),
-        MOMENTUM=momentum_buffers is not None, NESTEROV=bool(nesterov), FIRST=bool(first),
-        ALIGNED=aligned, CHUNK=chunk, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+    with on_device(params[0]):
+        _launch_sgd(
+            (n_chunks,), table, chunks, hp,
+            P_DTYPE=TL_DTYPE[p_dtype], G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
+            HAS_MASTER=masters is not None,
+            FP8_MAX=FP8_MAX[p_dtype] if fp8_meta is not None else 0.0,
+            DECAY=bool(weight_decay and not wd_after_momentum),
+            DECAY_AFTER=bool(weight_decay and wd_after_momentum),
+            MOMENTUM=momentum_buffers is not None, NESTEROV=bool(nesterov), FIRST=bool(first),
+            ALIGNED=aligned, CHUNK=chunk, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
 
 
 __all__ = ["sgd_step"]
