@@ -98,6 +98,8 @@ def test_fp8_arguments_without_fp8(randn):
         make_graphed_callables(_linear(), (x,), fp8_enabled=True, enabled=False)
     with pytest.raises(TypeError, match="unexpected keyword argument 'fp8_enable'"):
         make_graphed_callables(_linear(), (x,), fp8_enable=True)
+    with pytest.raises(TypeError, match="fp8_group must be a torch.distributed"):
+        make_graphed_callables(_linear(), (x,), fp8_enabled=True, amax_reduction_group=3)
     with pytest.raises(TypeError, match="fp8_recipe must be"):
         make_graphed_callables(_linear(), (x,), fp8_enabled=True, fp8_recipe="delayed")
 

@@ -49,7 +49,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .fp8.autocast import AutocastState, FP8Region, current as current_autocast, fp8_autocast
-from .fp8.autocast import _state as _autocast_stack
+from .fp8.autocast import _is_process_group, _state as _autocast_stack
 from .fp8.recipe import DelayedScaling, Float8CurrentScaling
 from .fp8.tensor import Float8Tensor
 from .modules.base import FP8Module
@@ -188,6 +188,9 @@ def _config(fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group, fp8_weight_cach
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise TypeError("make_graphed_callables: fp8_recipe must be recipe.DelayedScaling or "
                         f"recipe.Float8CurrentScaling, got {type(recipe).__name__}")
+    if group is not None and not _is_process_group(group):
+        raise TypeError("make_graphed_callables: fp8_group must be a torch.distributed "
+                        f"ProcessGroup (or None for the default group), got {type(group).__name__}")
     if caching and not enabled:
         raise ValueError("make_graphed_callables: fp8_weight_caching=True caches FP8 weights and "
                          "needs fp8_enabled=True")
