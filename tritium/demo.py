@@ -47,11 +47,6 @@ import torch.nn.functional as F
 
 import tritium as te
 
-if not hasattr(te, "TransformerLayer"):  # until tritium/__init__.py exports the block API
-    from .attention import RotaryPositionEmbedding as _Rope
-    from .modules.transformer_layer import TransformerLayer as _Layer
-    te.TransformerLayer, te.RotaryPositionEmbedding = _Layer, _Rope
-
 VOCAB = 256
 MAX_CORPUS_BYTES = 32 << 20
 CHUNK_BYTES = 64 << 10
@@ -476,7 +471,7 @@ def run_demo(cfg: Config) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     print(f"tritium {te.__version__} demo on {dev_name} ({device}, torch {torch.__version__})")
-    print(f"model: byte-level Llama, {n_params / 1e6:.1f}M params: {cfg.layers} x "
+    print(f"model: byte-level Llama, {n_params / 1e6:.3g}M params: {cfg.layers} x "
           f"te.TransformerLayer(hidden {cfg.hidden}, ffn {cfg.ffn}, {cfg.heads} heads, "
           f"{cfg.kv_groups} KV groups; RMSNorm, SwiGLU, RoPE), {hp_name} params")
     print(f"data: {corpus_desc}; {train.numel():,} train / {val.numel():,} held-out bytes")
@@ -507,7 +502,7 @@ def run_demo(cfg: Config) -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    title = (f"{n_params / 1e6:.0f}M-param byte Llama, {cfg.steps} steps x {cfg.batch * cfg.seq_len}"
+    title = (f"{n_params / 1e6:.3g}M-param byte Llama, {cfg.steps} steps x {cfg.batch * cfg.seq_len}"
              f" tokens, {dev_name}")
     files = write_curves(out, runs, title)
     ckpt = save_checkpoint(out / "checkpoint.pt", *model_opt, runs[-1], cfg)
