@@ -194,7 +194,7 @@ def _worker(rank, world, port, out_dir, cases):
                 results["module-" + name] = _module_case(name, group, world, rank)
             results["errors"] = _errors(group, world, rank)
         from tritium.attention.cp import accuracy
-        rows = accuracy.measure(group, b=1, s=256 * world, h=4, hk=2, d=32, causal=True,
+        rows = accuracy.measure(group, b=1, s=512, h=4, hk=2, d=32, causal=True,
                                 dtype=torch.bfloat16, seed=_seed("accuracy", world))
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
