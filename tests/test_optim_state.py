@@ -215,7 +215,7 @@ def _two_groups(randn, **kw):
     opt = FusedAdam([{"params": a}, {"params": b}], lr=1e-2, use_decoupled_grad=True, **kw)
     for p in a + b:
         p.decoupled_grad = randn(*p.shape)
-    opt.step()  # state exists for all but... everything: a real checkpointed run
+    opt.step()  # every param has state and the group a step count
     return a + b, opt
 
 

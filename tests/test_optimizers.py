@@ -215,7 +215,8 @@ def test_16bit_params_without_master(randn):
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 def test_fp8_params_with_master(randn, fp8_dtype):
-    params = [make_fp8(randn, (64, 32), fp8_dtype, transpose=True), make_fp8(randn, (77,), fp8_dtype),
+    params = [make_fp8(randn, (64, 32), fp8_dtype, transpose=True),
+              make_fp8(randn, (77,), fp8_dtype),
               make_fp8(randn, (3, 5), fp8_dtype, amax=False)]
     refs = [torch.nn.Parameter(p.dequantize(torch.float32)) for p in params]
     kw = dict(lr=2e-2, weight_decay=0.01)
@@ -287,7 +288,8 @@ SGD_CASES = [dict(momentum=0.0), dict(momentum=0.9), dict(momentum=0.9, dampenin
              dict(weight_decay=0.05), dict(momentum=0.9, nesterov=True, weight_decay=0.01)]
 
 
-@pytest.mark.parametrize("case", SGD_CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", SGD_CASES,
+                         ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
 def test_sgd_matches_torch(randn, case):
     params = _params(randn, [(1,), (1023,), (128, 64)])
     refs = _twins(params)

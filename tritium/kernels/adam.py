@@ -16,9 +16,9 @@ its tensor's addresses from the table again (L1 hits): held across the loop, LLV
 loop-carried per-element pointers, 15-50 registers more (ptxas, sm_90), one program less per SM.
 Full steps take an unmasked path whose loads vectorize to 128 bits (addresses are hinted 16-byte
 aligned when the host checked that every one is; a mask on a runtime numel would stop the
-vectorization); only the last step of each tensor is masked. The hyperparameters come from a small fp32 device tensor `hp`,
-so a launch is the same whether they were computed on the host or the device (capturable, CUDA
-graphs) and the compiled kernel never depends on their values.
+vectorization); only the last step of each tensor is masked. The hyperparameters come from a
+small fp32 device tensor `hp`, so a launch is the same whether they were computed on the host or
+the device (capturable, CUDA graphs) and the compiled kernel never depends on their values.
 
 The tables are cached in a dict the caller owns (`cache`): rebuilt only when an address or a
 size changes (grads reallocated by zero_grad(set_to_none=True) rebuild the small [T, NCOL] one,
@@ -301,7 +301,8 @@ def on_device(t: torch.Tensor):
 
 def _one(dtypes: set, what: str):
     if len(dtypes) != 1:
-        raise ValueError(f"one multi-tensor launch needs one {what} dtype, got {sorted(map(str, dtypes))}")
+        raise ValueError(f"one multi-tensor launch needs one {what} dtype, "
+                         f"got {sorted(map(str, dtypes))}")
     return dtypes.pop()
 
 

@@ -65,21 +65,23 @@ def check_fp8_param(p: Float8Tensor, where: str) -> None:
         if t is None and name == "_amax":
             continue
         if t is None or t.dtype != torch.float32 or t.numel() != 1 or t.device != p._data.device:
+            got = None if t is None else f"{t.dtype}{tuple(t.shape)} on {t.device}"
             raise ValueError(f"{where}: an FP8 param needs p.{name} as a one-element float32 "
-                             f"tensor on {p._data.device} (got {None if t is None else (t.dtype, tuple(t.shape), str(t.device))}); "
-                             "make FP8 params with tritium's fp8_model_init or Float8Tensor.quantize(..., scale)")
+                             f"tensor on {p._data.device} (got {got}); make FP8 params with "
+                             "tritium's fp8_model_init or Float8Tensor.quantize(..., scale)")
     if not p._data.is_contiguous():
         raise ValueError(f"{where}: the FP8 param's _data must be contiguous")
 
 
 def check_group_kinds(kinds: list[str], group_index: int, master_weights: bool) -> None:
     if "bf16" in kinds and "fp16" in kinds:
-        raise ValueError(f"param group {group_index} mixes float16 and bfloat16 params; put them in "
-                         "separate param groups (optimizer(params=[{'params': fp16_params}, "
+        raise ValueError(f"param group {group_index} mixes float16 and bfloat16 params; put them "
+                         "in separate param groups (optimizer(params=[{'params': fp16_params}, "
                          "{'params': bf16_params}]))")
     if "fp8" in kinds and not master_weights:
         raise ValueError(f"param group {group_index} holds FP8 (Float8Tensor) params: they need "
-                         "master_weights=True (the fp32 master is the weight, the FP8 param its cast)")
+                         "master_weights=True (the fp32 master is the weight, the FP8 param its "
+                         "cast)")
 
 
 def check_param(p: torch.Tensor, where: str) -> str:
