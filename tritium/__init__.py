@@ -10,6 +10,7 @@ from . import recipe
 from .fp8.autocast import autocast, fp8_autocast
 from .fp8.model_init import fp8_model_init, quantized_model_init
 from .fp8.tensor import Float8Tensor
+from .graphs import make_graphed_callables
 from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
@@ -20,4 +21,5 @@ __all__ = ["recipe", "autocast", "fp8_autocast", "fp8_model_init", "quantized_mo
            "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
+           "make_graphed_callables",
            "__version__"]
