@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: gpu test tier + benchmarks, logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
+#        [graphs] [cp] [cpacc] [gs] [demo] [prof]
 # (default: all). Any other word is taken as a pytest -k filter for the gpu tier: tests:EXPR.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -25,6 +26,11 @@ for s in $stages; do
     rope)   python3 benchmarks/bench_rope.py 2>&1 | tee "$OUT/bench_rope.log" | grep -v "^{" ;;
     adam)   python3 benchmarks/bench_adam.py 2>&1 | tee "$OUT/bench_adam.log" | grep -v "^{" ;;
     prof)   python3 scripts/profile_ops.py 2>&1 | tee "$OUT/profile_ops.log" ;;
+    graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
+    cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
+    cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
+    gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
+    demo)   python3 -m tritium demo --out "$OUT/demo" 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30 ;;
     block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
     tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
