@@ -30,7 +30,8 @@ for s in $stages; do
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
     cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
-    demo)   python3 -m tritium demo --out "$OUT/demo" 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30 ;;
+    demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
+            mkdir -p "$OUT/demo"; cp /tmp/demo/*.png /tmp/demo/*.csv /tmp/demo/*.md /tmp/demo/*.json "$OUT/demo/" 2>/dev/null ;;
     block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
     tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
