@@ -205,8 +205,9 @@ def test_transposes_only_record_amax(gen):
 
 @pytest.mark.parametrize("module", ["mlp", "linear"])
 def test_modules_through_the_kernels(module):
-    """LayerNormMLP / LayerNormLinear with the Triton kernels (norm, activation, casts): fused ==
-    unfused, bit for bit, over two steps (outputs, grads, FP8 states; see tests/test_fused_casts)."""
+    """LayerNormMLP / LayerNormLinear with the Triton kernels (norm, activation, casts): fused
+    == unfused, bit for bit, over two steps (outputs, grads, FP8 states; see
+    tests/test_fused_casts.py)."""
     import tritium as te
     from test_fused_casts import _compare
 

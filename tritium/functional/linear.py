@@ -214,7 +214,8 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
-    if dyq is None and isinstance(plan.recipe, Float8CurrentScaling):  # one scale for all blocks of dy
+    # current scaling: one scale for all blocks of dy (never fused: dyq is None there)
+    if dyq is None and isinstance(plan.recipe, Float8CurrentScaling):
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place
