@@ -59,29 +59,41 @@ def loss_curves(path: Path, curves: dict, evals: dict, title: str) -> Optional[P
     return path
 
 
-def speedup_bars(path: Path, title: str, cases: list, series: dict) -> Optional[Path]:
-    """Grouped horizontal bars: for each case, one bar per series (variant -> [speedup or None
-    per case]); a line at 1.0 (the baseline)."""
+def speedup_bars(path: Path, title: str, rows: list) -> Optional[Path]:
+    """Horizontal bars, one per (case, variant, speedup) row, grouped by case (a header label
+    per group); tritium's variants in one color, the others in grey; a line at 1.0."""
     plt = _pyplot()
     if plt is None:
         return None
-    n_series = max(1, len(series))
-    height = 0.8 / n_series
-    fig, ax = plt.subplots(figsize=(9, 1.0 + 0.35 * len(cases) * n_series), dpi=110)
-    for i, (name, values) in enumerate(series.items()):
-        ys = [c + i * height for c in range(len(cases))]
-        xs = [v if v is not None else 0.0 for v in values]
-        ax.barh(ys, xs, height=height, label=name)
-        for y, v in zip(ys, values):
-            if v is not None:
-                ax.text(v, y, f" {v:.2f}x", va="center", fontsize=7)
+    order = list(dict.fromkeys(c for c, _, _ in rows))
+    rows = sorted(rows, key=lambda r: order.index(r[0]))
+    ys, labels, headers, y = [], [], set(), 0.0
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.24 * (len(rows) + 2 * len(order))), dpi=110)
+    last_case = None
+    for case, variant, value in rows:
+        if case != last_case:
+            y += 0.6 if last_case is not None else 0.0
+            headers.add(len(ys))
+            ys.append(y)
+            labels.append(case)
+            y += 1.0
+            last_case = case
+        color = "tab:orange" if "tritium" in variant.lower() else "tab:grey"
+        ax.barh(y, value, height=0.8, color=color)
+        ax.text(value, y, f" {value:.2f}x", va="center", fontsize=7)
+        ys.append(y)
+        labels.append(variant)
+        y += 1.0
+    ax.set_yticks(ys)
+    ax.set_yticklabels(labels, fontsize=7)
+    for i, tick in enumerate(ax.get_yticklabels()):
+        if i in headers:
+            tick.set_fontweight("bold")
+            tick.set_fontsize(8)
     ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_yticks([c + 0.4 - height / 2 for c in range(len(cases))])
-    ax.set_yticklabels(cases, fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("speedup over the baseline (x)")
+    ax.set_ylim(y, -1.0)
+    ax.set_xlabel("speedup over the baseline (x), same run")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -82,12 +82,9 @@ def charts(merged: dict, out: Path, stem: str) -> list:
             continue
         key = _speedup_key(rows[0])
         baseline = key[len("speedup_vs_"):]
-        cases = list(dict.fromkeys(r["case"] for r in rows))
-        variants = list(dict.fromkeys(r["variant"] for r in rows if r["variant"] != baseline))
-        series = {v: [next((r[key] for r in rows if r["case"] == c and r["variant"] == v
-                            and key in r), None) for c in cases] for v in variants}
+        bars = [(r["case"], r["variant"], r[key]) for r in rows if r["variant"] != baseline]
         path = speedup_bars(out / f"{stem}-{bench}.png",
-                            f"{bench}: speedup vs {baseline} ({merged['gpu']})", cases, series)
+                            f"{bench}: speedup vs {baseline} ({merged['gpu']})", bars)
         if path is None:
             return []
         paths.append(path)
