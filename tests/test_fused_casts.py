@@ -93,13 +93,21 @@ def _run(module, fused, steps, shape, dtype, rec=REC, hp_grad=True, grad_enabled
     return record
 
 
-def _compare(module, steps=3, shape=(3, 7, 32), dtype=torch.float32, **kw):
+def _compare(module, steps=3, shape=(3, 7, 32), dtype=torch.float32, exact=True, **kw):
+    """Fused vs unfused runs: bit for bit, or (exact=False, the GPU, where the fused norm's
+    reductions may round y one ulp differently) at fp8 tolerance with >= 99.9% of the elements
+    of every tensor bit-identical."""
     fused, unfused = module, copy.deepcopy(module)
     got = _run(fused, True, steps, shape, dtype, **kw)
     want = _run(unfused, False, steps, shape, dtype, **kw)
     assert [k for k, _ in got] == [k for k, _ in want]
     for (name, g), (_, w) in zip(got, want):
-        assert_bits(g, w, name)
+        if exact:
+            assert_bits(g, w, name)
+            continue
+        torch.testing.assert_close(g.float(), w.float(), rtol=0.125, atol=0.0675, msg=name)
+        same = (g.float() == w.float()) | (g.isnan() & w.isnan())
+        assert same.float().mean() >= 0.999, f"{name}: {(~same).sum()} of {g.numel()} differ"
     return got
 
 
