@@ -95,8 +95,8 @@ def _run(module, fused, steps, shape, dtype, rec=REC, hp_grad=True, grad_enabled
 
 def _compare(module, steps=3, shape=(3, 7, 32), dtype=torch.float32, exact=True, **kw):
     """Fused vs unfused runs: bit for bit, or (exact=False, the GPU, where the fused norm's
-    reductions may round y one ulp differently) at fp8 tolerance with >= 99.9% of the elements
-    of every tensor bit-identical."""
+    reductions may round y one ulp differently and so flip an fp8 rounding or a scale)
+    normwise within 2e-2 (tests/gpu/test_gpu_fused_casts.py says why)."""
     fused, unfused = module, copy.deepcopy(module)
     got = _run(fused, True, steps, shape, dtype, **kw)
     want = _run(unfused, False, steps, shape, dtype, **kw)
@@ -105,9 +105,9 @@ def _compare(module, steps=3, shape=(3, 7, 32), dtype=torch.float32, exact=True,
         if exact:
             assert_bits(g, w, name)
             continue
-        torch.testing.assert_close(g.float(), w.float(), rtol=0.125, atol=0.0675, msg=name)
-        same = (g.float() == w.float()) | (g.isnan() & w.isnan())
-        assert same.float().mean() >= 0.999, f"{name}: {(~same).sum()} of {g.numel()} differ"
+        g, w = g.double(), w.double()
+        err, size = (g - w).norm().item(), w.norm().item()
+        assert err <= 2e-2 * size + 1e-12, f"{name}: |fused - unfused| = {err:.3g}, |unfused| = {size:.3g}"
     return got
 
 
