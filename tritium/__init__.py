@@ -6,7 +6,7 @@
     with te.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
         y = layer(x)
 """
-from . import recipe
+from . import optimizers, recipe
 from .fp8.autocast import autocast, fp8_autocast
 from .fp8.model_init import fp8_model_init, quantized_model_init
 from .fp8.tensor import Float8Tensor
@@ -17,7 +17,7 @@ from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, Multihea
 
 __version__ = "0.1.0"
 
-__all__ = ["recipe", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
+__all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
            "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
