@@ -163,7 +163,10 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _initial_master(self, p: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
         if not self._has_master(kind):
             return None
-        if kind == "fp8":
+        if kind == "fp8":  # the high-precision init kept by fp8_model_init, else the fp8 value
+            init = p.get_high_precision_init_val()
+            if init is not None and tuple(init.shape) == tuple(p.shape):
+                return init.to(p.device, torch.float32, copy=True).contiguous()
             return p.dequantize(torch.float32).contiguous()
         return p.detach().to(torch.float32, copy=True)
 
