@@ -321,7 +321,8 @@ of their max in fp16 and up to 26% in bf16. That is the derivative taken at a po
 away, not an arithmetic error: against a reference that rounds the norm's output the same way
 the fp16 error falls to the usual 3e-4 to 6e-4. srelu's derivative is continuous and has no such
 jump. A Llama port's 16-bit numbers also differ from Hugging Face's for the reasons in
-`docs/porting.md`.
+`docs/porting.md`. Context-parallel attention's error against single-device attention (fp32
+accumulation on and off, measured with gloo and NCCL) is in `docs/context_parallel.md`.
 """
 
 
