@@ -58,7 +58,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(B, "_cuda_reason", lambda q, name, dtypes, min_cc=(8, 0):
                         None if q.dtype in dtypes else f"{name}: dtype")
     monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
-    monkeypatch.setattr(B, "_order", lambda q: ("cudnn", "flash", "efficient", "torch"))
+    monkeypatch.setattr(B, "_order", lambda q, fmt=None: (
+        ("flash", "cudnn", "efficient", "torch") if fmt == "thd"
+        else ("cudnn", "flash", "efficient", "torch")))
 
 
 def _why(q, k, v, **kw):
@@ -106,11 +108,13 @@ def test_thd_goes_to_flash_varlen(fake_cuda):
         torch.randn(8, 2, 64).bfloat16()
     ex = A.explain(q, k, v, qkv_format="thd", attn_mask_type="padding_causal",
                    cu_seqlens_q=cu, cu_seqlens_kv=cu)
-    assert ex.backend == "flash" and "thd" in ex.reasons["cudnn"]
+    assert ex.backend == "flash" and "not tried" in ex.reasons["cudnn"]
+    # top-left causal with different q/kv lengths: flash (bottom-right only) refuses; cuDNN
+    # takes thd one sequence at a time
     other = torch.tensor([0, 4, 8], dtype=torch.int32)
     ex = A.explain(q, k, v, qkv_format="thd", attn_mask_type="padding_causal",
                    cu_seqlens_q=cu, cu_seqlens_kv=other)
-    assert ex.backend == "efficient" and "top-left" in ex.reasons["flash"]
+    assert ex.backend == "cudnn" and "top-left" in ex.reasons["flash"]
 
 
 # --------------------------------------------------------------------------- errors

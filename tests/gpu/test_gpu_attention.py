@@ -166,7 +166,7 @@ def test_efficient_masks(mask_type):
 
 @pytest.mark.parametrize("mask_type", ["padding", "padding_causal", "padding_causal_bottom_right"])
 @pytest.mark.parametrize("cross", [False, True], ids=["self", "cross"])
-@pytest.mark.parametrize("backend", ["flash", "efficient", "torch"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient", "torch"])
 def test_thd_varlen(backend, mask_type, cross):
     h, hk, d = 8, 2, 64
     lq = [300, 17, 128, 1, 64]

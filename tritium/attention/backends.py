@@ -10,7 +10,8 @@ bwd accepts any (out, lse) of the same softmax rows, so a context-parallel ring 
 KV block, merge outs and lses in fp32, and call bwd per block with the merged pair.
 
   cudnn      torch.ops.aten._scaled_dot_product_cudnn_attention(+_backward): dense bshd, no/causal
-             mask (square only), no window, no padding, head dims <= 128, fp16/bf16, sm80+.
+             mask (square only), no window, no padding, head dims <= 128, fp16/bf16, sm80+;
+             thd as one dense call per sequence (the reference takes what cuDNN refuses).
              GQA natively where this torch's op takes it (probed once per device), else K/V heads
              are repeated and their gradients summed.
   flash      torch.ops.aten._flash_attention_forward/_backward (FlashAttention-2 in torch): dense
@@ -269,20 +270,18 @@ class CudnnBackend(_Backend):
             return reason
         if not torch.backends.cudnn.is_available():
             return "cudnn: cuDNN is not available in this torch build"
-        if a.fmt == "thd":
-            return "cudnn: thd (varlen) is not wired to cuDNN here; flash varlen takes it"
         if a.mask is not None:
             return "cudnn: arbitrary mask tensors are not supported"
         if a.q_pad is not None:
             return "cudnn: padding masks are not supported"
         if a.has_window:
             return f"cudnn: sliding window {(a.left, a.right)} is not supported"
-        if a.causal and a.sq != a.sk:
+        if a.causal and a.sq != a.sk and a.fmt != "thd":  # thd: per sequence (_per_sequence)
             return f"cudnn: causal with s_q {a.sq} != s_kv {a.sk} is not supported"
         if max(a.d_qk, a.d_v) > 128 or a.d_qk % 8 or a.d_v % 8:
             return (f"cudnn: head dims ({a.d_qk}, {a.d_v}) unsupported (multiples of 8, "
                     "<= 128)")
-        if a.sk == 1:
+        if a.sk == 1 and a.fmt != "thd":
             return "cudnn: s_kv == 1 is not supported"
         if max(a.batch, a.heads) > 65535:
             return "cudnn: batch or heads > 65535"
@@ -304,6 +303,8 @@ class CudnnBackend(_Backend):
         return q, _repeat_kv(k, groups), _repeat_kv(v, groups), groups
 
     def fwd(self, q, k, v, a):
+        if a.fmt == "thd":
+            return self._thd_fwd(q, k, v, a)
         q, k, v, _ = self._inputs(q, k, v, a)
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, a.dropout,
@@ -312,6 +313,8 @@ class CudnnBackend(_Backend):
         return out, lse.reshape(a.batch, a.heads, a.sq), (r[6], r[7], lse.dim())
 
     def bwd(self, dout, q, k, v, out, lse, aux, a):
+        if a.fmt == "thd":
+            return self._thd_bwd(dout, q, k, v, out, lse, aux, a)
         seed, offset, lse_dim = aux
         q, k, v, groups = self._inputs(q, k, v, a)
         out, dout = _bshd_contiguous(out), _bshd_contiguous(dout)
@@ -322,6 +325,46 @@ class CudnnBackend(_Backend):
             a.causal, scale=a.scale)
         return (dq.transpose(1, 2), _sum_groups(dk.transpose(1, 2), groups),
                 _sum_groups(dv.transpose(1, 2), groups))
+
+
+    # thd: cuDNN has no varlen entry in ATen, so each packed sequence is one dense [1, s, h, d]
+    # call (exact: no padding exists), with the reference taking the sequences cuDNN refuses
+    # (s_kv == 1, causal with s_q != s_kv). The lengths are read on the host: one sync per call.
+    def _sequences(self, a):
+        cq, ck = a.cu_q.tolist(), a.cu_kv.tolist()
+        for i in range(a.batch):
+            nq, nk = cq[i + 1] - cq[i], ck[i + 1] - ck[i]
+            sub = AttnArgs(**{n: getattr(a, n) for n in AttnArgs.__slots__})
+            sub.fmt, sub.batch, sub.sq, sub.sk = "bshd", 1, nq, nk
+            sub.q_pad = sub.kv_pad = sub.cu_q = sub.cu_kv = None
+            yield slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1]), sub
+
+    def _thd_fwd(self, q, k, v, a):
+        out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        lse = q.new_full((a.heads, q.shape[0]), -_INF, dtype=torch.float32)
+        per_seq = []
+        for qs, ks, sub in self._sequences(a):
+            if sub.sq == 0 or sub.sk == 0:
+                per_seq.append(None)
+                continue
+            one = (q[qs][None], k[ks][None], v[ks][None])
+            backend = self if self.check(*one, sub) is None else BACKENDS["torch"]
+            o, l, aux = backend.fwd(*one, sub)
+            out[qs], lse[:, qs] = o[0], l[0]
+            per_seq.append((backend, aux))
+        return out, lse, per_seq
+
+    def _thd_bwd(self, dout, q, k, v, out, lse, per_seq, a):
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (qs, ks, sub), entry in zip(self._sequences(a), per_seq):
+            if entry is None:
+                continue
+            backend, aux = entry
+            o = backend.saved_out(out[qs][None], aux)
+            g = backend.bwd(dout[qs][None], q[qs][None], k[ks][None], v[ks][None], o,
+                            lse[:, qs][None], aux, sub)
+            dq[qs], dk[ks], dv[ks] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
 
 
 class EfficientBackend(_Backend):
@@ -404,8 +447,11 @@ BACKENDS = {b.name: b for b in (CudnnBackend(), FlashBackend(), EfficientBackend
 ALIASES = {"math": "torch", "ref": "torch", "fused": "cudnn"}
 
 
-def _order(q: torch.Tensor) -> tuple[str, ...]:
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] in (9, 10):
+def _order(q: torch.Tensor, fmt: Optional[str] = None) -> tuple[str, ...]:
+    """cuDNN first on sm90/sm100 (fastest there, BASELINE.md), except for thd, where flash has
+    a native varlen kernel and cuDNN runs one call per sequence."""
+    if fmt != "thd" and q.device.type == "cuda" \
+            and torch.cuda.get_device_capability(q.device)[0] in (9, 10):
         return ("cudnn", "flash", "efficient", "torch")
     return ("flash", "cudnn", "efficient", "torch")
 
@@ -421,7 +467,7 @@ def resolve_name(backend: Optional[str]) -> str:
 def choose(q, k, v, a: AttnArgs, backend: str = "auto"):
     """-> (backend object, reasons {name: why not or 'selected ...'}). Raises when none fits."""
     reasons: dict[str, str] = {}
-    names = _order(q) if backend == "auto" else (backend,)
+    names = _order(q, a.fmt) if backend == "auto" else (backend,)
     chosen = None
     for name in names:
         why = BACKENDS[name].check(q, k, v, a)
@@ -432,7 +478,7 @@ def choose(q, k, v, a: AttnArgs, backend: str = "auto"):
         else:
             reasons[name] = why or "not tried: an earlier backend was selected"
     if backend != "auto":
-        for name in _order(q):
+        for name in _order(q, a.fmt):
             if name not in reasons:
                 reasons[name] = "not tried: backend forced to " + backend
     if chosen is None:
