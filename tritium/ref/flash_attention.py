@@ -1,0 +1,48 @@
+"""Pure-PyTorch twin of `tritium.kernels.flash_attention` (same names, signatures, return dtypes).
+
+The math of `tritium.ref.attention` in fp32 (fp64 for fp64 inputs), with results never rounded
+to the input dtype: forward -> out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q]; backward ->
+dq, dk, dv fp32 (fp64 for fp64 inputs) from any (out, lse) pair of the same softmax rows.
+causal is top-left (key j visible to query i iff j <= i) for any s_q, s_kv. `split` is
+accepted for the signature and ignored: it is the kernel's way of approaching this fp32 math
+(the kernel and this twin agree to fp32 reduction-order tolerance, not bit for bit: the
+kernel's online softmax and tiled sums reorder the additions).
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_bwd, attention_fwd
+
+
+def _mask(s_q: int, s_kv: int, causal: bool, device):
+    if not causal:
+        return None
+    i = torch.arange(s_q, device=device)[:, None]
+    j = torch.arange(s_kv, device=device)[None, :]
+    return j > i
+
+
+def _wide(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.float64 else x.float()
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float, split: bool = True):
+    """-> (out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q], natural log)."""
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    out, lse, _ = attention_fwd(_wide(q), _wide(k), _wide(v), mask, scale, out_dtype=None)
+    return out.contiguous(), lse.contiguous()
+
+
+def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
+                        split: bool = True):
+    """-> (dq, dk, dv) fp32, shaped like q, k, v (any (out, lse) of the same softmax rows)."""
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    dq, dk, dv = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse,
+                               mask, scale)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+__all__ = ["flash_attention_fwd", "flash_attention_bwd"]
