@@ -1,0 +1,126 @@
+"""`tritium.kernels.flash_attention` vs `tritium.ref.flash_attention` under the Triton interpreter.
+
+Not bit for bit: the kernel's online softmax and tiled sums reorder fp32 additions, so the
+contract is fp32 reduction-order tolerance (rtol 1e-5, atol 1e-5 x the tensor's scale). Inputs
+are fp32 and fp16 (the interpreter computes bf16 tl.dot wrongly, see conftest.py); with fp16
+the kernel's split products (16-bit head + tail of P and dS) must still reach that tolerance,
+which a single 16-bit rounding of P (split=False) does not: checked too. Cases cover 16-row
+interpreter tiles with masked tails, causal (s_q == s_kv and top-left with s_q != s_kv) and
+no_mask with s_q != s_kv (CP's half-q or half-kv blocks), GQA, strided views, and a backward
+fed a foreign (out, lse) pair (a CP ring's merged one).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritium.kernels import flash_attention as K
+from tritium.ref import flash_attention as R
+
+pytestmark = [pytest.mark.interp,  # the interpreter's own numpy warning on tensor loop bounds
+              pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")]
+
+# (s_q, s_kv, h, h_kv, d, causal)
+CASES = [(16, 16, 2, 2, 16, True), (33, 33, 2, 1, 16, True), (48, 48, 2, 2, 32, False),
+         (17, 40, 2, 2, 32, False), (40, 24, 2, 1, 16, False), (24, 40, 2, 2, 16, True)]
+
+
+def close(got, want, what, rtol=1e-5, atol=1e-5):
+    assert got.dtype == torch.float32 and got.shape == want.shape, f"{what}: {got.dtype} {got.shape}"
+    scale = want.abs().max().item() or 1.0
+    err = (got - want.float()).abs()
+    bound = atol * scale + rtol * want.float().abs()
+    bad = err > bound
+    assert not bad.any(), (f"{what}: {int(bad.sum())} of {bad.numel()} outside tolerance; "
+                           f"max err {err.max().item():.3e} (scale {scale:.3e})")
+
+
+def data(s_q, s_kv, h, h_kv, d, dtype, gen, strided=False):
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+    if strided:  # q/k/v as column slices of a fused tensor, s-major
+        qkv = rnd(1, s_q, h + 2 * h_kv, d)
+        q, k, v = qkv[:, :, :h], qkv[:, :, h:h + h_kv], qkv[:, :, h + h_kv:]
+    else:
+        q, k, v = rnd(1, s_q, h, d), rnd(1, s_kv, h_kv, d), rnd(1, s_kv, h_kv, d)
+    return q, k, v, rnd(1, s_q, h, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}".format(
+    *c[:5], "causal" if c[5] else "nomask"))
+def test_fwd_bwd_match_twin(case, dtype, gen):
+    s_q, s_kv, h, h_kv, d, causal = case
+    q, k, v, do = data(s_q, s_kv, h, h_kv, d, dtype, gen)
+    scale = 1.0 / math.sqrt(d)
+    out, lse = K.flash_attention_fwd(q, k, v, causal, scale)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, scale)
+    close(out, r_out, "out")
+    close(lse, r_lse, "lse")
+    assert lse.shape == (1, h, s_q)
+    grads = K.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
+    r_grads = R.flash_attention_bwd(do, q, k, v, r_out, r_lse, causal, scale)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, r_grads, (q, k, v)):
+        assert g.shape == x.shape
+        close(g, r, name)
+
+
+def test_strided_views_gqa(gen):
+    q, k, v, do = data(33, 33, 4, 2, 16, torch.float16, gen, strided=True)
+    assert not q.is_contiguous()
+    for causal in (True, False):
+        out, lse = K.flash_attention_fwd(q, k, v, causal, 0.3)
+        r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.3)
+        close(out, r_out, "out")
+        close(lse, r_lse, "lse")
+        for name, g, r in zip("qkv", K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.3),
+                              R.flash_attention_bwd(do, q, k, v, r_out, r_lse, causal, 0.3)):
+            close(g, r, "d" + name)
+
+
+def test_backward_takes_a_merged_out_lse(gen):
+    """CP's backward passes the (out, lse) merged over two KV blocks to each block's backward;
+    the per-block grads must be the ref's for that foreign pair, and sum to the full grads."""
+    s, h, d = 32, 2, 16
+    q, k, v, do = data(s, 2 * s, h, h, d, torch.float16, gen)
+    scale = 0.25
+    full_out, full_lse = R.flash_attention_fwd(q, k, v, False, scale)
+    total = [torch.zeros(x.shape) for x in (q, k, v)]
+    for part in (slice(0, s), slice(s, 2 * s)):
+        kb, vb = k[:, part], v[:, part]
+        out_i, lse_i = K.flash_attention_fwd(q, kb, vb, False, scale)
+        close(out_i, R.flash_attention_fwd(q, kb, vb, False, scale)[0], "block out")
+        g = K.flash_attention_bwd(do, q, kb, vb, full_out, full_lse, False, scale)
+        r = R.flash_attention_bwd(do, q, kb, vb, full_out, full_lse, False, scale)
+        for name, a, b in zip(("dq", "dk", "dv"), g, r):
+            close(a, b, "block " + name)
+        total[0] += g[0]
+        total[1][:, part] += g[1]
+        total[2][:, part] += g[2]
+    for name, a, b in zip(("dq", "dk", "dv"), total,
+                          R.flash_attention_bwd(do, q, k, v, full_out, full_lse, False, scale)):
+        close(a, b, "sum " + name, rtol=1e-5, atol=2e-5)
+
+
+def test_split_is_what_keeps_fp16_at_fp32_tolerance(gen):
+    q, k, v, do = data(32, 32, 2, 2, 16, torch.float16, gen)
+    out1, lse = K.flash_attention_fwd(q, k, v, True, 0.25, split=False)
+    r_out, _ = R.flash_attention_fwd(q, k, v, True, 0.25)
+    with pytest.raises(AssertionError):
+        close(out1, r_out, "out (P rounded to fp16 once)")
+    out2, _ = K.flash_attention_fwd(q, k, v, True, 0.25, split=True)
+    close(out2, r_out, "out (split)")
+    # the single rounding is still a 16-bit-accurate result
+    assert (out1 - r_out).abs().max() < 4e-3
+
+
+def test_rejects_unsupported():
+    q = torch.zeros(1, 8, 2, 24)
+    with pytest.raises(ValueError, match="unsupported"):
+        K.flash_attention_fwd(q, q, q, True, 1.0)
+    assert not K.supported(q, q, q)
+    q = torch.zeros(1, 8, 3, 16)
+    k = torch.zeros(1, 8, 2, 16)
+    assert not K.supported(q, k, k)
