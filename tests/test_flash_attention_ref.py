@@ -1,0 +1,80 @@
+"""cpu tier: `tritium.ref.flash_attention` (the kernel's twin) against an fp64 oracle and against
+`tritium.ref.attention`: fp32 results that are never rounded to the input dtype, top-left
+causal for s_q != s_kv, GQA, and a backward that accepts a merged (out, lse) pair."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tritium.ref import attention as A
+from tritium.ref import flash_attention as R
+
+
+def _inputs(s_q, s_kv, h, h_kv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    return mk(2, s_q, h, d), mk(2, s_kv, h_kv, d), mk(2, s_kv, h_kv, d), mk(2, s_q, h, d)
+
+
+def _oracle(q, k, v, do, causal, scale):
+    """fp64 autograd on the same (16-bit) values."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(groups, 2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+    out.backward(do.double())
+    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+@pytest.mark.parametrize("shape", [(24, 24, 4, 2, 16), (16, 40, 2, 1, 32), (40, 16, 2, 2, 8)])
+def test_twin_is_fp32_math_vs_fp64(shape, causal):
+    s_q, s_kv, h, h_kv, d = shape
+    q, k, v, do = _inputs(s_q, s_kv, h, h_kv, d, torch.bfloat16)
+    scale = 1 / math.sqrt(d)
+    out, lse = R.flash_attention_fwd(q, k, v, causal, scale)
+    assert out.dtype == lse.dtype == torch.float32 and lse.shape == (2, h, s_q)
+    dq, dk, dv = R.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
+    want = _oracle(q, k, v, do, causal, scale)
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
+        assert got.dtype == torch.float32 and got.shape == ref.shape, name
+        tol = 2e-5 * ref.abs().max().item()
+        assert (got.double() - ref).abs().max().item() <= tol, name
+        # far closer than a bf16 rounding of the same result
+        if name != "lse":
+            bf = (ref.to(torch.bfloat16).double() - ref).abs().max().item()
+            assert (got.double() - ref).abs().max().item() < bf / 20, name
+
+
+def test_twin_equals_ref_attention_before_rounding():
+    q, k, v, do = _inputs(32, 32, 4, 2, 16, torch.float16)
+    mask = torch.ones(32, 32, dtype=torch.bool).triu(1)
+    out, lse = R.flash_attention_fwd(q, k, v, True, 0.25)
+    r_out, r_lse, _ = A.attention_fwd(q, k, v, mask, 0.25, out_dtype=None)
+    assert torch.equal(out, r_out) and torch.equal(lse, r_lse)
+    # the rounded reference is the twin's result rounded once
+    assert torch.equal(A.attention_fwd(q, k, v, mask, 0.25)[0], out.to(torch.float16))
+    got = R.flash_attention_bwd(do, q, k, v, out, lse, True, 0.25)
+    for g, w in zip(got, A.attention_bwd(do.float(), q.float(), k.float(), v.float(), out, lse,
+                                         mask, 0.25)):
+        assert torch.equal(g, w)
+
+
+def test_backward_with_merged_out_lse_sums_to_full():
+    """Two no-mask KV halves, each backward fed the full (merged) out/lse: grads add up."""
+    q, k, v, do = _inputs(16, 32, 2, 2, 16, torch.bfloat16)
+    out, lse = R.flash_attention_fwd(q, k, v, False, 0.25)
+    full = R.flash_attention_bwd(do, q, k, v, out, lse, False, 0.25)
+    dq = torch.zeros_like(full[0])
+    for part in (slice(0, 16), slice(16, 32)):
+        g = R.flash_attention_bwd(do, q, k[:, part], v[:, part], out, lse, False, 0.25)
+        dq += g[0]
+        torch.testing.assert_close(g[1], full[1][:, part], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g[2], full[2][:, part], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dq, full[0], rtol=1e-5, atol=1e-6)
