@@ -124,3 +124,41 @@ def test_rejects_unsupported():
     q = torch.zeros(1, 8, 3, 16)
     k = torch.zeros(1, 8, 2, 16)
     assert not K.supported(q, k, k)
+
+
+def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
+    """The CP wiring (merge.Runner with Precision.kernel): rank 1 of a causal p2p ring at cp=2
+    (step 0 causal on the local square, step 1 half of q vs the other rank's KV), forward merge
+    and backward with the merged (out, lse), 16-bit inputs: the kernel path equals the fp32-copy
+    path (the reference backend) to fp32 tolerance."""
+    from tritium.attention.cp.merge import OutAcc, Precision, Runner
+    from tritium.attention.cp.p2p import schedule
+
+    L, h, h_kv, d = 32, 2, 1, 16
+    q, k0, v0, do = data(L, L, h, h_kv, d, torch.float16, gen)
+    _, k1, v1, _ = data(L, L, h, h_kv, d, torch.float16, gen)
+    kvs = [(k0, v0), (k1, v1)]
+    results = {}
+    for kernel in (False, True):
+        p = Precision(exact=True, fp32_accumulation=True, kernel=kernel)
+        run = Runner(0.25, 0.0, "torch", p)
+        acc = OutAcc(q, d, torch.float32)
+        states, blocks = [], [schedule(i, 1, True, L // 2) for i in range(2)]
+        for (k, v), blk in zip(kvs, blocks):
+            out_i, lse_i, st = run.fwd(p.compute(q), p.compute(k), p.compute(v), blk)
+            assert out_i.dtype == torch.float32
+            assert (st[0] == "tritium-flash") == kernel
+            acc.add(blk.q, out_i, lse_i)
+            states.append(st)
+        grads = [torch.zeros(q.shape)] + [torch.zeros(k0.shape) for _ in range(4)]
+        for j, ((k, v), blk, st) in enumerate(zip(kvs, blocks, states)):
+            dq_i, dk_i, dv_i = run.bwd(p.compute(do), p.compute(q), p.compute(k), p.compute(v),
+                                       acc.out, acc.lse, blk, st)
+            assert dq_i.dtype == dk_i.dtype == dv_i.dtype == torch.float32
+            grads[0][:, blk.q] += dq_i
+            grads[1 + 2 * j][:, blk.kv] += dk_i
+            grads[2 + 2 * j][:, blk.kv] += dv_i
+        results[kernel] = [acc.out, acc.lse, *grads]
+    for name, a, b in zip(("out", "lse", "dq", "dk0", "dv0", "dk1", "dv1"),
+                          results[True], results[False]):
+        close(a, b, name)

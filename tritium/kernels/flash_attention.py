@@ -31,9 +31,6 @@ rows and walks the key blocks. A row whose lse is -inf (no visible key) gets P =
 """
 from __future__ import annotations
 
-import math
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -285,9 +282,9 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 _HEAD_DIMS = (16, 32, 64, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, on the GPU
-# overridable for tuning: TRITIUM_FLASH_CFG="fwd=128,64,8,3;dkdv=64,128,8,2;dq=128,64,8,2"
-_GPU_CFG = {
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, on the GPU; tuning code
+# (benchmarks/bench_flash_attention.py --cfg) may replace entries of this table
+GPU_CFG = {
     "fwd": {128: (128, 64, 8, 3), 64: (128, 64, 4, 3)},
     "dkdv": {128: (64, 128, 8, 2), 64: (64, 128, 8, 2)},
     "dq": {128: (128, 64, 8, 2), 64: (128, 64, 8, 2)},
@@ -298,12 +295,7 @@ _INTERP_BLOCK = 16  # the interpreter: small tiles (tail masks exercised at s = 
 def _cfg(kind: str, d: int, device_is_cuda: bool):
     if not device_is_cuda:
         return _INTERP_BLOCK, _INTERP_BLOCK, 4, 1
-    env = os.environ.get("TRITIUM_FLASH_CFG", "")
-    for part in filter(None, env.split(";")):
-        name, _, vals = part.partition("=")
-        if name.strip() == kind:
-            return tuple(int(x) for x in vals.split(","))
-    table = _GPU_CFG[kind]
+    table = GPU_CFG[kind]
     return table.get(d, table[128] if d > 64 else (64, 64, 4, 2))
 
 

@@ -12,8 +12,10 @@ out is the local part of the full-sequence attention output, shaped like
 
 Precision (merge.py): fp32_accumulation=True (default) merges out/lse and accumulates dq, dk,
 dv in fp32 and casts once; mode picks what each block returns:
-  "exact"  partials in fp32 (blocks run on fp32 copies: the reference on CPU, the fp32
-           mem-efficient kernel on CUDA): CP error == single-device error (docs/context_parallel.md)
+  "exact"  partials in fp32: CP error == single-device error (docs/context_parallel.md). On
+           CUDA fp16/bf16 with head dim 64/128 the blocks run tritium's Triton flash attention
+           (16-bit in, fp32 out; `_use_kernel`); otherwise on fp32 copies (the reference on
+           CPU, the fp32 mem-efficient kernel on CUDA, or the backend forced to torch/efficient)
   "fast"   blocks on the fused 16-bit backends (cuDNN / flash), one bf16 rounding per block
   "auto"   exact where it costs nothing (the block backend is the fp32 reference anyway, or the
            inputs are fp32), else fast.
@@ -79,6 +81,22 @@ def _resolve_mode(mode: str, q, k, v, args, backend: str) -> bool:
     return B.choose_cached(q, k, v, args, backend).name == "torch"
 
 
+def _use_kernel(q, k, v, dropout: float, backend: str) -> bool:
+    """Exact blocks on the Triton flash kernel? CUDA fp16/bf16, head dim 64 or 128 (d_v ==
+    d_qk), no dropout, triton importable, the block backend not forced to torch/efficient
+    (those keep the old fp32-copy path) and TRITIUM_FORCE_REF unset."""
+    from ..._env import force_ref
+    if (not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or dropout > 0.0
+            or backend in ("torch", "efficient") or force_ref()
+            or q.shape[-1] not in (64, 128)):
+        return False
+    try:
+        from ...kernels import flash_attention as FA
+    except ImportError:
+        return False
+    return FA.supported(q, k, v)
+
+
 def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
                                cp_global_ranks: Optional[Sequence[int]] = None, *,
                                cp_comm_type: str = "p2p", qkv_format: str = "sbhd",
@@ -114,7 +132,9 @@ def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
     exact = _resolve_mode(mode, q, k, v, args, name)
     cfg = CPConfig(group=cp_group, ranks=tuple(ranks), rank=rank, size=size, causal=causal,
                    scale=args.scale, dropout=args.dropout, backend=name,
-                   precision=Precision(exact=exact, fp32_accumulation=bool(fp32_accumulation)))
+                   precision=Precision(exact=exact, fp32_accumulation=bool(fp32_accumulation),
+                                       kernel=exact and _use_kernel(q, k, v, args.dropout,
+                                                                    name)))
     if cp_comm_type == "p2p":
         from .p2p import RingAttention as Fn
     else:

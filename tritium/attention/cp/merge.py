@@ -14,10 +14,14 @@ Precision knobs (`Precision`):
   * fp32_accumulation (default on): out, dq, dk, dv buffers in fp32 (dk/dv also travel the
     ring in fp32), cast once at the end. Off: buffers in the input dtype, rounded every step
     (what TE does today for bf16; kept for measuring the difference).
-  * exact: each block runs on fp32 copies of q, k, v, so partial out/lse/dq/dk/dv come back
-    unrounded (the reference on CPU; on CUDA the fp32 path of the mem-efficient kernel, which
-    computes in fp32 on tensor cores, slower than bf16 cuDNN). Not exact ("fast"): blocks run
-    in the input dtype on the fused backends; their bf16 partials add one rounding per block.
+  * exact: each block returns partial out/lse/dq/dk/dv in fp32, never rounded to 16 bits.
+    On CUDA with fp16/bf16 inputs, head dim 64 or 128 (d_v == d_qk) and no dropout
+    (`Precision.kernel`), the blocks run tritium's Triton flash attention
+    (tritium/kernels/flash_attention.py), which reads the 16-bit q/k/v directly and returns
+    fp32 partials. Otherwise the blocks run on fp32 copies of q, k, v: the reference on CPU,
+    the fp32 path of the mem-efficient kernel on CUDA (slow: 7-12x single-GPU cuDNN).
+    Not exact ("fast"): blocks run in the input dtype on the fused backends; their bf16
+    partials add one rounding per block.
 The merged lse is always fp32. Rows without a visible key cannot occur with the causal /
 no_mask schedules used here (every row sees its own diagonal or a whole block).
 """
@@ -29,6 +33,8 @@ from typing import Optional
 import torch
 
 from ..dot_product_attention import attention_backward, attention_forward, prepare
+
+_FLASH = "tritium-flash"  # block state of the Triton kernel path
 
 ALL = slice(None)
 
@@ -44,13 +50,15 @@ class Block:
 class Precision:
     exact: bool = True
     fp32_accumulation: bool = True
+    kernel: bool = False    # exact blocks on the Triton flash kernel (16-bit in, fp32 out)
 
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if self.fp32_accumulation and dtype != torch.float64 else dtype
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
-        """The tensor a block computes on: an fp32 copy in exact mode."""
-        if self.exact and x.dtype in (torch.bfloat16, torch.float16):
+        """The tensor a block computes on: an fp32 copy in exact mode (not for the kernel,
+        which reads the 16-bit tensor itself)."""
+        if self.exact and not self.kernel and x.dtype in (torch.bfloat16, torch.float16):
             return x.float()
         return x
 
@@ -73,6 +81,10 @@ class Runner:
     def fwd(self, q, k, v, blk: Block):
         """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV."""
         qs, ks, vs = q[:, blk.q], k[:, blk.kv], v[:, blk.kv]
+        if self.p.kernel:
+            from ...kernels.flash_attention import flash_attention_fwd
+            out, lse = flash_attention_fwd(qs, ks, vs, blk.causal, self.scale)
+            return out, lse, (_FLASH, None, None)
         args = self._args(qs, ks, vs, blk.causal)
         backend = self.fp32_backend if qs.dtype == torch.float32 else self.backend
         out, lse, (be, aux) = attention_forward(qs, ks, vs, args, backend)
@@ -84,6 +96,10 @@ class Runner:
         """-> (dq_i, dk_i, dv_i) for the block, given the merged out and lse."""
         be, aux, args = state
         rows = blk.q
+        if be == _FLASH:
+            from ...kernels.flash_attention import flash_attention_bwd
+            return flash_attention_bwd(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
+                                       out[:, rows], lse[:, :, rows], blk.causal, self.scale)
         return attention_backward(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
                                   out[:, rows], lse[:, :, rows], (be, aux), args)
 
