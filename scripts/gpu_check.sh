@@ -28,6 +28,7 @@ for s in $stages; do
     prof)   python3 scripts/profile_ops.py 2>&1 | tee "$OUT/profile_ops.log" ;;
     graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
+    flash)  python3 benchmarks/bench_flash_attention.py 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
     cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
     demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
