@@ -12,17 +12,10 @@ from .backends import AttnArgs
 from .dot_product_attention import (DotProductAttention, Explanation, attention_backward,
                                     attention_forward, dot_product_attention, explain, prepare)
 from .masks import MASK_TYPES
+from .rope import RotaryPositionEmbedding, apply_rotary_pos_emb
 from . import cp
 from .cp import context_parallel_attention
 
 __all__ = ["DotProductAttention", "dot_product_attention", "attention_forward",
            "attention_backward", "prepare", "explain", "Explanation", "AttnArgs", "MASK_TYPES",
-           "cp", "context_parallel_attention"]
-
-# RoPE lives in attention/rope.py (owned separately); exported here once it exists.
-try:  # pragma: no cover - depends on the rope module being present
-    from .rope import *  # noqa: F401,F403
-    from . import rope as _rope
-    __all__ += list(getattr(_rope, "__all__", []))
-except ImportError:
-    pass
+           "cp", "context_parallel_attention", "RotaryPositionEmbedding", "apply_rotary_pos_emb"]
