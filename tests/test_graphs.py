@@ -26,6 +26,8 @@ import tritium as te
 from tritium import graphs, recipe
 from tritium.graphs import make_graphed_callables
 
+from testlib import fp8_state
+
 pytestmark = pytest.mark.cpu
 
 H = 32
@@ -193,17 +195,6 @@ def emulated(monkeypatch):
 
 
 # ------------------------------------------------------------------ training driver
-def _fp8_state(modules):
-    out = []
-    for m in modules:
-        for mod in m.modules():
-            meta = getattr(mod, "fp8_meta", None)
-            for st in (getattr(meta, "fwd", None), getattr(meta, "bwd", None)):
-                if st is not None:
-                    out += [st.scale.clone(), st.amax_history.clone()]
-    return out
-
-
 def train(make, shapes, *, graph, fp8=True, caching=False, steps=3, mbs=2, seed=0,
           set_to_none=True, outer=True, recipe_=None, data_seed=123):
     """Build the callables with `make()` (seeded), optionally graph them, and train: per step
@@ -241,7 +232,7 @@ def train(make, shapes, *, graph, fp8=True, caching=False, steps=3, mbs=2, seed=
         seen += [p.grad.clone() for p in params if p.grad is not None]
         opt.step()
         opt.zero_grad(set_to_none=set_to_none)
-        seen += [p.detach().clone() for p in params] + _fp8_state(mods)
+        seen += [p.detach().clone() for p in params] + fp8_state(mods)
     return seen, mods
 
 
@@ -309,7 +300,7 @@ def test_without_outer_autocast_it_is_its_own_region(emulated):
                 with te.fp8_autocast(fp8_recipe=rec):
                     y = g(x)
             y.sum().backward()
-            seen += [y.detach().clone(), m.weight.grad.clone()] + _fp8_state([m])
+            seen += [y.detach().clone(), m.weight.grad.clone()] + fp8_state([m])
         return seen
     eager = run(False)
     assert_same(run(True), eager)
@@ -388,7 +379,7 @@ def test_calibration(emulated):
             with te.fp8_autocast(enabled=False, calibrating=True, fp8_recipe=rec):
                 y = g(torch.randn(20, H, generator=gen))
             y.sum().backward()
-            seen += [y.detach().clone()] + _fp8_state([m])
+            seen += [y.detach().clone()] + fp8_state([m])
         return seen
     gen = torch.Generator().manual_seed(7)
     eager = run(False)

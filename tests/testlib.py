@@ -56,3 +56,15 @@ def emulated_linear(x, w, b, dy, s_x, s_w, s_dy, fwd_dtype, bwd_dtype):
     dw = dyq.t() @ xq
     db = None if b is None else dy2d.sum(0)
     return (out.reshape(*x.shape[:-1], w.shape[0]), dx.reshape(x.shape), dw, db)
+
+
+def fp8_state(modules) -> list:
+    """Copies of every FP8 scale and amax history found in `modules` (for bitwise comparisons)."""
+    out = []
+    for m in modules:
+        for mod in m.modules():
+            meta = getattr(mod, "fp8_meta", None)
+            for st in (getattr(meta, "fwd", None), getattr(meta, "bwd", None)):
+                if st is not None:
+                    out += [st.scale.clone(), st.amax_history.clone()]
+    return out

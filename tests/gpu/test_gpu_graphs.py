@@ -26,6 +26,8 @@ from tritium import recipe
 from tritium.graphs import make_graphed_callables
 from tritium.optimizers import FusedAdam
 
+from testlib import fp8_state
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -68,17 +70,6 @@ MODELS = {  # name -> (build, input shape); each build returns a tuple of callab
     "TransformerLayer x3": (lambda: (Stack([_tl() for _ in range(3)]),), (SEQ, BATCH, H)),
     "TransformerLayer x3 (tuple)": (lambda: tuple(_tl() for _ in range(3)), (SEQ, BATCH, H)),
 }
-
-
-def _fp8_state(mods):
-    out = []
-    for m in mods:
-        for mod in m.modules():
-            meta = getattr(mod, "fp8_meta", None)
-            for st in (getattr(meta, "fwd", None), getattr(meta, "bwd", None)):
-                if st is not None:
-                    out += [st.scale.clone(), st.amax_history.clone()]
-    return out
 
 
 def _build(name, seed):
@@ -129,7 +120,7 @@ def train(mods, shape, *, graph, fp8, caching, seed, steps=3, mbs=2, optimizer="
         else:
             opt.step()
         opt.zero_grad(set_to_none=optimizer == "sgd")
-        seen += [p.detach().clone() for p in params] + _fp8_state(mods)
+        seen += [p.detach().clone() for p in params] + fp8_state(mods)
     torch.cuda.synchronize()
     return seen
 
@@ -196,7 +187,7 @@ def test_graphed_equals_eager(name, fp8, caching, det_attention, _seed):
     graphed = train(graph_mods, shape, graph=True, fp8=fp8, caching=caching, seed=_seed)
     assert_same(graphed, eager)
     if fp8:  # the scales moved away from 1: the updates ran
-        assert any(s.ne(1).any() for s in _fp8_state(graph_mods)[0::2])
+        assert any(s.ne(1).any() for s in fp8_state(graph_mods)[0::2])
 
 
 @needs_fp8
