@@ -62,6 +62,7 @@ def main():
                 rows.append({"case": case, "variant": variant, "error": repr(exc)})
                 continue
             rows.append({"case": case, "variant": variant, "ms": res["ms"],
+                         "gpu_ms": res["gpu_ms"],
                          "tflops": round(6 * t * k * n / res["ms"] / 1e9, 1),
                          "peak_mb": res["peak_mb"],
                          "peak_mb_in_network": res["peak_mb_in_network"]})

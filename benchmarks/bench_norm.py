@@ -9,8 +9,11 @@ row (`y.copy_(x)`: read + write) is the achievable bandwidth; `pct_of_copy` = GB
 Targets: tritium forward >= 90% of copy, forward+backward >= 80%.
 
 Forward rows run under torch.no_grad(); forward+backward rows run module(x).backward(dy) with
-grads reset before each call. A tile sweep (tritium rows marked "sweep") times other
-rows-per-program / num_warps choices and backward grid sizes, to retune `tritium.kernels.norm`.
+grads reset before each call. Rows also carry `gpu_ms`, the kernels' own time from
+torch.profiler (no host time): where ms > gpu_ms the step is bound by the host enqueueing it,
+and `gpu_pct_of_copy` is the kernels' bandwidth. A sweep (rows marked "sweep") times the
+backward kernels alone (`tritium.kernels.norm.*_bwd`: 3 passes) over rows-per-program /
+num_warps, backward grid size and next-tile prefetch, to retune `tritium.kernels.norm`.
 Needs CUDA; without it the script says so and exits with status 1. Liger is optional.
 """
 from __future__ import annotations
@@ -21,15 +24,16 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, time_ms  # noqa: E402
+from harness import finish, gpu_ms, time_ms  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium.kernels import norm as knorm  # noqa: E402
 
 SHAPES = [(16384, 4096)]
 EPS = 1e-5
-SWEEP_TILES = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16)]   # (BLOCK_ROWS, num_warps) at any hidden
-SWEEP_PROGRAMS_PER_SM = [1, 2, 4, 8]
+SWEEP_TILES = [(1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 16)]  # (BLOCK_ROWS, num_warps)
+SWEEP_PROGRAMS_PER_SM = [1, 2, 4]
+SWEEP_PREFETCH = [False, True]
 
 
 def _liger(kind: str, hidden: int):
@@ -71,35 +75,44 @@ def _row(case, variant, ms, nbytes):
             "gbps": round(nbytes / ms / 1e6)}
 
 
-def _time_into(rows, case, variant, fn, nbytes):
+def _time_into(rows, case, variant, fn, nbytes, with_gpu_time=False):
     try:
         fn()
         fn()
         rows.append(_row(case, variant, time_ms(fn), nbytes))
+        if with_gpu_time:
+            rows[-1]["gpu_ms"] = round(gpu_ms(fn), 4)
     except Exception as exc:  # a peer or a config that fails: record it, go on
         rows.append({"case": case, "variant": variant, "error": repr(exc)})
     print(rows[-1], flush=True)
 
 
 def _sweep(rows, kind, r, h, x, dy, pass_bytes):
-    """Time tritium with other tiles and backward grids (restores the defaults after)."""
-    mod = getattr(te, kind)(h, eps=EPS, params_dtype=torch.bfloat16, device="cuda")
-    fwd, fwd_bwd = _steps(mod, x, dy)
-    default_tile, default_per_sm = knorm._tile, knorm._BWD_PROGRAMS_PER_SM
-    block_n = default_tile(h, False)[1]
+    """Time the backward kernels alone over tiles, grids and prefetch (defaults restored)."""
+    w = torch.randn(h, device="cuda", dtype=torch.bfloat16)
+    xd = x.detach()
+    if kind == "RMSNorm":
+        _, rstd = knorm.rmsnorm_fwd(xd, w, EPS, False)
+        bwd = lambda: knorm.rmsnorm_bwd(dy, xd, w, rstd, False)  # noqa: E731
+    else:
+        _, mean, rstd = knorm.layernorm_fwd(xd, w, w, EPS, False)
+        bwd = lambda: knorm.layernorm_bwd(dy, xd, w, mean, rstd, False)  # noqa: E731
+    defaults = knorm._tile, knorm._BWD_PROGRAMS_PER_SM, knorm._BWD_PREFETCH
+    block_n = defaults[0](h, False)[1]
+    case = f"{kind} bwd kernels {r}x{h}"
     try:
+        _time_into(rows, case, "tritium default", bwd, 3 * pass_bytes)
         for block_rows, warps in SWEEP_TILES:
             knorm._tile = lambda *_a, t=(block_rows, block_n, warps), **_k: t
-            name = f"tritium sweep rows{block_rows} w{warps}"
-            _time_into(rows, f"{kind} fwd {r}x{h}", name, fwd, 2 * pass_bytes)
-            _time_into(rows, f"{kind} fwd+bwd {r}x{h}", name, fwd_bwd, 5 * pass_bytes)
-        knorm._tile = default_tile
-        for per_sm in SWEEP_PROGRAMS_PER_SM:
-            knorm._BWD_PROGRAMS_PER_SM = per_sm
-            _time_into(rows, f"{kind} fwd+bwd {r}x{h}", f"tritium sweep bwd {per_sm}/SM",
-                       fwd_bwd, 5 * pass_bytes)
+            for per_sm in SWEEP_PROGRAMS_PER_SM:
+                knorm._BWD_PROGRAMS_PER_SM = per_sm
+                for prefetch in SWEEP_PREFETCH:
+                    knorm._BWD_PREFETCH = prefetch
+                    name = (f"tritium sweep rows{block_rows} w{warps} {per_sm}/SM"
+                            f"{' prefetch' if prefetch else ''}")
+                    _time_into(rows, case, name, bwd, 3 * pass_bytes)
     finally:
-        knorm._tile, knorm._BWD_PROGRAMS_PER_SM = default_tile, default_per_sm
+        knorm._tile, knorm._BWD_PROGRAMS_PER_SM, knorm._BWD_PREFETCH = defaults
 
 
 def main(argv=None):
@@ -119,7 +132,7 @@ def main(argv=None):
         out = torch.empty_like(x)
         copy = lambda: out.copy_(x.detach())  # noqa: E731
         for kind in ("RMSNorm", "LayerNorm"):
-            for mode, passes in (("fwd", 2), ("fwd+bwd", 5)):
+            for mode in ("fwd", "fwd+bwd", "bwd kernels"):
                 _time_into(rows, f"{kind} {mode} {r}x{h}", "torch copy", copy, 2 * pass_bytes)
             for variant, make in _variants(kind, h):
                 try:
@@ -131,8 +144,9 @@ def main(argv=None):
                         print(rows[-1], flush=True)
                     continue
                 fwd, fwd_bwd = _steps(module, x, dy)
-                _time_into(rows, f"{kind} fwd {r}x{h}", variant, fwd, 2 * pass_bytes)
-                _time_into(rows, f"{kind} fwd+bwd {r}x{h}", variant, fwd_bwd, 5 * pass_bytes)
+                _time_into(rows, f"{kind} fwd {r}x{h}", variant, fwd, 2 * pass_bytes, True)
+                _time_into(rows, f"{kind} fwd+bwd {r}x{h}", variant, fwd_bwd, 5 * pass_bytes,
+                           True)
             if not args.no_sweep:
                 _sweep(rows, kind, r, h, x, dy, pass_bytes)
         del x, dy, out
@@ -142,11 +156,15 @@ def main(argv=None):
     for row in rows:
         if "gbps" in row and row["case"] in copy_gbps:
             row["pct_of_copy"] = round(100 * row["gbps"] / copy_gbps[row["case"]], 1)
+            if "gpu_ms" in row:
+                row["gpu_pct_of_copy"] = round(row["pct_of_copy"] * row["ms"] / row["gpu_ms"], 1)
     finish("norm", rows, baseline="torch eager")
     print("\n% of copy bandwidth:")
     for row in rows:
         if "pct_of_copy" in row and row["variant"] != "torch copy":
-            print(f"  {row['case']:<28} {row['variant']:<34} {row['pct_of_copy']:6.1f}%")
+            gpu = f"  (kernels alone {row['gpu_pct_of_copy']:.1f}%)" if "gpu_pct_of_copy" in row \
+                else ""
+            print(f"  {row['case']:<32} {row['variant']:<40} {row['pct_of_copy']:6.1f}%{gpu}")
 
 
 if __name__ == "__main__":

@@ -44,6 +44,21 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def gpu_ms(fn, iters: int = 20) -> float:
+    """Device time of one call of fn: the kernels' (and memsets'/copies') own time from
+    torch.profiler, summed and divided by iters. Host time is not in it, so next to time_ms it
+    says whether a step is bound by the GPU or by the host enqueueing it."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / iters / 1e3
+
+
 def peak_mem_mb(fn) -> float:
     """Peak allocated memory above what was allocated before one call of fn (MiB)."""
     torch.cuda.synchronize()
@@ -71,8 +86,8 @@ def fwd_bwd_runner(module, x, dy, ctx=None, fresh_input=False):
 
 
 def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
-    """Median ms and peak MiB of fwd+bwd, grads reset before each call (and the peak with the
-    input made in the step when in_network)."""
+    """Median ms, device time (`gpu_ms`) and peak MiB of fwd+bwd, grads reset before each call
+    (and the peak with the input made in the step when in_network)."""
     grads = list(module.parameters()) + [x]
     run = fwd_bwd_runner(module, x, dy, ctx)
 
@@ -84,7 +99,7 @@ def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
         reset()
         run()
     step(); step()
-    out = {"ms": round(time_ms(step), 4)}
+    out = {"ms": round(time_ms(step), 4), "gpu_ms": round(gpu_ms(step), 4)}
     reset()
     out["peak_mb"] = round(peak_mem_mb(run), 1)
     if in_network:
@@ -118,6 +133,6 @@ def print_table(bench: str, rows: list[dict], baseline: str) -> None:
         if "error" in r:
             print(f"{r['case']:<28} {r['variant']:<34} ERROR {r['error'][:80]}")
             continue
-        extra = "".join(f" {k}={r[k]}" for k in ("tflops", "gbps", "peak_mb", "peak_mb_in_network") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("gpu_ms", "tflops", "gbps", "peak_mb", "peak_mb_in_network") if k in r)
         print(f"{r['case']:<28} {r['variant']:<34} {r['ms']:8.3f} ms  x{r.get(key, float('nan')):.2f}"
               f"{extra}")

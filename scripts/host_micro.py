@@ -64,6 +64,8 @@ per_call("fp8_autocast enter+exit (empty)", empty_autocast)
 per_call("FP8Region().register", lambda: FP8Region().register(meta.fwd, meta.bwd, rec, None))
 per_call("Nop.apply fwd+bwd", lambda: Nop.apply(xr).sum().backward())
 per_call("bf16 layer fwd+bwd (no autocast)", lambda: layer(xr).sum().backward())
+plain = torch.nn.Linear(512, 512, bias=False, device=dev, dtype=torch.bfloat16)
+per_call("torch nn.Linear fwd+bwd", lambda: plain(xr).sum().backward())
 
 
 def fp8_step():

@@ -48,6 +48,7 @@ from ._launch import Launcher
 MAX_HIDDEN = 65536
 _TILE = 4096                # elements per forward/backward tile when hidden is small
 _BWD_PROGRAMS_PER_SM = 2    # persistent backward grid: G = programs per SM x SMs
+_BWD_PREFETCH = True        # backward loads tile t + G while tile t computes
 _SUM_BLOCK_G, _SUM_BLOCK_N = 32, 128
 
 
@@ -95,10 +96,28 @@ def _norm_fwd_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
 
 
 @triton.jit
+def _norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, tile, rows, stride_dy, stride_x, c, cmask,
+                   IS_RMS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """One row tile's x, dy (fp32), rstd and mean ([BLOCK_ROWS, 1]; rows past the end read 0)."""
+    r = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    rmask = r < rows
+    mask = rmask[:, None] & cmask[None, :]
+    r64 = r.to(tl.int64)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
+    dy = tl.load(dy_ptr + r64[:, None] * stride_dy + c[None, :], mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + r, mask=rmask, other=0.0)[:, None]
+    if IS_RMS:
+        mean = rstd  # unused
+    else:
+        mean = tl.load(mean_ptr + r, mask=rmask, other=0.0)[:, None]
+    return x.to(tl.float32), dy.to(tl.float32), rstd, mean
+
+
+@triton.jit
 def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
                      rows, N, n, stride_dy, stride_x,
                      IS_RMS: tl.constexpr, HAS_DB: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_progs = tl.num_programs(0)
     c = tl.arange(0, BLOCK_N)
@@ -110,19 +129,22 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_p
     # after it (a per-tile column sum would move data between threads on every iteration).
     dw_acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
     db_acc = tl.zeros([BLOCK_ROWS, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:  # the next tile's loads are in flight while this tile reduces and stores
+        nx, ndy, nrstd, nmean = _norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, pid, rows,
+                                               stride_dy, stride_x, c, cmask, IS_RMS, BLOCK_ROWS)
     for tile in range(pid, tl.cdiv(rows, BLOCK_ROWS), num_progs):
-        r = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        rmask = r < rows
-        mask = rmask[:, None] & cmask[None, :]
-        r64 = r.to(tl.int64)
-        x = tl.load(x_ptr + r64[:, None] * stride_x + c[None, :], mask=mask, other=0.0)
-        dy = tl.load(dy_ptr + r64[:, None] * stride_dy + c[None, :], mask=mask, other=0.0)
-        x, dy = x.to(tl.float32), dy.to(tl.float32)
-        rstd = tl.load(rstd_ptr + r, mask=rmask, other=0.0)[:, None]
+        if PREFETCH:
+            x, dy, rstd, mean = nx, ndy, nrstd, nmean
+            nx, ndy, nrstd, nmean = _norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr,
+                                                   tile + num_progs, rows, stride_dy, stride_x,
+                                                   c, cmask, IS_RMS, BLOCK_ROWS)
+        else:
+            x, dy, rstd, mean = _norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, tile, rows,
+                                               stride_dy, stride_x, c, cmask, IS_RMS, BLOCK_ROWS)
         if IS_RMS:
             xhat = x * rstd
         else:
-            xhat = (x - tl.load(mean_ptr + r, mask=rmask, other=0.0)[:, None]) * rstd
+            xhat = (x - mean) * rstd
         # Masked places: dy = 0 there, so they add nothing to any sum below.
         g = dy * gamma[None, :]
         c1 = tl.math.div_rn(tl.sum(xhat * g, axis=1), n)[:, None]
@@ -131,8 +153,10 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_p
         else:
             c2 = tl.math.div_rn(tl.sum(g, axis=1), n)[:, None]
             dx = (g - (xhat * c1 + c2)) * rstd
-        tl.store(dx_ptr + r64[:, None] * N + c[None, :], dx.to(dx_ptr.dtype.element_ty),
-                 mask=mask)
+        r = tile * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        mask = (r < rows)[:, None] & cmask[None, :]
+        tl.store(dx_ptr + r.to(tl.int64)[:, None] * N + c[None, :],
+                 dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw_acc += dy * xhat
         if HAS_DB:
             db_acc += dy
@@ -239,7 +263,7 @@ def _bwd(dy, x, weight, mean, rstd, zero_centered_gamma, is_rms, need_bias_grad)
     _launch_bwd((programs,), dy, x, weight, rstd if is_rms else mean, rstd, dx, dw_part, db_part,
                 rows, n, float(n), dy.stride(0), x.stride(0),
                 IS_RMS=is_rms, HAS_DB=db is not None, ZERO_CENTERED=bool(zero_centered_gamma),
-                BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
+                BLOCK_ROWS=block_rows, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH, num_warps=warps)
     _launch_sum(((n + _SUM_BLOCK_N - 1) // _SUM_BLOCK_N,), dw_part, db_part, dw,
                 db if db is not None else dw, programs, n,
                 HAS_DB=db is not None, BLOCK_G=_SUM_BLOCK_G, BLOCK_N=_SUM_BLOCK_N,
