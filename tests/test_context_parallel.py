@@ -55,7 +55,8 @@ CASES = {
     "ag-bf16-causal-gqa-bshd-exact": ("all_gather", "bf16", True, HK, "bshd", "exact"),
 }
 CASES4 = ("p2p-fp32-causal-mha-bshd", "p2p-fp32-nomask-gqa-sbhd", "p2p-bf16-causal-gqa-bshd-exact",
-          "ag-fp32-causal-gqa-sbhd", "ag-bf16-causal-gqa-bshd-exact")
+          "p2p-bf16-causal-gqa-sbhd-fast", "ag-fp32-causal-gqa-sbhd",
+          "ag-bf16-causal-gqa-bshd-exact")
 MODULES = ("dpa", "mha", "layer")
 
 

@@ -109,7 +109,8 @@ class OutAcc:
 
     def __init__(self, q: torch.Tensor, d_v: int, acc_dtype: torch.dtype):
         b, s, h, _ = q.shape
-        self.out = torch.zeros(b, s, h, d_v, dtype=acc_dtype, device=q.device)
+        # no zero fill: a row's first add copies into it (every schedule here adds every row)
+        self.out = torch.empty(b, s, h, d_v, dtype=acc_dtype, device=q.device)
         lse_dtype = torch.float64 if acc_dtype == torch.float64 else torch.float32
         self.lse = torch.full((b, h, s), float("-inf"), dtype=lse_dtype, device=q.device)
         self._fresh = torch.ones(s, dtype=torch.bool)  # host-side: rows not written yet
@@ -124,7 +125,7 @@ class OutAcc:
             a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
             b = torch.exp(lse_i - new).transpose(1, 2).unsqueeze(-1)
             if o.dtype == torch.float32 or o.dtype == torch.float64:
-                o.mul_(a).add_(out_i.to(o.dtype) * b)
+                o.mul_(a).addcmul_(out_i, b)     # out_i promoted inside, no temporary
             else:  # 16-bit accumulator: fp32 arithmetic, one rounding per step
                 o.copy_(o.float() * a + out_i.float() * b)
             l.copy_(new)
@@ -132,11 +133,14 @@ class OutAcc:
 
 
 class Ring:
-    """Send to the next rank of the CP group and receive from the previous one (async)."""
+    """Send to the next rank of the CP group and receive from the previous one (async);
+    reverse=True: send to the previous rank and receive from the next one."""
 
-    def __init__(self, group, ranks: list, rank: int):
+    def __init__(self, group, ranks: list, rank: int, reverse: bool = False):
         self.group, n = group, len(ranks)
         self.next, self.prev = ranks[(rank + 1) % n], ranks[(rank - 1) % n]
+        if reverse:
+            self.next, self.prev = self.prev, self.next
 
     def exchange(self, tensors, tag: int = 0):
         """Post sends of `tensors` and receives of same-shaped ones -> (received, requests)."""
@@ -160,4 +164,15 @@ def contiguous(x: Optional[torch.Tensor]):
     return x if x is None or x.is_contiguous() else x.contiguous()
 
 
-__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL"]
+def fresh(shape, rows: slice, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A contiguous `dtype` accumulation buffer of `shape` that holds `part` in `rows` (dim 1)
+    and zeros elsewhere; `part` itself when it already is one (what zeros + `+=` would give,
+    without the zeros)."""
+    if rows == ALL:
+        return contiguous(part.to(dtype, memory_format=torch.contiguous_format))
+    buf = torch.zeros(shape, dtype=dtype, device=part.device)
+    buf[:, rows] = part
+    return buf
+
+
+__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL", "fresh"]

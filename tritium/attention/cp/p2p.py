@@ -11,18 +11,29 @@ it holds to rank r+1 and the receive of step i+1's KV from rank r-1 (batch_isend
 waits only after the compute: on CUDA the NCCL transfer runs on NCCL's stream while step i
 computes on the current one. Partial (out, lse) are merged in fp32 (merge.py).
 
-Backward replays the ring. At step i rank r also receives from r-1 the dK/dV buffer of block
-src, accumulated by the ranks that held it before; it adds its own dK/dV (block src's first
-half only for 1 <= i <= r) and sends the buffer on to r+1. After the last step one more hop
-delivers each buffer to its owner. dQ stays local. With fp32 accumulation dq and the
-travelling dk/dv are fp32 and cast once at the end; the KV itself travels in its own dtype.
-`cp_stream` is not needed: NCCL's stream already overlaps the transfers with compute.
+Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i computes forward
+step i's block): rank r starts with the KV of rank r+1, the last one it received in the
+forward (saved for this), and ends with its own. Before each step it posts the send of the KV
+it holds to r-1 and the receive of the next one from r+1. The dK/dV buffer of the block it
+holds arrives from r+1, which held that block one step earlier (at the first step the buffer
+is this rank's own contribution); the rank adds its dK/dV (block src's first half only for
+1 <= i <= r) and sends the buffer on to r-1 after the compute, overlapping the next step. At
+step 0 the buffer that arrives is the one of the rank's own block: its own contribution
+completes dK/dV and no hop follows the loop. (Replaying the forward order ends with every
+buffer one hop from its owner, and that last transfer (fp32: twice the bytes of a bf16 KV)
+has no compute to hide behind.) Block src's dK/dV sums the ranks' contributions in the order
+src-1, src-2, ..., src (mod cp), the reverse of the forward-order replay's: equal up to fp32
+summation order. dQ stays local. With fp32 accumulation dq and the travelling dk/dv are fp32
+and cast once at the end; the KV itself travels in its own dtype. Memory: besides q, k, v,
+out, lse, each rank keeps one extra K, V block (rank r+1's, in the input dtype) from the
+forward to the backward. `cp_stream` is not needed: NCCL's stream already overlaps the
+transfers with compute.
 """
 from __future__ import annotations
 
 import torch
 
-from .merge import ALL, Block, OutAcc, Ring, Runner, contiguous
+from .merge import ALL, Block, OutAcc, Ring, Runner, contiguous, fresh
 
 _KV_TAG, _DKV_TAG = 0, 2
 
@@ -62,40 +73,41 @@ class RingAttention(torch.autograd.Function):
         out = acc.out.to(q.dtype)
         # backward's rowsum(dO * out) reads the merged out: unrounded in exact mode
         saved_out = acc.out if cfg.precision.exact else out
-        ctx.save_for_backward(q, k, v, saved_out, acc.lse)
+        # kv is now rank r+1's (the last received): the backward's first step
+        ctx.save_for_backward(q, k, v, saved_out, acc.lse, *kv)
         ctx.cfg, ctx.states = cfg, states
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *kv = ctx.saved_tensors
         cfg, p = ctx.cfg, ctx.cfg.precision
         runner = Runner(cfg.scale, cfg.dropout, cfg.backend, p)
-        ring, n, rank = Ring(cfg.group, cfg.ranks, cfg.rank), cfg.size, cfg.rank
+        ring = Ring(cfg.group, cfg.ranks, cfg.rank, reverse=True)   # to r-1, from r+1
+        n, rank = cfg.size, cfg.rank
         half = q.shape[1] // 2
         acc = p.acc_dtype(q.dtype)
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        kv = (contiguous(k), contiguous(v))
-        dkv_pending = None
-        for i in range(n):
-            kv_pending = ring.exchange(kv, _KV_TAG) if i < n - 1 else None
+        dq = dkv = dkv_pending = None
+        for i in reversed(range(n)):
+            first = i == n - 1
+            kv_pending = ring.exchange(kv, _KV_TAG) if i > 0 else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (p.compute(x) for x in kv)
             dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i])
-            dq[:, blk.q] += dq_i
-            if dkv_pending is None:
-                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-            else:
-                dk_acc, dv_acc = ring.wait(dkv_pending)
-            dk_acc[:, blk.kv] += dk_i
-            dv_acc[:, blk.kv] += dv_i
-            dkv_pending = ring.exchange((dk_acc, dv_acc), _DKV_TAG)
-            if kv_pending is not None:
-                kv = tuple(ring.wait(kv_pending))
-        dk, dv = ring.wait(dkv_pending)
+            if first:                       # dq and the dK/dV buffer start here
+                dq = fresh(q.shape, blk.q, dq_i, acc)
+                dkv = [fresh(x.shape, blk.kv, d_i, acc) for x, d_i in ((k, dk_i), (v, dv_i))]
+            else:                           # the buffer from r+1, which held this block last
+                dq[:, blk.q] += dq_i
+                dkv = ring.wait(dkv_pending)
+                dkv[0][:, blk.kv] += dk_i
+                dkv[1][:, blk.kv] += dv_i
+            if i > 0:
+                dkv_pending = ring.exchange(dkv, _DKV_TAG)
+                kv = ring.wait(kv_pending)
         ctx.states = None
+        dk, dv = dkv           # step 0: this rank's own block, complete
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
