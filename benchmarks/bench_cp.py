@@ -12,6 +12,8 @@ single-GPU error (max abs, worst of out/dq/dk/dv) and the fraction of elements t
 from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy), measured at S=8192.
 
     python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
+    python benchmarks/bench_cp.py --profile  # p2p fast at the largest S only, then rank 0's
+                                             # kernels from torch.profiler (where time goes)
 Needs 2 GPUs; otherwise it says so and exits with status 1.
 """
 from __future__ import annotations
@@ -78,7 +80,38 @@ def _step(attn, q, k, v, dout):
     return run
 
 
-def _worker(rank, port, queue):
+def _profile(fn, iters: int = 3) -> str:
+    """rank's kernel table over `iters` fwd+bwd steps, and their summed device time per step."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / iters / 1e3
+    spans = {True: [], False: []}       # NCCL kernels, everything else
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            spans["nccl" in e.name.lower()].append((e.time_range.start, e.time_range.end))
+
+    def union(iv):
+        total, end = 0.0, float("-inf")
+        for a, b in sorted(iv):
+            total += max(0.0, b - max(a, end))
+            end = max(end, b)
+        return total
+    compute, nccl = union(spans[False]), union(spans[True])
+    hidden = compute + nccl - union(spans[False] + spans[True])
+    return (f"kernels+copies summed: {busy:.3f} ms per step; non-NCCL busy "
+            f"{compute / iters / 1e3:.3f} ms, NCCL {nccl / iters / 1e3:.3f} ms of which "
+            f"{hidden / iters / 1e3:.3f} ms run under other kernels\n"
+            + events.table(sort_by="self_device_time_total", row_limit=25,
+                           max_name_column_width=70))
+
+
+def _worker(rank, port, queue, profile_only=False):
     import torch.distributed as dist
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -88,8 +121,9 @@ def _worker(rank, port, queue):
     from tritium.attention.cp import accuracy
     group, dev = dist.group.WORLD, torch.device("cuda", rank)
     rows = []
+    seqs, variants = (SEQS[-1:], ["cp2 p2p fast"]) if profile_only else (SEQS, list(VARIANTS))
     try:
-        for s in SEQS:
+        for s in seqs:
             q, k, v, dout = accuracy.make_inputs(B, s, H, H, D, torch.bfloat16, dev, seed=s)
             dout = dout.reshape(B, s, H * D)
             case = f"B{B} H{H} D{D} S{s} causal bf16"
@@ -101,14 +135,24 @@ def _worker(rank, port, queue):
                 del single
             dist.barrier()
             loc = [cp.shard(x, 2, rank, 1) for x in (q, k, v, dout)]
-            for name, (comm, mode, acc) in VARIANTS.items():
+            for name in variants:
+                comm, mode, acc = VARIANTS[name]
                 fn = _step(lambda a, b, c: cp.context_parallel_attention(
                     a, b, c, group, qkv_format="bshd", attn_mask_type="causal",
                     cp_comm_type=comm, mode=mode, fp32_accumulation=acc), *loc)
                 ms = _time(fn, group)
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
+                if profile_only:
+                    table = _profile(fn)
+                    if rank == 0:
+                        print(f"rank 0, {name}, {case}: {ms:.3f} ms per step\n{table}",
+                              flush=True)
             del q, k, v, dout, loc
             torch.cuda.empty_cache()
+        if profile_only:
+            if rank == 0:
+                queue.put((rows, []))
+            return
         acc_rows = accuracy.measure(group, b=B, s=SEQS[0], h=H, hk=H, d=D, causal=True,
                                     device=dev, seed=7)
         if rank == 0:
@@ -125,16 +169,20 @@ def _worker(rank, port, queue):
         dist.destroy_process_group()
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    profile_only = "--profile" in (sys.argv[1:] if argv is None else argv)
     if torch.cuda.device_count() < 2:
         print("bench_cp: needs 2 CUDA GPUs, found", torch.cuda.device_count())
         return 1
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(_free_port(), queue, profile_only), nprocs=2, join=True,
                        start_method="spawn")
     rows, acc_rows = queue.get()
+    if profile_only:
+        print(rows)
+        return 0
     from tritium.attention.cp.accuracy import table
     print(table(acc_rows, f"{torch.cuda.get_device_name(0)} cp=2, B{B} H{H} D{D} "
                           f"S{SEQS[0]} causal bf16: error vs fp64"))

@@ -366,3 +366,28 @@ def test_schedules_cover_the_mask_exactly_once(world, causal):
         return [(torch.arange(s), b) for b in all_gather.blocks(r, world, causal, c)]
     torch.testing.assert_close(_covered(ring, world, c), want, rtol=0, atol=0)
     torch.testing.assert_close(_covered(gathered, world, c), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("terms", [2, 3, 4])
+def test_grad_sum_rounds_once_like_an_fp32_buffer(terms, randn):
+    """GradSum (fp32 accumulation, 16-bit partials, some covering only a slice of the rows) ==
+    an fp32 buffer summed then rounded once, bit for bit; without fp32 accumulation it rounds
+    at every add."""
+    from tritium.attention.cp.merge import ALL, GradSum, Precision
+    shape, dt = (2, 8, 3, 4), torch.bfloat16
+    rows = [ALL if t % 2 == 0 else slice(0, 4) for t in range(terms)]
+    parts = [randn(shape[0], 8 if r == ALL else 4, *shape[2:]).to(dt) for r in rows]
+    ref = torch.zeros(shape)
+    for r, part in zip(rows, parts):
+        ref[:, r] += part.float()
+    for fp32, want in ((True, ref.to(dt)), (False, None)):
+        acc = GradSum(terms, Precision(exact=False, fp32_accumulation=fp32), dt)
+        buf = None
+        for t, (r, part) in enumerate(zip(rows, parts), start=1):
+            buf = acc.add(buf, shape, r, part.clone(), t)   # add may reuse its part
+        assert buf.dtype == dt and buf.is_contiguous()
+        if want is None:                 # 16-bit: one rounding per add
+            want = torch.zeros(shape, dtype=dt)
+            for r, part in zip(rows, parts):
+                want[:, r] += part
+        torch.testing.assert_close(buf, want, rtol=0, atol=0)

@@ -164,15 +164,47 @@ def contiguous(x: Optional[torch.Tensor]):
     return x if x is None or x.is_contiguous() else x.contiguous()
 
 
-def fresh(shape, rows: slice, part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A contiguous `dtype` accumulation buffer of `shape` that holds `part` in `rows` (dim 1)
-    and zeros elsewhere; `part` itself when it already is one (what zeros + `+=` would give,
-    without the zeros)."""
-    if rows == ALL:
-        return contiguous(part.to(dtype, memory_format=torch.contiguous_format))
-    buf = torch.zeros(shape, dtype=dtype, device=part.device)
-    buf[:, rows] = part
-    return buf
+class GradSum:
+    """A running sum of `terms` partial gradients (dq, or a travelling dK/dV buffer) of one
+    tensor, each covering some rows (dim 1), stored as cheaply as the precision allows.
+
+    With fp32 accumulation the sum is formed in fp32 and rounded once to the output dtype. Two
+    16-bit partials need no fp32 buffer for that: PyTorch adds 16-bit tensors in fp32 and rounds
+    once, so `a + b` in bf16 is bit for bit `(a.float() + b.float()).to(bf16)`. So the first
+    term is kept as it comes (zero-filled outside its rows), a 16-bit sum of two becomes fp32
+    only when more terms follow, and the last term's add writes the output dtype directly. At
+    cp=2 (fast mode) that saves converting three buffers to fp32, three fp32 adds and three
+    casts per backward, and the dK/dV buffer travels in 16 bits. Without fp32 accumulation the
+    buffer stays in the partials' dtype and every add rounds (what TE does). Exact mode's fp32
+    partials make fp32 buffers from the first term on.
+
+    `add(buf, shape, rows, part, term)` (term counts from 1; buf None for the first) returns the
+    new buffer, contiguous (it may be sent to another rank); after term `terms` it is the result
+    in `out_dtype`. Every rank adds the same term at the same step, so travelling buffers have
+    the same dtype on both ends."""
+
+    def __init__(self, terms: int, precision: "Precision", out_dtype: torch.dtype):
+        self.terms, self.out_dtype = terms, out_dtype
+        self.fp32 = precision.acc_dtype(out_dtype) != out_dtype
+
+    def add(self, buf, shape, rows: slice, part: torch.Tensor, term: int) -> torch.Tensor:
+        last = term == self.terms
+        if buf is None:
+            dtype = part.dtype if self.fp32 and not last else self.out_dtype
+            if rows == ALL:
+                return contiguous(part.to(dtype, memory_format=torch.contiguous_format))
+            buf = torch.zeros(shape, dtype=dtype, device=part.device)
+            buf[:, rows] = part
+            return buf
+        if self.fp32 and buf.dtype != torch.float32 and not last:
+            buf = buf.float()               # a third term follows: the sum goes to fp32
+        if last and buf.dtype != self.out_dtype:
+            if rows == ALL:                 # one add, rounded once, into the output dtype
+                return torch.add(buf, part).to(self.out_dtype)
+            buf[:, rows] += part
+            return buf.to(self.out_dtype)
+        buf[:, rows] += part
+        return buf
 
 
-__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL", "fresh"]
+__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL", "GradSum"]

@@ -14,7 +14,8 @@ computes on the current one. Partial (out, lse) are merged in fp32 (merge.py).
 Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i computes forward
 step i's block): rank r starts with the KV of rank r+1, the last one it received in the
 forward (saved for this), and ends with its own. Before each step it posts the send of the KV
-it holds to r-1 and the receive of the next one from r+1. The dK/dV buffer of the block it
+it holds to r-1 and the receive of the next one from r+1 (not before step 1: step 0's KV is the
+rank's own, already at hand). The dK/dV buffer of the block it
 holds arrives from r+1, which held that block one step earlier (at the first step the buffer
 is this rank's own contribution); the rank adds its dK/dV (block src's first half only for
 1 <= i <= r) and sends the buffer on to r-1 after the compute, overlapping the next step. At
@@ -23,8 +24,10 @@ completes dK/dV and no hop follows the loop. (Replaying the forward order ends w
 buffer one hop from its owner, and that last transfer (fp32: twice the bytes of a bf16 KV)
 has no compute to hide behind.) Block src's dK/dV sums the ranks' contributions in the order
 src-1, src-2, ..., src (mod cp), the reverse of the forward-order replay's: equal up to fp32
-summation order. dQ stays local. With fp32 accumulation dq and the travelling dk/dv are fp32
-and cast once at the end; the KV itself travels in its own dtype. Memory: besides q, k, v,
+summation order. dQ stays local. With fp32 accumulation dq and the travelling dk/dv are
+summed in fp32 and rounded once at the end (`merge.GradSum`: a sum of two 16-bit partials,
+all that cp=2's fast mode has, is done by one 16-bit add, which is that; the buffers go fp32
+from the third term on); the KV itself travels in its own dtype. Memory: besides q, k, v,
 out, lse, each rank keeps one extra K, V block (rank r+1's, in the input dtype) from the
 forward to the backward. `cp_stream` is not needed: NCCL's stream already overlaps the
 transfers with compute.
@@ -33,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from .merge import ALL, Block, OutAcc, Ring, Runner, contiguous, fresh
+from .merge import ALL, Block, GradSum, OutAcc, Ring, Runner, contiguous
 
 _KV_TAG, _DKV_TAG = 0, 2
 
@@ -86,29 +89,25 @@ class RingAttention(torch.autograd.Function):
         ring = Ring(cfg.group, cfg.ranks, cfg.rank, reverse=True)   # to r-1, from r+1
         n, rank = cfg.size, cfg.rank
         half = q.shape[1] // 2
-        acc = p.acc_dtype(q.dtype)
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
-        dq = dkv = dkv_pending = None
-        for i in reversed(range(n)):
-            first = i == n - 1
-            kv_pending = ring.exchange(kv, _KV_TAG) if i > 0 else None
+        dq_sum, dk_sum, dv_sum = (GradSum(n, p, x.dtype) for x in (q, k, v))
+        dq = dk = dv = dkv_pending = None
+        for term, i in enumerate(reversed(range(n)), start=1):
+            # the KV of step i - 1 comes from r+1, except step 0's: this rank's own, at hand
+            kv_pending = ring.exchange(kv, _KV_TAG) if i > 1 else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (p.compute(x) for x in kv)
             dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i])
-            if first:                       # dq and the dK/dV buffer start here
-                dq = fresh(q.shape, blk.q, dq_i, acc)
-                dkv = [fresh(x.shape, blk.kv, d_i, acc) for x, d_i in ((k, dk_i), (v, dv_i))]
-            else:                           # the buffer from r+1, which held this block last
-                dq[:, blk.q] += dq_i
-                dkv = ring.wait(dkv_pending)
-                dkv[0][:, blk.kv] += dk_i
-                dkv[1][:, blk.kv] += dv_i
+            dq = dq_sum.add(dq, q.shape, blk.q, dq_i, term)
+            if dkv_pending is not None:     # the buffer from r+1, which held this block last
+                dk, dv = ring.wait(dkv_pending)
+            dk = dk_sum.add(dk, k.shape, blk.kv, dk_i, term)
+            dv = dv_sum.add(dv, v.shape, blk.kv, dv_i, term)
             if i > 0:
-                dkv_pending = ring.exchange(dkv, _DKV_TAG)
-                kv = ring.wait(kv_pending)
+                dkv_pending = ring.exchange((dk, dv), _DKV_TAG)
+                kv = ring.wait(kv_pending) if kv_pending is not None else (k, v)
         ctx.states = None
-        dk, dv = dkv           # step 0: this rank's own block, complete
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq, dk, dv, None     # step 0: this rank's own block, complete
 
 
 __all__ = ["RingAttention", "schedule"]
