@@ -293,9 +293,8 @@ CP_TABLE = "cp_accuracy_gpu.md"   # next to the output file: the measured multi-
 
 
 def cp_appendix(out_path: str) -> str:
-    """The context-parallel section: the GPU table measured by scripts/cp_accuracy.py (it needs
-    2 GPUs, so this command cannot remeasure it) and how to read it; empty when the file is
-    missing."""
+    """The context-parallel section: the multi-GPU tables (CP_TABLE; this command cannot
+    remeasure them) and how to read them; empty when the file is missing."""
     path = os.path.join(os.path.dirname(os.path.abspath(out_path)), CP_TABLE)
     if not os.path.exists(path):
         return ""
@@ -305,14 +304,15 @@ def cp_appendix(out_path: str) -> str:
 
 
 CP_INTRO = f"""\
-## Context-parallel attention vs single-device attention (2 GPUs)
+## Context-parallel attention vs single-device attention (2 and 4 GPUs)
 
 Not remeasured by this command (it needs several GPUs): copied from `docs/{CP_TABLE}`, written
 by `scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768` (cp=2, 12 heads) and
 `benchmarks/bench_cp_scale.py` (cp=2 and 4 on 4 GPUs, a 2-head slice); see
-`docs/context_parallel.md` for the CPU/gloo tables (cp=2, 4, 8) and the speed of each mode. Each cell: max abs error vs an fp64
-reference (as a multiple of single-GPU bf16 cuDNN's) | fraction of elements outside fp32
-tolerance of fp64 / fraction differing from the single-GPU result beyond it. **exact** blocks
+`docs/context_parallel.md` for the CPU/gloo tables (cp=2, 4, 8) and the speed of each mode.
+Each cell: max abs error vs an fp64 reference (as a multiple of single-GPU bf16 cuDNN's) |
+fraction of elements outside fp32 tolerance of fp64 / fraction differing from the single-GPU
+result beyond it. **exact** blocks
 return fp32 partials (Triton flash kernel); **fast** blocks are cuDNN's bf16 partials; **fp32
 acc** sums partials in fp32 and rounds once. Exact + fp32 accumulation stays within 1.1x of
 single-device error on every tensor at cp=2 and 4; fast mode costs dk/dv up to ~1.75x, and
@@ -356,8 +356,8 @@ away, not an arithmetic error: against a reference that rounds the norm's output
 the fp16 error falls to the usual 3e-4 to 6e-4. srelu's derivative is continuous and has no such
 jump. A Llama port's 16-bit numbers also differ from Hugging Face's for the reasons in
 `docs/porting.md`. Context-parallel attention's error against single-device attention (fp32
-accumulation on and off, exact and fast blocks) is at the end, measured on 2 GPUs; the CPU/gloo
-tables are in `docs/context_parallel.md`.
+accumulation on and off, exact and fast blocks) is at the end, measured on 2 and 4 GPUs; the
+CPU/gloo tables are in `docs/context_parallel.md`.
 """
 
 

@@ -172,7 +172,7 @@ class GradSum:
     16-bit partials need no fp32 buffer for that: PyTorch adds 16-bit tensors in fp32 and rounds
     once, so `a + b` in bf16 is bit for bit `(a.float() + b.float()).to(bf16)`. So the first
     term is kept as it comes (zero-filled outside its rows), a 16-bit sum of two becomes fp32
-    only when more terms follow, and the last term's add writes the output dtype directly. At
+    only when more terms follow, and the last add ends in the output dtype. At
     cp=2 (fast mode) that saves converting three buffers to fp32, three fp32 adds and three
     casts per backward, and the dK/dV buffer travels in 16 bits. Without fp32 accumulation the
     buffer stays in the partials' dtype and every add rounds (what TE does). Exact mode's fp32

@@ -15,10 +15,10 @@ Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i compu
 step i's block): rank r starts with the KV of rank r+1, the last one it received in the
 forward (saved for this), and ends with its own. Before each step it posts the send of the KV
 it holds to r-1 and the receive of the next one from r+1 (not before step 1: step 0's KV is the
-rank's own, already at hand). The dK/dV buffer of the block it
-holds arrives from r+1, which held that block one step earlier (at the first step the buffer
-is this rank's own contribution); the rank adds its dK/dV (block src's first half only for
-1 <= i <= r) and sends the buffer on to r-1 after the compute, overlapping the next step. At
+rank's own, already at hand). The dK/dV buffer of the block it holds arrives from r+1, which
+held that block one step earlier (at the first step the buffer is this rank's own
+contribution); the rank adds its dK/dV (block src's first half only for 1 <= i <= r) and sends
+the buffer on to r-1 after the compute, overlapping the next step. At
 step 0 the buffer that arrives is the one of the rank's own block: its own contribution
 completes dK/dV and no hop follows the loop. (Replaying the forward order ends with every
 buffer one hop from its owner, and that last transfer (fp32: twice the bytes of a bf16 KV)
