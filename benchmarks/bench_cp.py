@@ -27,7 +27,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish  # noqa: E402
+from harness import cuda_profile, finish  # noqa: E402
 
 B, H, D = 1, 12, 128
 SEQS = (8192, 32768)
@@ -82,13 +82,7 @@ def _step(attn, q, k, v, dout):
 
 def _profile(fn, iters: int = 3) -> str:
     """rank's kernel table over `iters` fwd+bwd steps, and their summed device time per step."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
+    prof = cuda_profile(fn, iters)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / iters / 1e3
     spans = {True: [], False: []}       # NCCL kernels, everything else

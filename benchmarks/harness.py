@@ -44,10 +44,8 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def gpu_ms(fn, iters: int = 20) -> float:
-    """Device time of one call of fn: the kernels' (and memsets'/copies') own time from
-    torch.profiler, summed and divided by iters. Host time is not in it, so next to time_ms it
-    says whether a step is bound by the GPU or by the host enqueueing it."""
+def cuda_profile(fn, iters: int):
+    """torch.profiler (CUDA activity only) over `iters` calls of fn, after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -55,7 +53,14 @@ def gpu_ms(fn, iters: int = 20) -> float:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return prof
+
+
+def gpu_ms(fn, iters: int = 20) -> float:
+    """Device time of one call of fn: the kernels' (and memsets'/copies') own time from
+    torch.profiler, summed and divided by iters. Host time is not in it, so next to time_ms it
+    says whether a step is bound by the GPU or by the host enqueueing it."""
+    total_us = sum(e.self_device_time_total for e in cuda_profile(fn, iters).key_averages())
     return total_us / iters / 1e3
 
 

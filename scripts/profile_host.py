@@ -19,7 +19,8 @@ import tritium as te
 from tritium import recipe
 
 
-def _linear(t, k, n):
+def fp8_linear_step(t, k, n):
+    """A step of a bf16 tritium.Linear under fp8_autocast (delayed scaling): fwd + bwd."""
     layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
@@ -46,8 +47,8 @@ def _norm(kind):
     return step
 
 
-CASES = {"linear4096": lambda: _linear(8192, 4096, 4096),
-         "linear_tiny": lambda: _linear(256, 512, 512),
+CASES = {"linear4096": lambda: fp8_linear_step(8192, 4096, 4096),
+         "linear_tiny": lambda: fp8_linear_step(256, 512, 512),
          "layernorm": lambda: _norm("LayerNorm"), "rmsnorm": lambda: _norm("RMSNorm")}
 
 

@@ -16,8 +16,8 @@ import time
 
 import torch
 
-import tritium as te
-from tritium import recipe
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from profile_host import fp8_linear_step  # noqa: E402
 
 fl = importlib.import_module("tritium.functional.linear")
 PROFILES = {"forward": cProfile.Profile(), "backward": cProfile.Profile()}
@@ -36,16 +36,7 @@ def _profiled(name, fn):
 
 
 def main(t=256, k=512, n=512, steps=200):
-    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    rec = recipe.DelayedScaling(amax_history_len=16)
-
-    def step():
-        layer.weight.grad = x.grad = None
-        with te.fp8_autocast(fp8_recipe=rec):
-            out = layer(x)
-        out.backward(dy)
+    step = fp8_linear_step(t, k, n)
     for _ in range(20):
         step()
     fl._LinearFunction.forward = _profiled("forward", fl._LinearFunction.forward)
