@@ -7,6 +7,8 @@ calls. Peak memory is the increase over the resident tensors during one fwd+bwd,
 `peak_mb` with the input already resident (bf16 then saves nothing new for backward), and
 `peak_mb_in_network` with the input made inside the step by a previous op (`x * 1.0`), as in a
 network, where bf16 keeps its input alive for backward and FP8 keeps only its fp8 transpose.
+The "(CUDA graph)" row replays the FP8 Linear through `tritium.make_graphed_callables`: its
+time is the GPU's alone, where the eager rows of a small shape can be bound by the host.
 """
 from __future__ import annotations
 
@@ -34,6 +36,11 @@ def _variants(t, k, n):
     yield "tritium fp8 delayed (eager)", tl, lambda: te.fp8_autocast(fp8_recipe=delayed)
     current = recipe.Float8CurrentScaling()
     yield "tritium fp8 current (eager)", tl, lambda: te.fp8_autocast(fp8_recipe=current)
+    # the same step replayed as CUDA graphs: no host time per op, what the GPU alone gives
+    tg = te.Linear(k, n, bias=False, params_dtype=dt, device=dev)
+    sample = torch.randn(t, k, device=dev, dtype=dt, requires_grad=True)
+    graphed = te.make_graphed_callables(tg, (sample,), fp8_enabled=True, fp8_recipe=delayed)
+    yield "tritium fp8 delayed (CUDA graph)", graphed, lambda: te.fp8_autocast(fp8_recipe=delayed)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         for name in ("tensorwise", "rowwise"):
