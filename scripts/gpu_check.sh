@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU: gpu test tier + benchmarks, logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpacc] [gs] [demo] [prof]
+#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash]
 # (default: all). Any other word is taken as a pytest -k filter for the gpu tier: tests:EXPR.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -29,6 +29,7 @@ for s in $stages; do
     graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
     flash)  python3 benchmarks/bench_flash_attention.py 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
+    cpscale) torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/bench_cp_scale.py 2>&1 | tee "$OUT/bench_cp_scale.log" | grep -v "^{" ;;
     cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
     demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
