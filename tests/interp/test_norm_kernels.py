@@ -171,3 +171,21 @@ def test_tile_choice_and_limit():
         knorm._tile(knorm.MAX_HIDDEN + 1, False)
     wide = torch.randn(2, knorm.MAX_HIDDEN + 1)
     assert fnorm._impl(wide) is rnorm  # the functional layer falls back to the twin
+
+
+@pytest.mark.parametrize("prefetch", [False, True], ids=["load_in_loop", "prefetch"])
+@pytest.mark.parametrize("is_rms", [False, True], ids=["layernorm", "rmsnorm"])
+def test_backward_with_and_without_prefetch(is_rms, prefetch, gen, monkeypatch):
+    """The backward's next-tile prefetch (the default) and the plain in-loop loads (the bench
+    sweep's other setting) give the twin's gradients; 9 rows over 3 programs of 2-row tiles
+    make each program loop, prefetching past the last tile."""
+    monkeypatch.setattr(knorm, "_BWD_PREFETCH", prefetch)
+    x, dy, w, b = _data(9, 100, torch.bfloat16, None, gen)
+    if is_rms:
+        _, rstd = rnorm.rmsnorm_fwd(x, w, 1e-5, False)
+        got, want = (m.rmsnorm_bwd(dy, x, w, rstd, False) for m in (knorm, rnorm))
+    else:
+        _, mean, rstd = rnorm.layernorm_fwd(x, w, b, 1e-5, False)
+        got, want = (m.layernorm_bwd(dy, x, w, mean, rstd, False) for m in (knorm, rnorm))
+    for name, g, r in zip(("dx", "dweight", "dbias"), got, want):
+        assert_near(g, r, name)
