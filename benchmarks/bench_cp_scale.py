@@ -3,6 +3,7 @@
     torchrun --nproc_per_node=4 benchmarks/bench_cp_scale.py          # 4 GPUs: cp = 2 and 4
     torchrun --nproc_per_node=8 benchmarks/bench_cp_scale.py          # 8 GPUs: cp = 2, 4, 8
     torchrun --nproc_per_node=4 benchmarks/bench_cp_scale.py --tiny   # CPU/gloo smoke run
+    python benchmarks/bench_cp_scale.py      # launches itself on every GPU (needs 2 or more)
 
 The world size comes from the launcher. For every cp size that divides it, the world is cut
 into world/cp groups of consecutive ranks and every group runs the same problem at once (so the
@@ -99,8 +100,16 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.tiny:
         args.seqs, args.heads, args.dim, args.acc_seq, args.acc_heads = [64], 2, 16, 64, 2
-    if "WORLD_SIZE" not in os.environ:
-        raise SystemExit("bench_cp_scale: launch it with torchrun --nproc_per_node=N")
+    if "WORLD_SIZE" not in os.environ:   # run directly (e.g. by `python -m tritium bench`)
+        gpus = torch.cuda.device_count()
+        if gpus < 2 or args.tiny:
+            print(f"bench_cp_scale: needs 2 or more CUDA GPUs (found {gpus}) or a launcher "
+                  "(torchrun --nproc_per_node=N ...); nothing timed")
+            return 0
+        import subprocess
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={gpus}",
+               __file__, *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(cmd).returncode
     use_cuda = torch.cuda.is_available() and not args.tiny
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
