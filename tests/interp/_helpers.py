@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from tritium.fp8.tensor import Float8Tensor
+
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -34,6 +36,22 @@ def assert_same_bits(got, want, what: str = "", nan_as_nan: bool = False) -> Non
         raise AssertionError(f"{what}: {diff.numel()} of {g.numel()} differ; first (flat {k}): "
                              f"got {gf[k].item()!r} ({g[k].item():#x}), "
                              f"want {wf[k].item()!r} ({w[k].item():#x})")
+
+
+def assert_same_optimizer_results(params, opt, want_params, want_opt,
+                                  nan_as_nan: bool = False) -> None:
+    """Two optimizer runs agree bit for bit: each parameter (a Float8Tensor's data, scale_inv,
+    amax and transpose) and its exp_avg / exp_avg_sq / master_param state (entries that are
+    None in `want_opt` are skipped)."""
+    for a, b in zip(params, want_params):
+        if isinstance(b, Float8Tensor):
+            for name in ("_data", "_scale_inv", "_amax", "_transpose"):
+                assert_same_bits(getattr(a, name), getattr(b, name), name, nan_as_nan)
+        else:
+            assert_same_bits(a.detach(), b.detach(), "param", nan_as_nan)
+        for name in ("exp_avg", "exp_avg_sq", "master_param"):
+            if want_opt.state[b][name] is not None:
+                assert_same_bits(opt.state[a][name], want_opt.state[b][name], name, nan_as_nan)
 
 
 def wide_randn(shape, dtype: torch.dtype, gen: torch.Generator,

@@ -24,7 +24,7 @@ from tritium.optimizers import FusedAdam, FusedSGD
 from tritium.ref import adam as radam
 from tritium.ref import sgd as rsgd
 
-from ._helpers import assert_same_bits, wide_randn
+from ._helpers import assert_same_bits, assert_same_optimizer_results, wide_randn
 
 pytestmark = [pytest.mark.interp,
               pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")]
@@ -253,14 +253,7 @@ def test_fused_adam_kernel_equals_ref(gen, setenv, capturable):
     kopt = _run(make, kp, grads)
     setenv("TRITIUM_FORCE_REF", "1")
     ropt = _run(make, rp, grads)
-    for a, b in zip(kp, rp):
-        if isinstance(a, Float8Tensor):
-            for name in ("_data", "_scale_inv", "_amax", "_transpose"):
-                assert_same_bits(getattr(a, name), getattr(b, name), name)
-        else:
-            assert_same_bits(a.detach(), b.detach(), "param")
-        for name in ("exp_avg", "exp_avg_sq", "master_param"):
-            assert_same_bits(kopt.state[a][name], ropt.state[b][name], name)
+    assert_same_optimizer_results(kp, kopt, rp, ropt)
 
 
 def test_fused_sgd_kernel_equals_ref(gen, setenv):
