@@ -53,9 +53,12 @@ def _variants(t, k, n):
         yield "torchao", exc, None
 
 
-def main():
+def main(argv):
+    """argv: optional T K N triples to run instead of SHAPES (e.g. `8192 4096 4096`)."""
+    dims = list(map(int, argv))
+    shapes = [tuple(dims[i:i + 3]) for i in range(0, len(dims), 3)] if dims else SHAPES
     rows = []
-    for t, k, n in SHAPES:
+    for t, k, n in shapes:
         case = f"T{t} {k}->{n}"
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
@@ -80,4 +83,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

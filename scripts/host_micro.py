@@ -83,3 +83,32 @@ per_call("fp8 layer fwd+bwd", fp8_step)
 per_call("fp8 layer fwd only (grad on)", fp8_fwd)
 with torch.no_grad():
     per_call("fp8 layer fwd only (no_grad)", fp8_fwd)
+
+# --- the pieces under the step: raw torch calls, the launcher, autograd hand-off ---
+from tritium.kernels import cast as kcast  # noqa: E402
+
+b8 = torch.empty(512, 256, device=dev, dtype=e4)
+per_call("torch._scaled_mm (raw, 256x256x512)",
+         lambda: torch._scaled_mm(a8, w8.t(), scale_a=si, scale_b=wsi, out_dtype=torch.bfloat16,
+                                  use_fast_accum=True))
+per_call("torch.mm bf16 256x512x512", lambda: torch.mm(x, layer.weight.t()))
+per_call("w8.t()", lambda: w8.t())
+per_call("x.view(-1, 512)", lambda: x.view(-1, 512))
+per_call("x[:128]", lambda: x[:128])
+per_call("buf.view(e4) (uint8 -> fp8)", lambda: b8.view(torch.uint8))
+per_call("kernels.cast.cast_transpose (data+T)",
+         lambda: kcast.cast_transpose(x, meta.fwd.scale_slot(0), None, e4, pad_rows_to=16,
+                                      write_transpose=True))
+out3 = kcast.cast_transpose(x, meta.fwd.scale_slot(0), None, e4, pad_rows_to=16, write_transpose=True)
+per_call("  same, into out= buffers",
+         lambda: kcast.cast_transpose(x, meta.fwd.scale_slot(0), None, e4, pad_rows_to=16,
+                                      write_transpose=True, out=out3))
+xc = x.clone()
+per_call("(xc*2).sum().backward() C++ graph (no grad)", lambda: (x * 2).sum())
+xg = x.clone().requires_grad_()
+per_call("(xg*2).sum().backward() C++ nodes only", lambda: (xg * 2).sum().backward())
+per_call("Nop.apply(xg).sum().backward()", lambda: Nop.apply(xg).sum().backward())
+g = torch.ones_like(xg)
+per_call("Nop.apply(xg).backward(g)", lambda: Nop.apply(xg).backward(g))
+per_call("torch.autograd.grad(Nop.apply(xg), xg, g)",
+         lambda: torch.autograd.grad(Nop.apply(xg), xg, g))

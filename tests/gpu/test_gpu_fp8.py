@@ -67,6 +67,31 @@ def test_cast_transpose_kernel_equals_ref(shape, dtype, fp8, mode):
         assert _bits_equal(got, want)
 
 
+@pytest.mark.parametrize("shapes", [((8192, 4096), (4096, 4096)), ((1000, 1040), (48, 1040))])
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("mode", ["delayed", "current"])
+def test_cast_pair_kernel_equals_ref(shapes, dtypes, mode):
+    """The forward's one-launch cast of input and weight == the twin, bit for bit."""
+    seed = hash((shapes, str(dtypes), mode)) % 2**31
+    xs = [_input(*s, d, seed=seed + i, specials=mode == "delayed")
+          for i, (s, d) in enumerate(zip(shapes, dtypes))]
+    current = (1e-12, False) if mode == "current" else None
+    outs = []
+    for impl in (kcast, rcast):
+        jobs = []
+        for i, (x, pad, t) in enumerate(zip(xs, (16, 1), (True, False))):
+            amax = torch.full((1,), 0.5, device="cuda")
+            if current is not None:
+                amax.zero_()
+                impl.amax_into(x, amax)
+            scale = None if current else torch.full((1,), 37.3 - 20 * i, device="cuda")
+            jobs.append((x, scale, amax, pad, True, t))
+        res = impl.cast_transpose_pair(jobs[0], jobs[1], E4M3, current)
+        outs.append([*res[0], *res[1], jobs[0][2], jobs[1][2]])
+    for got, want in zip(*outs):
+        assert _bits_equal(got, want)
+
+
 def test_nan_input_gives_nan_amax_on_both():
     x = _input(64, 64, torch.bfloat16, 3)
     x[5, 7] = float("nan")

@@ -256,3 +256,52 @@ def test_cast_transpose_empty(gen):
                                           write_transpose=True)
         assert data.shape == (0, 16) and data_t.shape == (16, 0)
 
+
+
+@pytest.mark.parametrize("shapes", [((17, 48), (33, 48)), ((33, 80), (16, 80)), ((5, 7), (1, 7))],
+                         ids=lambda s: f"{s[0][0]}x{s[0][1]}+{s[1][0]}x{s[1][1]}")
+@pytest.mark.parametrize("in_dtypes", [(torch.bfloat16, torch.bfloat16),
+                                       (torch.float16, torch.float32)], ids=str)
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("mode", ["delayed", "delayed_b_unrecorded", "current"])
+def test_cast_transpose_pair(shapes, in_dtypes, dtype, mode, gen):
+    """The two-operand cast (a GEMM's input with its transpose, the weight with or without)
+    == its twin, bit for bit, and == two single kernel casts: data, transposes, scale_invs and
+    both amaxes. Under current scaling each job's amax holds the finished amax."""
+    xs = [wide_randn(s, d, gen) for s, d in zip(shapes, in_dtypes)]
+    writes = [(True, True), (True, mode != "current")]
+    pads = (16, 1)
+    if mode == "current":
+        amaxes = [x.float().abs().max().reshape(1) for x in xs]
+        scales, current = [None, None], (0.0, False)
+    else:
+        amaxes = [(x.float().abs().max() * 0.5).reshape(1) for x in xs]
+        if mode == "delayed_b_unrecorded":
+            amaxes[1] = None
+        scales, current = [delayed_scale(x, dtype, gen) for x in xs], None
+
+    def jobs():  # fresh clones of the amaxes for each implementation
+        return [(x, s, None if a is None else a.clone(), p, w[0], w[1])
+                for x, s, a, p, w in zip(xs, scales, amaxes, pads, writes)]
+
+    results = {}
+    for name, mod in (("kernel", kcast), ("twin", rcast)):
+        js = jobs()
+        results[name] = (mod.cast_transpose_pair(js[0], js[1], dtype, current), js)
+    js = jobs()
+    singles = tuple(kcast.cast_transpose(x, s, a, dtype, pad_rows_to=p, write_data=d,
+                                         write_transpose=t, current=current)
+                    for x, s, a, p, d, t in js)
+    results["two kernel casts"] = (singles, js)
+    (got, got_jobs) = results.pop("kernel")
+    for other, (want, want_jobs) in results.items():
+        for i in range(2):
+            for part, g, w in zip(("data", "data_t", "scale_inv"), got[i], want[i]):
+                assert_same_bits(g, w, f"{other}: operand {i} {part}")
+            if got_jobs[i][2] is not None:
+                assert_same_bits(got_jobs[i][2], want_jobs[i][2], f"{other}: operand {i} amax")
+    for i, x in enumerate(xs):
+        if got_jobs[i][2] is not None and mode != "current":
+            assert got_jobs[i][2].item() == x.float().abs().max().item()  # raised from half
+    assert got[0][0].shape == (-(-shapes[0][0] // 16) * 16, shapes[0][1])
+    assert (got[0][0].float().abs() == fp8_max(dtype)).any()

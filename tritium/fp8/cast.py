@@ -54,6 +54,11 @@ def _check_out(x, fp8_dtype, *, pad_rows_to=1, write_data=True, write_transpose=
                              f"tensor on {x.device}, got {got}")
 
 
+def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype, current=None):
+    """Two casts in one launch; jobs as in `tritium.ref.cast.cast_transpose_pair`."""
+    return _impl(a_job[0]).cast_transpose_pair(a_job, b_job, fp8_dtype, current)
+
+
 def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     _impl(x).amax_into(x, amax)
 
@@ -79,3 +84,17 @@ def quantize_2d(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: Optional[torc
     return cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
                           write_data=write_data, write_transpose=write_transpose, current=current,
                           **extra)
+
+
+def quantize_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype, current: Optional[tuple]):
+    """`quantize_2d` of two operands in one launch (a GEMM's input and weight). Jobs are
+    (x, scale, amax, pad_rows_to, write_data, write_transpose); with `current`, the scale and
+    amax entries are ignored: each operand's amax is measured first, as quantize_2d does."""
+    if current is not None:
+        amax = torch.zeros(2, dtype=torch.float32, device=a_job[0].device)
+        a_amax, b_amax = amax[0:1], amax[1:2]
+        amax_into(a_job[0], a_amax)
+        amax_into(b_job[0], b_amax)
+        a_job = (a_job[0], None, a_amax, *a_job[3:])
+        b_job = (b_job[0], None, b_amax, *b_job[3:])
+    return cast_transpose_pair(a_job, b_job, fp8_dtype, current)

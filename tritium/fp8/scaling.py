@@ -11,11 +11,12 @@ FP8Meta.extra_state() / load_extra_state() turn the state into tensors and plain
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
 
-from .. import _device
+from .. import _device, _env
 from ..distributed.amax import reduce_amax_rows
 from ..ref import scaling as ref_scaling
 from .formats import fp8_max
@@ -38,6 +39,7 @@ class ScalingState:
         n = self.scale.numel()
         self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
+        self._update_fn, self._update_for = None, None
 
     @property
     def num_slots(self) -> int:
@@ -64,16 +66,27 @@ class ScalingState:
 
     def update(self) -> None:
         """The delayed-scaling rule, in place (see tritium.ref.scaling)."""
+        # The update is prepared once per recipe, history and FORCE_REF setting: it runs for
+        # every state twice a step, and choosing the implementation each time is host time.
+        key = (self.recipe, _env.force_ref())
+        if self._update_for != key:
+            self._update_fn, self._update_for = self._prepare_update(), key
+        self._update_fn()
+
+    def _prepare_update(self):
         recipe, limit = self.recipe, fp8_max(self.fp8_dtype)
-        if not recipe.uses_callables:
-            impl = ref_scaling
-            if _device.use_triton(self.scale):
-                from ..kernels import scaling as kernel_scaling
-                if self.amax_history.shape[0] <= kernel_scaling.MAX_HISTORY:
-                    impl = kernel_scaling
-            impl.delayed_scaling_update(self.amax_history, self.scale, limit, recipe.margin,
-                                        recipe.amax_compute_algo)
-            return
+        if recipe.uses_callables:
+            return self._update_with_callables
+        impl = ref_scaling
+        if _device.use_triton(self.scale):
+            from ..kernels import scaling as kernel_scaling
+            if self.amax_history.shape[0] <= kernel_scaling.MAX_HISTORY:
+                impl = kernel_scaling
+        return functools.partial(impl.delayed_scaling_update, self.amax_history, self.scale,
+                                 limit, recipe.margin, recipe.amax_compute_algo)
+
+    def _update_with_callables(self) -> None:
+        recipe, limit = self.recipe, fp8_max(self.fp8_dtype)
         algo = recipe.amax_compute_algo
         if callable(algo):
             amax = algo(self.amax_history)

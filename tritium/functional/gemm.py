@@ -21,6 +21,10 @@ _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
 
 
 def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
+    sa, sb = a.shape, b.shape
+    if len(sa) == 2 and len(sb) == 2 and sa[1] == sb[1] and not (sa[0] | sa[1] | sb[0]) & 15 \
+            and not (a.dtype == E5M2 and b.dtype == E5M2):
+        return  # the common case, in a few operations (this runs for every GEMM)
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"fp8 GEMM operands must be [M, K] and [N, K], got {tuple(a.shape)} "
                          f"and {tuple(b.shape)}")
@@ -28,8 +32,7 @@ def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
         if t.shape[0] % 16 or t.shape[1] % 16:
             raise ValueError(f"fp8 GEMM operand {name} has shape {tuple(t.shape)}: both dims must "
                              "be divisible by 16 (cuBLASLt FP8 rule)")
-    if a.dtype == E5M2 and b.dtype == E5M2:
-        raise TypeError("fp8 GEMM cannot multiply e5m2 by e5m2 (cuBLASLt FP8 rule)")
+    raise TypeError("fp8 GEMM cannot multiply e5m2 by e5m2 (cuBLASLt FP8 rule)")
 
 
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -43,10 +46,13 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
         raise ValueError("fp8_gemm_tn: pass either bias or out, not both")
     if _device.fp8_tensor_cores(a):
         fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
-        extra = {} if out is None else {"out": out}
-        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
-                               bias=bias if fuse_bias else None, out_dtype=out_dtype,
-                               use_fast_accum=fast_accum, **extra)
+        if out is None:
+            res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                                   bias=bias if fuse_bias else None, out_dtype=out_dtype,
+                                   use_fast_accum=fast_accum)
+        else:
+            res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                                   out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
         if bias is not None and not fuse_bias:
             res = res + bias.to(out_dtype)
         return res

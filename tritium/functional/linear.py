@@ -35,10 +35,11 @@ import torch
 import torch.nn.functional as F
 
 from ..fp8.autocast import FP8Region
-from ..fp8.cast import amax_into, cast_transpose, quantize_2d
+from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
+from ._apply import fast_apply
 from .fused_cast import fp8_operands, pad16
 from .gemm import fp8_gemm_tn
 
@@ -127,6 +128,46 @@ class FP8Plan:
         return quantize_2d(x2d, fp8_dtype, scale=scale, amax=amax, current=current,
                            pad_rows_to=pad_rows_to, write_data=write_data,
                            write_transpose=write_transpose)
+
+    def _weight_cast_due(self, weight: torch.Tensor, key) -> bool:
+        """False where the weight's fp8 operands come without a plain cast now: an FP8 param,
+        a CUDA-graph cache (its own flagged cast) or a cache reused on a later micro-batch."""
+        if isinstance(weight, Float8Tensor):
+            return False
+        cache = self.weight_cache
+        if cache is None:
+            return True
+        if cache.skip is not None:
+            return False
+        return not (self.is_first_microbatch is False and cache.entry is not None
+                    and cache.key == key)
+
+    def forward_operands(self, x2d: torch.Tensor, weight: torch.Tensor, need_wgrad: bool,
+                         need_dgrad: bool):
+        """The forward GEMM's fp8 operands, ((x8, x8_t, x_si), (w8, w8_t, w_si)): x cast with
+        its transpose when wgrad needs it, the weight with its transpose when dgrad does (or a
+        cache keeps it). Where both must be cast now, one launch casts both."""
+        fp8_dtype = self.recipe.fp8_format.forward_dtype
+        key = None if self.weight_cache is None else \
+            (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
+        if not self._weight_cast_due(weight, key):
+            return (self.quantize(x2d, self.fwd, self.input_slot, fp8_dtype,
+                                  write_transpose=need_wgrad),
+                    self.weight_operands(weight, need_dgrad))
+        keep = key is not None and self.is_first_microbatch is not None
+        if isinstance(self.recipe, Float8CurrentScaling):
+            current = (self.recipe.amax_epsilon, self.recipe.power_2_scale)
+            x_scale = x_amax = w_scale = w_amax = None
+        else:
+            current, fwd = None, self.fwd
+            x_scale, x_amax = fwd.scale_slot(self.input_slot), fwd.amax_slot(self.input_slot)
+            w_scale, w_amax = fwd.scale_slot(self.weight_slot), fwd.amax_slot(self.weight_slot)
+        xq, wq = quantize_pair((x2d, x_scale, x_amax, 16, True, need_wgrad),
+                               (weight, w_scale, w_amax, 1, True, need_dgrad or keep),
+                               fp8_dtype, current)
+        if keep:
+            self.weight_cache.entry, self.weight_cache.key = wq, key
+        return xq, wq
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if isinstance(weight, Float8Tensor):  # an FP8 param (fp8_model_init): no cast at all
@@ -249,7 +290,7 @@ class _LinearFunction(torch.autograd.Function):
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
                 main_grad: Sequence[MainGradTarget]):
         shape = inp.shape
-        x2d = inp.reshape(-1, shape[-1])
+        x2d = inp if len(shape) == 2 else inp.reshape(-1, shape[-1])
         tokens = x2d.shape[0]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
         fp8 = plan is not None and plan.compute_in_fp8
@@ -259,10 +300,10 @@ class _LinearFunction(torch.autograd.Function):
         if fp8:
             if isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
                 x8, x8_t, x_si = fp8_operands(inp, need_wgrad)
+                w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             else:
-                x8, x8_t, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fwd_dtype,
-                                               write_transpose=need_wgrad)
-            w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
+                (x8, x8_t, x_si), (w8, w8_t, w_si) = plan.forward_operands(
+                    x2d, weight, need_wgrad, need_dgrad)
             out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
                 out = out[:tokens]
@@ -281,7 +322,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
         ctx.shape, ctx.tokens, ctx.need = shape, tokens, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
-        return out.view(*shape[:-1], out.shape[-1])
+        return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -293,7 +334,7 @@ class _LinearFunction(torch.autograd.Function):
                 dy_hp = getattr(grad_out, "_hp", None)
             else:
                 grad_out = grad_out.dequantize()
-        dy2d = grad_out.reshape(-1, grad_out.shape[-1])
+        dy2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         if ctx.fp8:
@@ -327,26 +368,30 @@ class _LinearFunction(torch.autograd.Function):
             dw = None
         if plan is not None and plan.region is not None:
             plan.region.backward_done()
-        if dx is not None:
+        if dx is not None and len(ctx.shape) != 2:
             dx = dx.view(ctx.shape)
         return dx, dw, db, None, None
+
+
+_apply_linear = fast_apply(_LinearFunction)
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = ()):
     """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller."""
     dev = inp.device.type
-    if torch.is_autocast_enabled(dev):
-        dtype = torch.get_autocast_dtype(dev)
-        inp = inp.to(dtype)
-        if fp8 is None or not fp8.compute_in_fp8:
-            weight = weight.to(dtype)
-        bias = None if bias is None else bias.to(dtype)
-    elif fp8 is not None and bias is not None:
-        bias = bias.to(inp.dtype)
+    if not torch.is_autocast_enabled(dev):
+        if fp8 is None and not main_grad:
+            return F.linear(inp, weight, bias)
+        if fp8 is not None and bias is not None:
+            bias = bias.to(inp.dtype)
+        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad))
+    dtype = torch.get_autocast_dtype(dev)
+    inp = inp.to(dtype)
+    if fp8 is None or not fp8.compute_in_fp8:
+        weight = weight.to(dtype)
+    bias = None if bias is None else bias.to(dtype)
     if fp8 is None and not main_grad:
         return F.linear(inp, weight, bias)
-    if not torch.is_autocast_enabled(dev):  # entering torch.autocast costs host time: skip it
-        return _LinearFunction.apply(inp, weight, bias, fp8, tuple(main_grad))
-    with torch.autocast(dev, enabled=False):
-        return _LinearFunction.apply(inp, weight, bias, fp8, tuple(main_grad))
+    with torch.autocast(dev, enabled=False):  # the Function's math runs in the dtypes given
+        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad))

@@ -20,11 +20,16 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _spec(a):
+    """What Triton specializes a runtime argument on (values of floats are not: they would make
+    every new learning rate a cache miss)."""
     if isinstance(a, _Tensor):
         return a.dtype, (a.data_ptr() & 15) == 0
-    if a.__class__ is int:
+    cls = a.__class__
+    if cls is int:
         return (a & 15) == 0, a == 1, a >= 0x80000000 or a < -0x80000000
-    return a.__class__, a
+    if cls is float:
+        return cls
+    return cls, a
 
 
 class Launcher:
@@ -41,15 +46,21 @@ class Launcher:
         self._cache = {}
 
     def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
-        first = args[0]
-        if not first.is_cuda or self._cache is None:
+        cache = self._cache
+        if cache is None or not args[0].is_cuda:
             return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         device = _current_device()
-        key = (device, num_warps, *constexprs.values(), *map(_spec, args))
-        compiled = self._cache.get(key)
-        if compiled is None:
-            self._cache[key] = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+        key = (device, num_warps, *constexprs.values(), *[_spec(a) for a in args])
+        hit = cache.get(key)
+        if hit is None:
+            compiled = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+            # what a direct launch passes: the launcher, the CUfunction, the packed metadata
+            # and the constexprs in parameter order (fixed for this key); `compiled` rides
+            # along so that the module holding the CUfunction lives as long as the entry
+            cache[key] = (compiled.run, compiled.function, compiled.packed_metadata,
+                          tuple(constexprs[n] for n in self.constexpr_names), compiled)
             return
-        g0, g1, g2 = (tuple(grid) + (1, 1))[:3]
-        compiled.run(g0, g1, g2, _raw_stream(device), compiled.function, compiled.packed_metadata, None, None,
-                     None, *args, *(constexprs[n] for n in self.constexpr_names))
+        run, function, metadata, constexpr_values, _ = hit
+        g = (*grid, 1, 1)
+        run(g[0], g[1], g[2], _raw_stream(device), function, metadata, None, None, None,
+            *args, *constexpr_values)

@@ -60,18 +60,13 @@ def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr)
 
 
 @triton.jit
-def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
-                           skip_ptr, M, N, Mp, stride_xm,
-                           FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                           WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
-                           UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr,
-                           EPS: tl.constexpr, POW2: tl.constexpr, HAS_SKIP: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    if HAS_SKIP:
-        if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
-            return
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
+              stride_xm, pid_m, pid_n, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+              WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr, UPDATE_AMAX: tl.constexpr,
+              CURRENT: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """One [BLOCK_M, BLOCK_N] tile of one cast: data, transpose, amax; tile (0, 0) also
+    writes scale_inv. Under CURRENT, `amax_ptr` holds the finished amax the scale comes from."""
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     if CURRENT:
@@ -108,6 +103,47 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
 
 
 @triton.jit
+def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
+                           skip_ptr, M, N, Mp, stride_xm,
+                           FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                           WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
+                           UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr,
+                           EPS: tl.constexpr, POW2: tl.constexpr, HAS_SKIP: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
+            return
+    _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
+              stride_xm, tl.program_id(0), tl.program_id(1), FP8_MAX, OUT_DTYPE, WRITE_DATA,
+              WRITE_T, UPDATE_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
+def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
+                      Ma, Na, Mpa, stride_am, tiles_m_a, tiles_a,
+                      b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
+                      Mb, Nb, Mpb, stride_bm, tiles_m_b,
+                      FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+                      A_DATA: tl.constexpr, A_T: tl.constexpr,
+                      B_DATA: tl.constexpr, B_T: tl.constexpr,
+                      A_AMAX: tl.constexpr, B_AMAX: tl.constexpr, CURRENT: tl.constexpr,
+                      EPS: tl.constexpr, POW2: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Two casts of one fp8 dtype in one launch (a GEMM's input and weight): programs
+    [0, tiles_a) do a's tiles, the rest b's, each tile exactly as `_cast_transpose_kernel`."""
+    pid = tl.program_id(0)
+    if pid < tiles_a:
+        _cast_one(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
+                  Ma, Na, Mpa, stride_am, pid % tiles_m_a, pid // tiles_m_a, FP8_MAX, OUT_DTYPE,
+                  A_DATA, A_T, A_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+    else:
+        p = pid - tiles_a
+        _cast_one(b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
+                  Mb, Nb, Mpb, stride_bm, p % tiles_m_b, p // tiles_m_b, FP8_MAX, OUT_DTYPE,
+                  B_DATA, B_T, B_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+
+
+@triton.jit
 def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
@@ -123,6 +159,7 @@ def _dequantize_kernel(data_ptr, scale_inv_ptr, out_ptr, numel, BLOCK: tl.conste
 
 
 _launch_cast_transpose = Launcher(_cast_transpose_kernel)
+_launch_cast_pair = Launcher(_cast_pair_kernel)
 _launch_amax = Launcher(_amax_kernel)
 _launch_dequantize = Launcher(_dequantize_kernel)
 
@@ -143,6 +180,13 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     _launch_amax((triton.cdiv(n, block),), x, amax, n, BLOCK=block, num_warps=4)
 
 
+def _outputs(x, fp8_dtype, mp, n, write_data, write_transpose):
+    dev = x.device
+    return (torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None,
+            torch.empty(n, mp, dtype=fp8_dtype, device=dev) if write_transpose else None,
+            torch.empty(1, dtype=torch.float32, device=dev))
+
+
 def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
                    fp8_dtype: torch.dtype, *, pad_rows_to: int = 1, write_data: bool = True,
                    write_transpose: bool = False, current: Optional[tuple] = None,
@@ -152,14 +196,11 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
         x = x.contiguous()
     m, n = x.shape
     mp = -(-m // pad_rows_to) * pad_rows_to
-    dev = x.device
     if out is not None:
         data, data_t, scale_inv = out
         data, data_t = (data if write_data else None), (data_t if write_transpose else None)
     else:
-        data = torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None
-        data_t = torch.empty(n, mp, dtype=fp8_dtype, device=dev) if write_transpose else None
-        scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+        data, data_t, scale_inv = _outputs(x, fp8_dtype, mp, n, write_data, write_transpose)
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
     grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))  # triton.cdiv costs host time
@@ -174,6 +215,39 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     return data, data_t, scale_inv
 
 
+def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
+                        current: Optional[tuple] = None):
+    """See `tritium.ref.cast.cast_transpose_pair`: two casts, one launch."""
+    bm, bn, warps = _tile(0, 0, not a_job[0].is_cuda)
+    launch_args, results, tiles = [], [], 0
+    for x, scale, amax, pad_rows_to, write_data, write_transpose in (a_job, b_job):
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, n = x.shape
+        mp = -(-m // pad_rows_to) * pad_rows_to
+        data, data_t, scale_inv = _outputs(x, fp8_dtype, mp, n, write_data, write_transpose)
+        results.append((data, data_t, scale_inv))
+        tiles_m = max(-(-mp // bm), 1)
+        launch_args += [x, data if write_data else scale_inv,
+                        data_t if write_transpose else scale_inv,
+                        scale if current is None else amax,
+                        amax if amax is not None else scale_inv, scale_inv, m, n, mp, x.stride(0),
+                        tiles_m]
+        if not tiles:  # a's tile count: where b's programs start
+            tiles = tiles_m * max(-(-n // bn), 1)
+            launch_args.append(tiles)
+    total = tiles + tiles_m * max(-(-n // bn), 1)
+    eps, pow2 = current if current is not None else (0.0, False)
+    _launch_cast_pair(
+        (total,), *launch_args, FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
+        A_DATA=a_job[4], A_T=a_job[5], B_DATA=b_job[4], B_T=b_job[5],
+        A_AMAX=a_job[2] is not None and current is None,
+        B_AMAX=b_job[2] is not None and current is None,
+        CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2),
+        BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+    return results[0], results[1]
+
+
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     data = data.contiguous()
     out = torch.empty(data.shape, dtype=out_dtype, device=data.device)
@@ -185,4 +259,4 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     return out
 
 
-__all__ = ["amax_into", "cast_transpose", "dequantize"]
+__all__ = ["amax_into", "cast_transpose", "cast_transpose_pair", "dequantize"]

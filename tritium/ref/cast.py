@@ -81,5 +81,15 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     return data, data_t, scale_inv
 
 
+def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
+                        current: Optional[tuple] = None):
+    """Two casts to one fp8 dtype (a GEMM's input and weight), which the kernel does in one
+    launch. Each job is (x, scale, amax, pad_rows_to, write_data, write_transpose), meaning
+    what `cast_transpose`'s arguments of those names mean; returns the two result triples."""
+    return tuple(cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad, write_data=data,
+                                write_transpose=t, current=current)
+                 for x, scale, amax, pad, data, t in (a_job, b_job))
+
+
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return (data.float() * scale_inv.float()).to(out_dtype)
