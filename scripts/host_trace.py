@@ -6,7 +6,11 @@ and prints the median step's stamps relative to its start. Each wrapper costs we
 microsecond, far less than torch.profiler's per-op cost, so the offsets are close to an
 unwrapped step's.
 
-    python scripts/host_trace.py [T K N]      (default 8192 4096 4096)
+    python scripts/host_trace.py [--loop] [T K N]      (default 8192 4096 4096)
+
+--loop runs the steps back to back as triton's do_bench does (an L2 flush and CUDA events
+around each step, no sync in between): then the host may run slower than in isolated steps
+(the GPU's queue is busy), and the events give each step's measured time next to its stamps.
 """
 from __future__ import annotations
 
@@ -59,29 +63,48 @@ def instrument():
     _wrap(torch.Tensor, "backward", "Tensor.backward")
 
 
-def main(t=8192, k=4096, n=4096, steps=60):
+def main(t=8192, k=4096, n=4096, steps=60, loop=False):
     step = fp8_linear_step(t, k, n)
     for _ in range(10):
         step()
     instrument()
+    flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(steps)]
     runs = []
-    for _ in range(steps):
-        torch.cuda.synchronize()
+    torch.cuda.synchronize()
+    for i in range(steps):
+        if loop:
+            flush.zero_()
+            events[i][0].record()
+        else:
+            torch.cuda.synchronize()
         STAMPS.clear()
         t0 = _now()
         step()
         t1 = _now()
-        runs.append((t1 - t0, t0, list(STAMPS)))
+        if loop:
+            events[i][1].record()
+        runs.append([t1 - t0, t0, list(STAMPS), 0.0])
     torch.cuda.synchronize()
+    if loop:
+        for run, (a, b) in zip(runs, events):
+            run[3] = a.elapsed_time(b) * 1e3
     runs.sort(key=lambda r: r[0])
-    total, t0, stamps = runs[len(runs) // 2]
+    total, t0, stamps, measured = runs[len(runs) // 2]
     main_thread = threading.get_ident()
-    print(f"T{t} {k}->{n}: median step host {total / 1e3:.0f} us (min {runs[0][0] / 1e3:.0f}, "
-          f"max {runs[-1][0] / 1e3:.0f}); stamps: start, end, duration in us; * = autograd thread")
+    extra = ""
+    if loop:
+        timed = sorted(r[3] for r in runs)
+        extra = f"; measured (events) median {timed[len(timed) // 2]:.0f} us"
+    print(f"T{t} {k}->{n}{' (loop)' if loop else ''}: median step host {total / 1e3:.0f} us "
+          f"(min {runs[0][0] / 1e3:.0f}, max {runs[-1][0] / 1e3:.0f}){extra}; stamps: start, "
+          "end, duration in us; * = autograd thread")
     for label, a, b, tid in sorted(stamps, key=lambda s: s[1]):
         mark = " " if tid == main_thread else "*"
         print(f"{mark} {label:<34} {(a - t0) / 1e3:8.1f} {(b - t0) / 1e3:8.1f} {(b - a) / 1e3:7.1f}")
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:4]))
+    args = [a for a in sys.argv[1:] if a != "--loop"]
+    main(*map(int, args[:3]), loop="--loop" in sys.argv)

@@ -29,9 +29,9 @@ def _triton_available() -> tuple[bool, str]:
 def use_triton(t: torch.Tensor) -> bool:
     if _env.force_ref():
         return False
-    if t.device.type == "cuda":
+    if t.is_cuda:
         return _triton_available()[0]
-    return t.device.type == "cpu" and _env.triton_interpret() and _triton_available()[0]
+    return t.is_cpu and _env.triton_interpret() and _triton_available()[0]
 
 
 @functools.lru_cache(maxsize=None)

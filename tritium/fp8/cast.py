@@ -76,14 +76,17 @@ def quantize_2d(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: Optional[torc
     `current=(amax_epsilon, power_2_scale)`; the amax is measured first, then the cast reads it.
     skip / out: see the module docstring (forwarded only when given).
     """
-    extra = {} if skip is None and out is None else {"skip": skip, "out": out}
     if current is not None:
         amax = torch.zeros(1, dtype=torch.float32, device=x.device)
         amax_into(x, amax)
         scale = None
+    if skip is None and out is None:  # the hot path: no buffer checks, no extra arguments
+        return _impl(x).cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
+                                       write_data=write_data, write_transpose=write_transpose,
+                                       current=current)
     return cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
                           write_data=write_data, write_transpose=write_transpose, current=current,
-                          **extra)
+                          skip=skip, out=out)
 
 
 def quantize_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype, current: Optional[tuple]):

@@ -77,13 +77,12 @@ class ScalingState:
         recipe, limit = self.recipe, fp8_max(self.fp8_dtype)
         if recipe.uses_callables:
             return self._update_with_callables
-        impl = ref_scaling
+        args = (self.amax_history, self.scale, limit, recipe.margin, recipe.amax_compute_algo)
         if _device.use_triton(self.scale):
             from ..kernels import scaling as kernel_scaling
             if self.amax_history.shape[0] <= kernel_scaling.MAX_HISTORY:
-                impl = kernel_scaling
-        return functools.partial(impl.delayed_scaling_update, self.amax_history, self.scale,
-                                 limit, recipe.margin, recipe.amax_compute_algo)
+                return kernel_scaling.prepared_update(*args)
+        return functools.partial(ref_scaling.delayed_scaling_update, *args)
 
     def _update_with_callables(self) -> None:
         recipe, limit = self.recipe, fp8_max(self.fp8_dtype)

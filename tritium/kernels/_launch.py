@@ -6,6 +6,8 @@ pays five times per step. `Launcher` keys the compiled kernel on what Triton spe
 (tensor dtypes and 16-byte alignment, integer divisibility by 16 / equality to 1 / 64-bit range,
 the constexpr values, num_warps, the device) and, on a hit, calls the compiled kernel's launcher
 directly. A miss (or a CPU tensor under TRITON_INTERPRET) goes through Triton's normal path.
+(Triton's `cdiv` / `next_power_of_2` are constexpr-function objects whose calls cost host time
+too: launchers here do that arithmetic in plain Python.)
 Assumes every constexpr parameter comes after the runtime parameters (checked).
 """
 from __future__ import annotations
@@ -20,16 +22,10 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 
 
 def _spec(a):
-    """What Triton specializes a runtime argument on (values of floats are not: they would make
-    every new learning rate a cache miss)."""
-    if isinstance(a, _Tensor):
-        return a.dtype, (a.data_ptr() & 15) == 0
+    """What Triton specializes a runtime argument other than a tensor or int on (the values of
+    floats are not: they would make every new learning rate a cache miss)."""
     cls = a.__class__
-    if cls is int:
-        return (a & 15) == 0, a == 1, a >= 0x80000000 or a < -0x80000000
-    if cls is float:
-        return cls
-    return cls, a
+    return cls if cls is float else (cls, a)
 
 
 class Launcher:
@@ -45,12 +41,26 @@ class Launcher:
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         self._cache = {}
 
+    @staticmethod
+    def key(device, args, num_warps, constexprs) -> tuple:
+        """What Triton specializes the compiled kernel on, computed inline (every launch)."""
+        key = [device, num_warps, *constexprs.values()]
+        for a in args:
+            if a.__class__ is int:
+                key.append(a if -16 < a < 16 else (not a & 15, -0x80000000 <= a < 0x80000000))
+            elif isinstance(a, _Tensor):
+                key.append(a.dtype)
+                key.append(a.data_ptr() & 15)
+            else:
+                key.append(_spec(a))
+        return tuple(key)
+
     def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
         cache = self._cache
         if cache is None or not args[0].is_cuda:
             return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
         device = _current_device()
-        key = (device, num_warps, *constexprs.values(), *[_spec(a) for a in args])
+        key = self.key(device, args, num_warps, constexprs)
         hit = cache.get(key)
         if hit is None:
             compiled = self.kernel[grid](*args, num_warps=num_warps, **constexprs)

@@ -177,7 +177,7 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     if n == 0:
         return
     block = 1024 if x.is_cuda else 256
-    _launch_amax((triton.cdiv(n, block),), x, amax, n, BLOCK=block, num_warps=4)
+    _launch_amax((-(-n // block),), x, amax, n, BLOCK=block, num_warps=4)
 
 
 def _outputs(x, fp8_dtype, mp, n, write_data, write_transpose):
@@ -203,7 +203,7 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
         data, data_t, scale_inv = _outputs(x, fp8_dtype, mp, n, write_data, write_transpose)
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
-    grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))  # triton.cdiv costs host time
+    grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))
     _launch_cast_transpose(
         grid, x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
         scale if current is None else amax, amax if amax is not None else scale_inv,
@@ -254,7 +254,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     n = data.numel()
     if n:
         block = 1024 if data.is_cuda else 256
-        _launch_dequantize((triton.cdiv(n, block),), data, scale_inv, out, n, BLOCK=block,
+        _launch_dequantize((-(-n // block),), data, scale_inv, out, n, BLOCK=block,
                            num_warps=4)
     return out
 

@@ -119,7 +119,7 @@ def _run(x, cos, sin, pos, interleaved, transpose):
     rows = n1 * n2 * h
     cos, sin = cos.contiguous(), sin.contiguous()
     br, bd, warps = _tile(rows, d, not x.is_cuda)
-    _launch((triton.cdiv(rows, br),), x, cos, sin, pos, y,
+    _launch((-(-rows // br),), x, cos, sin, pos, y,
             rows, n2, h, d, rot, *x.stride(), *pos.stride(),
             INTERLEAVED=bool(interleaved), TRANSPOSE=transpose,
             BLOCK_R=br, BLOCK_D=bd, num_warps=warps, enable_fp_fusion=False)

@@ -7,6 +7,8 @@ writes the column rolled up by one with row 0 zeroed. Columns whose row 0 is 0 a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -46,12 +48,19 @@ def _delayed_update_kernel(hist_ptr, scale_ptr, L, n, FP8_MAX: tl.constexpr,
 _launch_update = Launcher(_delayed_update_kernel)
 
 
-def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
-                           margin: int, algo: str) -> None:
+def prepared_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                    margin: int, algo: str):
+    """`delayed_scaling_update` of these tensors as a call with no arguments, everything but
+    the launch itself worked out now (a scaling state updates twice a step)."""
     length, slots = amax_history.shape
     if length > MAX_HISTORY:  # one program holds a whole column in registers
         raise ValueError(f"amax history of {length} rows exceeds the kernel's {MAX_HISTORY}")
-    _launch_update(
-        (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
+    return functools.partial(
+        _launch_update, (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
         MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
-        BLOCK_L=triton.next_power_of_2(length), num_warps=4)
+        BLOCK_L=1 << (length - 1).bit_length(), num_warps=4)
+
+
+def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
+                           margin: int, algo: str) -> None:
+    prepared_update(amax_history, scale, fp8_max, margin, algo)()

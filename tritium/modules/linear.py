@@ -65,6 +65,7 @@ class Linear(FP8Module):
         if params_dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
         self.in_features, self.out_features = in_features, out_features
+        self._fp8_dims_ok = False
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation
         self.init_method = init_method or default_init
@@ -118,8 +119,9 @@ class Linear(FP8Module):
             biases = self._parts("bias")
             bias = biases[0] if len(biases) == 1 else torch.cat(biases)
         self._check_input(inp, weight)
-        if is_fp8_enabled():  # before _fp8_plan registers this module with the autocast region
+        if not self._fp8_dims_ok and is_fp8_enabled():  # before _fp8_plan registers the module
             self._check_fp8_dims()
+            self._fp8_dims_ok = True  # the sizes never change: checked once
         plan = self._fp8_plan(inp.device, is_first_microbatch)
         main_grad = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
