@@ -120,24 +120,27 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
 
 @triton.jit
 def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
-                      Ma, Na, Mpa, stride_am, tiles_m_a, tiles_a,
+                      Ma, Na, Mpa, stride_am,
                       b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
-                      Mb, Nb, Mpb, stride_bm, tiles_m_b,
+                      Mb, Nb, Mpb, stride_bm,
                       FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                       A_DATA: tl.constexpr, A_T: tl.constexpr,
                       B_DATA: tl.constexpr, B_T: tl.constexpr,
                       A_AMAX: tl.constexpr, B_AMAX: tl.constexpr, CURRENT: tl.constexpr,
                       EPS: tl.constexpr, POW2: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Two casts of one fp8 dtype in one launch (a GEMM's input and weight): programs
-    [0, tiles_a) do a's tiles, the rest b's, each tile exactly as `_cast_transpose_kernel`."""
+    """Two casts of one fp8 dtype in one launch (a GEMM's input and weight): the first
+    programs do a's tiles, the rest b's, each tile exactly as `_cast_transpose_kernel`."""
     pid = tl.program_id(0)
+    tiles_m_a = tl.maximum(tl.cdiv(Mpa, BLOCK_M), 1)
+    tiles_a = tiles_m_a * tl.maximum(tl.cdiv(Na, BLOCK_N), 1)
     if pid < tiles_a:
         _cast_one(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
                   Ma, Na, Mpa, stride_am, pid % tiles_m_a, pid // tiles_m_a, FP8_MAX, OUT_DTYPE,
                   A_DATA, A_T, A_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
     else:
         p = pid - tiles_a
+        tiles_m_b = tl.maximum(tl.cdiv(Mpb, BLOCK_M), 1)
         _cast_one(b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
                   Mb, Nb, Mpb, stride_bm, p % tiles_m_b, p // tiles_m_b, FP8_MAX, OUT_DTYPE,
                   B_DATA, B_T, B_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
@@ -219,7 +222,7 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
                         current: Optional[tuple] = None):
     """See `tritium.ref.cast.cast_transpose_pair`: two casts, one launch."""
     bm, bn, warps = _tile(0, 0, not a_job[0].is_cuda)
-    launch_args, results, tiles = [], [], 0
+    launch_args, results, programs = [], [], 0
     for x, scale, amax, pad_rows_to, write_data, write_transpose in (a_job, b_job):
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -227,19 +230,14 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
         mp = -(-m // pad_rows_to) * pad_rows_to
         data, data_t, scale_inv = _outputs(x, fp8_dtype, mp, n, write_data, write_transpose)
         results.append((data, data_t, scale_inv))
-        tiles_m = max(-(-mp // bm), 1)
-        launch_args += [x, data if write_data else scale_inv,
+        launch_args += (x, data if write_data else scale_inv,
                         data_t if write_transpose else scale_inv,
                         scale if current is None else amax,
-                        amax if amax is not None else scale_inv, scale_inv, m, n, mp, x.stride(0),
-                        tiles_m]
-        if not tiles:  # a's tile count: where b's programs start
-            tiles = tiles_m * max(-(-n // bn), 1)
-            launch_args.append(tiles)
-    total = tiles + tiles_m * max(-(-n // bn), 1)
+                        amax if amax is not None else scale_inv, scale_inv, m, n, mp, x.stride(0))
+        programs += max(-(-mp // bm), 1) * max(-(-n // bn), 1)  # the kernel counts the same
     eps, pow2 = current if current is not None else (0.0, False)
     _launch_cast_pair(
-        (total,), *launch_args, FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
+        (programs,), *launch_args, FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
         A_DATA=a_job[4], A_T=a_job[5], B_DATA=b_job[4], B_T=b_job[5],
         A_AMAX=a_job[2] is not None and current is None,
         B_AMAX=b_job[2] is not None and current is None,
