@@ -3,8 +3,7 @@
 Shapes (T tokens, in -> out) from the baseline: 8192 4096->4096, 8192 4096->14336,
 16384 8192->8192; bf16 activations and weights, no bias. TFLOP/s counts 6*T*in*out. Every
 variant runs forward and backward with a fresh upstream gradient; grads are reset between
-calls. Times are the median of ROUNDS interleaved rounds (each variant once per round), so that
-clock ramps and host noise during the run weigh on every variant alike. Peak memory is the increase over the resident tensors during one fwd+bwd, twice:
+calls. Peak memory is the increase over the resident tensors during one fwd+bwd, twice:
 `peak_mb` with the input already resident (bf16 then saves nothing new for backward), and
 `peak_mb_in_network` with the input made inside the step by a previous op (`x * 1.0`), as in a
 network, where bf16 keeps its input alive for backward and FP8 keeps only its fp8 transpose.
@@ -18,7 +17,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, fwd_bwd_step, interleaved_ms, measure_fwd_bwd  # noqa: E402
+from harness import finish, measure_fwd_bwd  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -54,9 +53,6 @@ def _variants(t, k, n):
         yield "torchao", exc, None
 
 
-ROUNDS = 5  # interleaved timing rounds per shape (see harness.interleaved_ms)
-
-
 def main(argv):
     """argv: optional T K N triples to run instead of SHAPES (e.g. `8192 4096 4096`)."""
     dims = list(map(int, argv))
@@ -66,7 +62,6 @@ def main(argv):
         case = f"T{t} {k}->{n}"
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-        steps, case_rows = {}, {}
         for variant, module, ctx in _variants(t, k, n):
             if isinstance(module, Exception):
                 rows.append({"case": case, "variant": variant, "error": repr(module)})
@@ -76,18 +71,13 @@ def main(argv):
             except Exception as exc:
                 rows.append({"case": case, "variant": variant, "error": repr(exc)})
                 continue
-            steps[variant] = fwd_bwd_step(module, x, dy, ctx)
-            case_rows[variant] = {"case": case, "variant": variant, "gpu_ms": res["gpu_ms"],
-                                  "peak_mb": res["peak_mb"],
-                                  "peak_mb_in_network": res["peak_mb_in_network"]}
-        for variant, times in interleaved_ms(steps, ROUNDS).items():
-            row = case_rows[variant]
-            row["ms"] = sorted(times)[len(times) // 2]
-            row["ms_rounds"] = times
-            row["tflops"] = round(6 * t * k * n / row["ms"] / 1e9, 1)
-            rows.append(row)
-            print(row, flush=True)
-        del x, dy, steps
+            rows.append({"case": case, "variant": variant, "ms": res["ms"],
+                         "gpu_ms": res["gpu_ms"],
+                         "tflops": round(6 * t * k * n / res["ms"] / 1e9, 1),
+                         "peak_mb": res["peak_mb"],
+                         "peak_mb_in_network": res["peak_mb_in_network"]})
+            print(rows[-1], flush=True)
+        del x, dy
         torch.cuda.empty_cache()
     finish("linear", rows, baseline="bf16 nn.Linear")
 

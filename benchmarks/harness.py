@@ -90,39 +90,19 @@ def fwd_bwd_runner(module, x, dy, ctx=None, fresh_input=False):
     return run
 
 
-def fwd_bwd_step(module, x, dy, ctx=None):
-    """The timed step: grads reset, then module(x) (inside ctx()) and backward(dy)."""
-    grads = list(module.parameters()) + [x]
-    run = fwd_bwd_runner(module, x, dy, ctx)
-
-    def step():
-        for p in grads:
-            p.grad = None
-        run()
-    return step
-
-
-def interleaved_ms(steps: dict, rounds: int) -> dict:
-    """{name: [ms per round]}: every step timed once per round, the rounds one after another,
-    so that a host or GPU that speeds up or slows down during the run (clock ramps, noisy
-    neighbours on a VM) weighs on every variant alike; report the median of the rounds."""
-    times = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            times[name].append(round(time_ms(step), 4))
-    return times
-
-
 def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
     """Median ms, device time (`gpu_ms`) and peak MiB of fwd+bwd, grads reset before each call
     (and the peak with the input made in the step when in_network)."""
-    step = fwd_bwd_step(module, x, dy, ctx)
     grads = list(module.parameters()) + [x]
     run = fwd_bwd_runner(module, x, dy, ctx)
 
     def reset():
         for p in grads:
             p.grad = None
+
+    def step():
+        reset()
+        run()
     step(); step()
     out = {"ms": round(time_ms(step), 4), "gpu_ms": round(gpu_ms(step), 4)}
     reset()
