@@ -19,8 +19,8 @@ import time
 
 import torch
 
-import tritium as te
-from tritium import recipe
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from profile_host import fp8_linear_step  # noqa: E402
 
 _device = importlib.import_module("tritium._device")
 _launch = importlib.import_module("tritium.kernels._launch")
@@ -43,25 +43,11 @@ def install_stubs():
     torch._scaled_mm = _stub_scaled_mm
 
 
-def step_fn(t, k, n):
-    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cpu")
-    x = torch.randn(t, k, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, dtype=torch.bfloat16)
-    rec = recipe.DelayedScaling(amax_history_len=16)
-
-    def step():
-        layer.weight.grad = x.grad = None
-        with te.fp8_autocast(fp8_recipe=rec):
-            out = layer(x)
-        out.backward(dy)
-    return step
-
-
 def main(argv):
     profile = "--profile" in argv
     dims = [int(a) for a in argv if a != "--profile"] or [256, 512, 512]
     install_stubs()
-    step = step_fn(*dims)
+    step = fp8_linear_step(*dims, device="cpu")
     for _ in range(50):
         step()
     best = float("inf")

@@ -19,11 +19,11 @@ import tritium as te
 from tritium import recipe
 
 
-def fp8_linear_step(t, k, n):
+def fp8_linear_step(t, k, n, device="cuda"):
     """A step of a bf16 tritium.Linear under fp8_autocast (delayed scaling): fwd + bwd."""
-    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device=device)
+    x = torch.randn(t, k, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device=device, dtype=torch.bfloat16)
     rec = recipe.DelayedScaling(amax_history_len=16)
 
     def step():
