@@ -2,8 +2,8 @@
 
 Triton's own `kernel[grid](...)` binds arguments, computes a specialization key and builds
 launch metadata on every call: tens of microseconds of host time, which an eager FP8 Linear
-pays five times per step. `Launcher` keys the compiled kernel on what Triton specializes on
-(tensor dtypes and 16-byte alignment, integer divisibility by 16 / equality to 1 / 64-bit range,
+would pay at each of its four launches per step. `Launcher` keys the compiled kernel on what
+Triton specializes on (tensor dtypes and 16-byte alignment, integer divisibility by 16 / equality to 1 / 64-bit range,
 the constexpr values, num_warps, the device) and, on a hit, calls the compiled kernel's launcher
 directly. A miss (or a CPU tensor under TRITON_INTERPRET) goes through Triton's normal path.
 (Triton's `cdiv` / `next_power_of_2` are constexpr-function objects whose calls cost host time
