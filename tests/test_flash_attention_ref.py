@@ -11,25 +11,13 @@ import torch
 from tritium.ref import attention as A
 from tritium.ref import flash_attention as R
 
+from testlib import fp64_attention
+
 
 def _inputs(s_q, s_kv, h, h_kv, d, dtype, seed=0):
     g = torch.Generator().manual_seed(seed)
     mk = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
     return mk(2, s_q, h, d), mk(2, s_kv, h_kv, d), mk(2, s_kv, h_kv, d), mk(2, s_q, h, d)
-
-
-def _oracle(q, k, v, do, causal, scale):
-    """fp64 autograd on the same (16-bit) values."""
-    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    groups = q.shape[2] // k.shape[2]
-    kk, vv = (x.repeat_interleave(groups, 2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
-    out.backward(do.double())
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
@@ -41,7 +29,7 @@ def test_twin_is_fp32_math_vs_fp64(shape, causal):
     out, lse = R.flash_attention_fwd(q, k, v, causal, scale)
     assert out.dtype == lse.dtype == torch.float32 and lse.shape == (2, h, s_q)
     dq, dk, dv = R.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
-    want = _oracle(q, k, v, do, causal, scale)
+    want = fp64_attention(q, k, v, do, causal, scale)
     for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), want):
         assert got.dtype == torch.float32 and got.shape == ref.shape, name
         tol = 2e-5 * ref.abs().max().item()

@@ -68,3 +68,21 @@ def fp8_state(modules) -> list:
                 if st is not None:
                     out += [st.scale.clone(), st.amax_history.clone()]
     return out
+
+
+def fp64_attention(q, k, v, do, causal: bool, scale: float) -> list:
+    """The attention oracle: fp64 autograd on the same (16-bit) q, k, v [b, s, h, d] and do,
+    GQA by repeating k/v heads. Returns [out, lse, dq, dk, dv] in fp64."""
+    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
+    groups = q.shape[2] // k.shape[2]
+    kk, vv = (x.repeat_interleave(groups, 2) for x in (k, v))
+    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
+    out.backward(do.double())
+    res = [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
+    del s, out  # the fp64 scores are large: free them before the caller's next allocation
+    return res

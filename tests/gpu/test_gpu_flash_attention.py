@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from testlib import fp64_attention
+
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -26,22 +28,6 @@ CASES = {  # s_q, s_kv, h, h_kv, causal
     "q1024-kv2048-nomask": (1024, 2048, 12, 12, False),
     "q2048-kv1024-nomask-gqa": (2048, 1024, 12, 3, False),
 }
-
-
-def _fp64(q, k, v, do, causal, scale):
-    q, k, v = (x.double().requires_grad_() for x in (q, k, v))
-    g = q.shape[2] // k.shape[2]
-    kk, vv = (x.repeat_interleave(g, 2) for x in (k, v))
-    s = torch.einsum("bqhd,bkhd->bhqk", q, kk) * scale
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(s, -1), vv)
-    out.backward(do.double())
-    res = [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
-    del s, out
-    return res
 
 
 def _cudnn(q, k, v, do, causal):
@@ -78,7 +64,7 @@ def test_fp32_partials_beat_cudnn_vs_fp64(name):
     scale = 1 / math.sqrt(D)
     out, lse = FA.flash_attention_fwd(q, k, v, causal, scale)
     dq, dk, dv = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
-    ref = _fp64(q, k, v, do, causal, scale)
+    ref = fp64_attention(q, k, v, do, causal, scale)
     ours = [out, lse, dq, dk, dv]
     for x, r in zip(ours, ref):
         assert x.dtype == torch.float32 and x.shape == r.shape
@@ -99,7 +85,7 @@ def test_nosplit_is_a_16bit_kernel_without_the_final_rounding():
     from tritium.kernels import flash_attention as FA
     q, k, v, do = _inputs(2048, 2048, 12, 12, seed=1)
     scale = 1 / math.sqrt(D)
-    ref = _fp64(q, k, v, do, True, scale)
+    ref = fp64_attention(q, k, v, do, True, scale)
     theirs = _cudnn(q, k, v, do, True)
     out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False)
     grads = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False)
@@ -127,7 +113,7 @@ def test_backward_with_merged_out_lse():
         dq += g[0]
         dk[:, p] += g[1]
         dv[:, p] += g[2]
-    ref = _fp64(q, k, v, do, False, scale)
+    ref = fp64_attention(q, k, v, do, False, scale)
     for tname, x, r in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
         assert _err(x, r) <= 1e-4 * r.abs().max().item(), tname
 

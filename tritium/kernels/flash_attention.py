@@ -51,6 +51,20 @@ def _mm(a, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _heads(bh, H, G):
+    """Program axis 1 -> (batch, query head, kv head) as int64 offsets (G query heads per kv)."""
+    h = bh % H
+    return (bh // H).to(tl.int64), h.to(tl.int64), (h // G).to(tl.int64)
+
+
+@triton.jit
+def _load_tile(ptr, b, h, sb, sh, ss, sd, rows, offs_d, ok):
+    """x[b, rows, h, :] of a [b, s, h, d] tensor with these strides; rows past `ok` read 0."""
+    return tl.load(ptr + b * sb + h * sh + rows[:, None] * ss + offs_d[None, :] * sd,
+                   mask=ok[:, None], other=0.0)
+
+
+@triton.jit
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
@@ -59,17 +73,13 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // G).to(tl.int64)
-    h = h.to(tl.int64)
+    b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
 
-    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
-                mask=m_ok[:, None], other=0.0)
+    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
     k_base = k_ptr + b * skb + hk * skh + offs_d[None, :] * skd
     v_base = v_ptr + b * svb + hk * svh + offs_d[None, :] * svd
 
@@ -129,15 +139,12 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
     """delta[b, h, i] = sum_d dO * O in fp32 (delta is contiguous [b, h, s_q])."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = (bh % H).to(tl.int64)
+    b, h, _ = _heads(bh, H, 1)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-    o = tl.load(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
-                mask=m_ok[:, None], other=0.0).to(tl.float32)
-    do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :] * sdd,
-                 mask=m_ok[:, None], other=0.0).to(tl.float32)
+    o = _load_tile(o_ptr, b, h, sob, soh, sos, sod, offs_m, offs_d, m_ok).to(tl.float32)
+    do = _load_tile(do_ptr, b, h, sdb, sdh, sds, sdd, offs_m, offs_d, m_ok).to(tl.float32)
     tl.store(delta_ptr + bh.to(tl.int64) * s_q + offs_m, tl.sum(o * do, 1), mask=m_ok)
 
 
@@ -151,16 +158,13 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     """dk, dv (fp32, contiguous like k) for BLOCK_N keys of one kv head, summed over its group."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
-    b = (bh // H_KV).to(tl.int64)
-    hk = (bh % H_KV).to(tl.int64)
+    b, hk, _ = _heads(bh, H_KV, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     n_ok = offs_n < s_kv
-    k = tl.load(k_ptr + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :] * skd,
-                mask=n_ok[:, None], other=0.0)
-    v = tl.load(v_ptr + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :] * svd,
-                mask=n_ok[:, None], other=0.0)
+    k = _load_tile(k_ptr, b, hk, skb, skh, sks, skd, offs_n, offs_d, n_ok)
+    v = _load_tile(v_ptr, b, hk, svb, svh, svs, svd, offs_n, offs_d, n_ok)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
 
@@ -224,18 +228,13 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     """dq (fp32, contiguous like q) for BLOCK_M query rows of one head."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    b = (bh // H).to(tl.int64)
-    h = bh % H
-    hk = (h // G).to(tl.int64)
-    h = h.to(tl.int64)
+    b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-    q = tl.load(q_ptr + b * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :] * sqd,
-                mask=m_ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b * sdb + h * sdh + offs_m[:, None] * sds + offs_d[None, :] * sdd,
-                 mask=m_ok[:, None], other=0.0)
+    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
+    do = _load_tile(do_ptr, b, h, sdb, sdh, sds, sdd, offs_m, offs_d, m_ok)
     lse = tl.load(lse_ptr + b * slb + h * slh + offs_m * sls, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
