@@ -95,6 +95,7 @@ def main(argv=None) -> int:
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--acc-seq", type=int, default=32768)
     parser.add_argument("--acc-heads", type=int, default=2)
+    parser.add_argument("--no-accuracy", action="store_true", help="timing only")
     parser.add_argument("--tiny", action="store_true",
                         help="CPU smoke sizes: S 64, 2 heads, D 16, accuracy at S 64")
     args = parser.parse_args(argv)
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             del q, k, v, dout
             if use_cuda:
                 torch.cuda.empty_cache()
-        for size, group in groups.items():
+        for size, group in ({} if args.no_accuracy else groups).items():
             acc_rows = accuracy.measure(group, b=1, s=args.acc_seq, h=args.acc_heads,
                                         hk=args.acc_heads, d=args.dim, causal=True, dtype=dtype,
                                         device=device, seed=7)

@@ -6,40 +6,47 @@ step i it holds the KV of rank src = (r - i) mod cp and computes
                  sees itself causally, chunk 2cp-1-r sees chunk r fully and itself causally)
     1 <= i <= r  all q vs the first half of the received KV (chunk src < r), no mask
     i > r        the second half of q (chunk 2cp-1-r) vs all received KV, no mask
-(no_mask: every step is all q vs all KV). Before computing step i it posts the send of the KV
-it holds to rank r+1 and the receive of step i+1's KV from rank r-1 (batch_isend_irecv), and
-waits only after the compute: on CUDA the NCCL transfer runs on NCCL's stream while step i
-computes on the current one. Partial (out, lse) are merged in fp32 (merge.py).
+(no_mask: every step is all q vs all KV). The KV travels r -> r+1 (batch_isend_irecv); the
+partial (out, lse) of each step are merged in fp32 (merge.py).
+
+When a transfer is posted matters on CUDA. NCCL's send/recv kernel needs SMs of its own, and
+cuDNN's sm90 flash kernels are persistent (one CTA per SM, ~230 KB of shared memory each): a
+transfer that becomes ready while one runs, or at the same moment as one is dispatched, waits
+for that kernel to end, and the next step waits for the transfer (measured on 8 x H200: 1.3 ms
+of every 5 ms forward step at S=131072, cp=8, before this order). So every transfer is posted
+right after an attention kernel and before the small kernels that follow it: step i+1's KV
+is posted before step 0's compute, and after step i's compute the rank waits for step i+1's
+KV, posts step i+2's, then merges step i. The transfer becomes ready as the attention kernel
+ends and starts during the merge, overlapping step i+1's compute.
 
 Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i computes forward
 step i's block): rank r starts with the KV of rank r+1, the last one it received in the
-forward (saved for this), and ends with its own. Before each step it posts the send of the KV
-it holds to r-1 and the receive of the next one from r+1 (not before step 1: step 0's KV is the
-rank's own, already at hand). The dK/dV buffer of the block it holds arrives from r+1, which
-held that block one step earlier (at the first step the buffer is this rank's own
-contribution); the rank adds its dK/dV (block src's first half only for 1 <= i <= r) and sends
-the buffer on to r-1 after the compute, overlapping the next step. At
-step 0 the buffer that arrives is the one of the rank's own block: its own contribution
-completes dK/dV and no hop follows the loop. (Replaying the forward order ends with every
-buffer one hop from its owner, and that last transfer (fp32: twice the bytes of a bf16 KV)
-has no compute to hide behind.) Block src's dK/dV sums the ranks' contributions in the order
-src-1, src-2, ..., src (mod cp), the reverse of the forward-order replay's: equal up to fp32
-summation order. dQ stays local. With fp32 accumulation dq and the travelling dk/dv are
-summed in fp32 and rounded once at the end (`merge.GradSum`: a sum of two 16-bit partials,
-all that cp=2's fast mode has, is done by one 16-bit add, which is that; the buffers go fp32
-from the third term on); the KV itself travels in its own dtype. Memory: besides q, k, v,
-out, lse, each rank keeps one extra K, V block (rank r+1's, in the input dtype) from the
-forward to the backward. `cp_stream` is not needed: NCCL's stream already overlaps the
-transfers with compute.
+forward (saved for this), and ends with its own. The dK/dV buffer of the block it holds
+arrives from r+1, which held that block one step earlier (at the first step the buffer is this
+rank's own contribution); the rank adds its dK/dV (block src's first half only for
+1 <= i <= r) and passes the buffer on to r-1. Each step starts with ONE batch to r-1 / from
+r+1 that carries both the dK/dV buffer finished at step i+1 and the KV of step i (r-1 needs it
+at step i-1; not at step 1: step 0's KV is the rank's own, at hand). It is posted after the
+dK/dV adds and ready before the backward's small dO.O kernel, so it runs alongside step i's
+compute; two separate transfers would leave the second one queued behind the first until the
+persistent backward kernel ends. At step 0 the buffer that arrives is the one of the rank's
+own block: its own contribution completes dK/dV and no hop follows the loop. (Replaying the
+forward order ends with every buffer one hop from its owner, and that last transfer (fp32:
+twice the bytes of a bf16 KV) has no compute to hide behind.) Block src's dK/dV sums the
+ranks' contributions in the order src-1, src-2, ..., src (mod cp), the reverse of the
+forward-order replay's: equal up to fp32 summation order. dQ stays local. With fp32
+accumulation dq and the travelling dk/dv are summed in fp32 and rounded once at the end
+(`merge.GradSum`: a sum of two 16-bit partials, all that cp=2's fast mode has, is done by one
+16-bit add, which is that; the buffers go fp32 from the third term on); the KV itself travels
+in its own dtype. Memory: besides q, k, v, out, lse, each rank keeps one extra K, V block
+(rank r+1's, in the input dtype) from the forward to the backward. `cp_stream` is not needed:
+NCCL's stream already overlaps the transfers with compute.
 """
 from __future__ import annotations
 
 import torch
 
 from .merge import ALL, Block, GradSum, OutAcc, Ring, Runner, contiguous
-
-_KV_TAG, _DKV_TAG = 0, 2
-
 
 def schedule(i: int, rank: int, causal: bool, half: int) -> Block:
     """The block rank `rank` computes at ring step i (local length 2 * half)."""
@@ -64,15 +71,16 @@ class RingAttention(torch.autograd.Function):
         acc = OutAcc(q, v.shape[-1], cfg.precision.acc_dtype(q.dtype))
         kv = (contiguous(k), contiguous(v))
         states = []
+        pending = ring.exchange(kv) if n > 1 else None      # step 1's KV
         for i in range(n):
-            pending = ring.exchange(kv, _KV_TAG) if i < n - 1 else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (cfg.precision.compute(x) for x in kv)
             out_i, lse_i, state = runner.fwd(qc, kc, vc, blk)
-            acc.add(blk.q, out_i, lse_i)
             states.append(state)
-            if pending is not None:
+            if pending is not None:     # step i+1's KV; post step i+2's before the merge
                 kv = tuple(ring.wait(pending))
+                pending = ring.exchange(kv) if i + 2 < n else None
+            acc.add(blk.q, out_i, lse_i)
         out = acc.out.to(q.dtype)
         # backward's rowsum(dO * out) reads the merged out: unrounded in exact mode
         saved_out = acc.out if cfg.precision.exact else out
@@ -91,21 +99,22 @@ class RingAttention(torch.autograd.Function):
         half = q.shape[1] // 2
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
         dq_sum, dk_sum, dv_sum = (GradSum(n, p, x.dtype) for x in (q, k, v))
-        dq = dk = dv = dkv_pending = None
+        dq = dk = dv = None
         for term, i in enumerate(reversed(range(n)), start=1):
-            # the KV of step i - 1 comes from r+1, except step 0's: this rank's own, at hand
-            kv_pending = ring.exchange(kv, _KV_TAG) if i > 1 else None
+            # one batch to r-1 / from r+1: the dK/dV buffer finished at step i+1 and this
+            # step's KV (r-1 computes with it at step i-1; step 0's KV is the rank's own)
+            send = ([dk, dv] if dk is not None else []) + (list(kv) if i > 1 else [])
+            pending = ring.exchange(send) if send else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (p.compute(x) for x in kv)
             dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i])
             dq = dq_sum.add(dq, q.shape, blk.q, dq_i, term)
-            if dkv_pending is not None:     # the buffer from r+1, which held this block last
-                dk, dv = ring.wait(dkv_pending)
+            recv = ring.wait(pending) if pending is not None else []
+            if dk is not None:      # the buffer from r+1, which held this block last
+                (dk, dv), recv = recv[:2], recv[2:]
             dk = dk_sum.add(dk, k.shape, blk.kv, dk_i, term)
             dv = dv_sum.add(dv, v.shape, blk.kv, dv_i, term)
-            if i > 0:
-                dkv_pending = ring.exchange((dk, dv), _DKV_TAG)
-                kv = ring.wait(kv_pending) if kv_pending is not None else (k, v)
+            kv = tuple(recv) if i > 1 else (k, v)
         ctx.states = None
         return dq, dk, dv, None     # step 0: this rank's own block, complete
 
