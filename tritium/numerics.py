@@ -304,19 +304,19 @@ def cp_appendix(out_path: str) -> str:
 
 
 CP_INTRO = f"""\
-## Context-parallel attention vs single-device attention (2 and 4 GPUs)
+## Context-parallel attention vs single-device attention (2, 4 and 8 GPUs)
 
 Not remeasured by this command (it needs several GPUs): copied from `docs/{CP_TABLE}`, written
 by `scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768` (cp=2, 12 heads) and
-`benchmarks/bench_cp_scale.py` (cp=2 and 4 on 4 GPUs, a 2-head slice); see
+`benchmarks/bench_cp_scale.py` (cp=2 and 4 on 4 GPUs, cp=8 on 8, a 2-head slice); see
 `docs/context_parallel.md` for the CPU/gloo tables (cp=2, 4, 8) and the speed of each mode.
 Each cell: max abs error vs an fp64 reference (as a multiple of single-GPU bf16 cuDNN's) |
 fraction of elements outside fp32 tolerance of fp64 / fraction differing from the single-GPU
 result beyond it. **exact** blocks
 return fp32 partials (Triton flash kernel); **fast** blocks are cuDNN's bf16 partials; **fp32
 acc** sums partials in fp32 and rounds once. Exact + fp32 accumulation stays within 1.1x of
-single-device error on every tensor at cp=2 and 4; fast mode costs dk/dv up to ~1.75x, and
-at cp=4 16-bit accumulation moves more elements off the single-device result than fp32.
+single-device error on every tensor at cp=2, 4 and 8; fast mode costs dk/dv up to ~1.75x, and
+at cp=4 and 8 16-bit accumulation moves more elements off the single-device result than fp32.
 """
 
 
