@@ -9,6 +9,14 @@ calls. Peak memory is the increase over the resident tensors during one fwd+bwd,
 network, where bf16 keeps its input alive for backward and FP8 keeps only its fp8 transpose.
 The "(CUDA graph)" row replays the FP8 Linear through `tritium.make_graphed_callables`: its
 time is the GPU's alone, where the eager rows of a small shape can be bound by the host.
+
+Timing at the GPU's sustained clock: for each shape every variant first compiles, warms up and
+has its device time and peak memory measured; then `settle_gpu` runs 3 s of bf16 GEMMs (an
+H100 under GEMM load hits its power cap and lowers its clock within a second), and every
+variant is timed once per round, in turn, for ROUNDS rounds; `ms` is the median over the
+rounds (`ms_rounds` lists them). Timed in one pass with bf16 first, bf16 ran on an idle GPU's boost
+clock that no later variant, and no training job, gets (benchmarks/RESULTS.md). `--single`
+keeps that old single pass, for comparison.
 """
 from __future__ import annotations
 
@@ -17,12 +25,15 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, measure_fwd_bwd  # noqa: E402
+import statistics  # noqa: E402
+
+from harness import finish, fwd_bwd_step, measure_fwd_bwd, settle_gpu, time_ms  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
 
 SHAPES = [(8192, 4096, 4096), (8192, 4096, 14336), (16384, 8192, 8192)]
+ROUNDS = 5
 
 
 def _variants(t, k, n):
@@ -53,31 +64,52 @@ def _variants(t, k, n):
         yield "torchao", exc, None
 
 
+def _time_shape(case, variants, x, dy, rounds, settle):
+    """Rows of one shape. First every variant compiles, warms up and has its device time and
+    peak memory measured (measure_fwd_bwd); then, after settling the GPU when `settle`, the
+    variants are timed in turn, `rounds` times (`ms_rounds`)."""
+    rows, steps = [], []
+    for variant, module, ctx in variants:
+        if isinstance(module, Exception):
+            rows.append({"case": case, "variant": variant, "error": repr(module)})
+            continue
+        try:
+            res = measure_fwd_bwd(module, x, dy, ctx, in_network=True)
+        except Exception as exc:
+            rows.append({"case": case, "variant": variant, "error": repr(exc)})
+            continue
+        rows.append({"case": case, "variant": variant, "ms_rounds": [],
+                     "gpu_ms": res["gpu_ms"], "peak_mb": res["peak_mb"],
+                     "peak_mb_in_network": res["peak_mb_in_network"]})
+        steps.append((rows[-1], fwd_bwd_step(module, x, dy, ctx)[0]))
+    if settle:
+        settle_gpu()
+    for _ in range(rounds):
+        for row, step in steps:
+            row["ms_rounds"].append(round(time_ms(step), 4))
+    return rows
+
+
 def main(argv):
-    """argv: optional T K N triples to run instead of SHAPES (e.g. `8192 4096 4096`)."""
-    dims = list(map(int, argv))
+    """argv: optional T K N triples to run instead of SHAPES (e.g. `8192 4096 4096`);
+    `--single`: one timing per variant, no settling (the method of the runs before the fourth
+    session, except that all variants compile before any is timed)."""
+    single = "--single" in argv
+    dims = [int(a) for a in argv if a != "--single"]
     shapes = [tuple(dims[i:i + 3]) for i in range(0, len(dims), 3)] if dims else SHAPES
     rows = []
     for t, k, n in shapes:
         case = f"T{t} {k}->{n}"
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-        for variant, module, ctx in _variants(t, k, n):
-            if isinstance(module, Exception):
-                rows.append({"case": case, "variant": variant, "error": repr(module)})
-                continue
-            try:
-                res = measure_fwd_bwd(module, x, dy, ctx, in_network=True)
-            except Exception as exc:
-                rows.append({"case": case, "variant": variant, "error": repr(exc)})
-                continue
-            rows.append({"case": case, "variant": variant, "ms": res["ms"],
-                         "gpu_ms": res["gpu_ms"],
-                         "tflops": round(6 * t * k * n / res["ms"] / 1e9, 1),
-                         "peak_mb": res["peak_mb"],
-                         "peak_mb_in_network": res["peak_mb_in_network"]})
-            print(rows[-1], flush=True)
-        del x, dy
+        variants = list(_variants(t, k, n))
+        for row in _time_shape(case, variants, x, dy, 1 if single else ROUNDS, not single):
+            if "ms_rounds" in row:
+                row["ms"] = round(statistics.median(row["ms_rounds"]), 4)
+                row["tflops"] = round(6 * t * k * n / row["ms"] / 1e9, 1)
+            rows.append(row)
+            print(row, flush=True)
+        del x, dy, variants
         torch.cuda.empty_cache()
     finish("linear", rows, baseline="bf16 nn.Linear")
 

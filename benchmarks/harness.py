@@ -44,6 +44,22 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def settle_gpu(seconds: float = 3.0) -> None:
+    """Run large bf16 GEMMs for `seconds`, so that what is timed next runs at the GPU's
+    sustained clock. An H100 SXM under bf16 GEMM load reaches its 700 W cap within a second and
+    drops from 1980 MHz to ~1500-1800 MHz (nvidia-smi: throttle reason SW power cap); a variant
+    timed first on an idle GPU gets the boost clock the others do not (bf16 nn.Linear 8192x4096
+    ->4096: 1.035 ms first, 1.16-1.20 ms in the five runs after it, same process)."""
+    import time
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        for _ in range(10):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def cuda_profile(fn, iters: int):
     """torch.profiler (CUDA activity only) over `iters` calls of fn, after one warm-up call."""
     from torch.profiler import ProfilerActivity, profile
@@ -90,9 +106,8 @@ def fwd_bwd_runner(module, x, dy, ctx=None, fresh_input=False):
     return run
 
 
-def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
-    """Median ms, device time (`gpu_ms`) and peak MiB of fwd+bwd, grads reset before each call
-    (and the peak with the input made in the step when in_network)."""
+def fwd_bwd_step(module, x, dy, ctx=None):
+    """(step, reset): step resets the grads of module and x, then runs fwd+bwd."""
     grads = list(module.parameters()) + [x]
     run = fwd_bwd_runner(module, x, dy, ctx)
 
@@ -103,6 +118,14 @@ def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
     def step():
         reset()
         run()
+    return step, reset
+
+
+def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
+    """Median ms, device time (`gpu_ms`) and peak MiB of fwd+bwd, grads reset before each call
+    (and the peak with the input made in the step when in_network)."""
+    step, reset = fwd_bwd_step(module, x, dy, ctx)
+    run = fwd_bwd_runner(module, x, dy, ctx)
     step(); step()
     out = {"ms": round(time_ms(step), 4), "gpu_ms": round(gpu_ms(step), 4)}
     reset()
