@@ -16,18 +16,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from linear_timeline import bf16_linear_step  # noqa: E402
 from profile_host import fp8_linear_step  # noqa: E402
-
-
-def _bf16_step(t, k, n):
-    lin = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-
-    def step():
-        lin.weight.grad = x.grad = None
-        lin(x).backward(dy)
-    return step
 
 
 def report(name, step, steps=20):
@@ -55,7 +45,7 @@ def report(name, step, steps=20):
 def main(t=8192, k=4096, n=4096):
     print(torch.cuda.get_device_name(), torch.__version__)
     report("tritium FP8 Linear (delayed, eager)", fp8_linear_step(t, k, n))
-    report("bf16 nn.Linear", _bf16_step(t, k, n))
+    report("bf16 nn.Linear", bf16_linear_step(t, k, n))
 
 
 if __name__ == "__main__":
