@@ -43,13 +43,6 @@ class FP8Region:
 
     @staticmethod
     def _update(table) -> None:
-        entries = list(table.values())
-        if not entries:
-            return
-        group, reduce = entries[0][1], entries[0][2]
-        if all(e[1] is group and e[2] == reduce for e in entries):  # the usual case: one batch
-            update_states([e[0] for e in entries], group, reduce)
-            return
         batches: dict[tuple, tuple[object, bool, list[ScalingState]]] = {}
         for state, group, reduce in table.values():
             batches.setdefault((id(group), reduce), (group, reduce, []))[2].append(state)

@@ -129,18 +129,25 @@ class FP8Plan:
                            pad_rows_to=pad_rows_to, write_data=write_data,
                            write_transpose=write_transpose)
 
+    def _weight_key(self, weight: torch.Tensor, fp8_dtype: torch.dtype) -> tuple:
+        """What a cached fp8 weight must match to be reused."""
+        return (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
+
+    def _reused_weight(self, key):
+        """The cached fp8 weight operands when this micro-batch reuses them, else None."""
+        cache = self.weight_cache
+        if self.is_first_microbatch is False and cache.entry is not None and cache.key == key:
+            return cache.entry
+        return None
+
     def _weight_cast_due(self, weight: torch.Tensor, key) -> bool:
         """False where the weight's fp8 operands come without a plain cast now: an FP8 param,
         a CUDA-graph cache (its own flagged cast) or a cache reused on a later micro-batch."""
         if isinstance(weight, Float8Tensor):
             return False
-        cache = self.weight_cache
-        if cache is None:
+        if self.weight_cache is None:
             return True
-        if cache.skip is not None:
-            return False
-        return not (self.is_first_microbatch is False and cache.entry is not None
-                    and cache.key == key)
+        return self.weight_cache.skip is None and self._reused_weight(key) is None
 
     def forward_operands(self, x2d: torch.Tensor, weight: torch.Tensor, need_wgrad: bool,
                          need_dgrad: bool):
@@ -148,8 +155,7 @@ class FP8Plan:
         its transpose when wgrad needs it, the weight with its transpose when dgrad does (or a
         cache keeps it). Where both must be cast now, one launch casts both."""
         fp8_dtype = self.recipe.fp8_format.forward_dtype
-        key = None if self.weight_cache is None else \
-            (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
+        key = None if self.weight_cache is None else self._weight_key(weight, fp8_dtype)
         if not self._weight_cast_due(weight, key):
             return (self.quantize(x2d, self.fwd, self.input_slot, fp8_dtype,
                                   write_transpose=need_wgrad),
@@ -178,12 +184,12 @@ class FP8Plan:
             return w8, w8_t, weight._scale_inv
         cache, first = self.weight_cache, self.is_first_microbatch
         fp8_dtype = self.recipe.fp8_format.forward_dtype
-        key = (type(self.recipe), fp8_dtype, weight.dtype, weight.device)
+        key = self._weight_key(weight, fp8_dtype)
         if cache is not None and cache.skip is not None:  # a device flag decides (CUDA graphs)
             return cache.flagged_operands(self, weight, fp8_dtype, key)
-        if cache is not None and first is False and cache.entry is not None \
-                and cache.key == key:
-            return cache.entry
+        reused = None if cache is None else self._reused_weight(key)
+        if reused is not None:
+            return reused
         keep = cache is not None and first is not None
         w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, self.weight_slot, fp8_dtype,
                                        pad_rows_to=1, write_transpose=need_transpose or keep)

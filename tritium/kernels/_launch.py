@@ -3,11 +3,12 @@
 Triton's own `kernel[grid](...)` binds arguments, computes a specialization key and builds
 launch metadata on every call: tens of microseconds of host time, which an eager FP8 Linear
 would pay at each of its four launches per step. `Launcher` keys the compiled kernel on what
-Triton specializes on (tensor dtypes and 16-byte alignment, integer divisibility by 16 / equality to 1 / 64-bit range,
-the constexpr values, num_warps, the device) and, on a hit, calls the compiled kernel's launcher
-directly. A miss (or a CPU tensor under TRITON_INTERPRET) goes through Triton's normal path.
-(Triton's `cdiv` / `next_power_of_2` are constexpr-function objects whose calls cost host time
-too: launchers here do that arithmetic in plain Python.)
+Triton specializes on (tensor dtypes and 16-byte alignment, integer divisibility by 16 /
+equality to 1 / 64-bit range, the constexpr values, num_warps, the device) and, on a hit, calls
+the compiled kernel's launcher directly. A miss (or a CPU tensor under TRITON_INTERPRET) goes
+through Triton's normal path. (Triton's `cdiv` / `next_power_of_2` are constexpr-function
+objects whose calls cost host time too: launchers here do that arithmetic in plain Python,
+`-(-n // d)` and `next_pow2`.)
 Assumes every constexpr parameter comes after the runtime parameters (checked).
 """
 from __future__ import annotations
@@ -19,6 +20,11 @@ _Tensor = torch.Tensor
 # CPU builds of torch have neither; launches on CUDA only happen where they exist.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 _current_device = getattr(torch._C, "_cuda_getDevice", None)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of 2 >= n (1 for n <= 1), without triton.next_power_of_2's cost."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def _spec(a):

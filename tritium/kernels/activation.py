@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
+from ._launch import Launcher, next_pow2
 
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu",
                "geglu", "qgeglu", "reglu", "sreglu", "swiglu", "glu")
@@ -183,17 +183,13 @@ _launch_bwd = Launcher(_bwd_kernel)
 _INT32_LIMIT = 2**31
 
 
-def _np2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _tile(rows: int, cols: int, interpret: bool, elems: int) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_C, num_warps): `elems` elements per tile on the GPU; tiny tiles in the
     interpreter (so that tests at tiny shapes cross row and column block edges)."""
     if interpret:
-        return 2, min(_np2(cols), 32), 1
-    bc = min(max(_np2(cols), 16), elems)
-    br = min(max(elems // bc, 1), _np2(rows))
+        return 2, min(next_pow2(cols), 32), 1
+    bc = min(max(next_pow2(cols), 16), elems)
+    br = min(max(elems // bc, 1), next_pow2(rows))
     return br, bc, 8 if br * bc >= 4096 else 4
 
 

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
+from ._launch import Launcher, next_pow2
 
 MAX_HIDDEN = 65536
 _TILE = 4096                # elements per forward/backward tile when hidden is small
@@ -208,7 +208,7 @@ def _tile(n: int, interpret: bool, backward: bool = False) -> tuple[int, int, in
     if n > MAX_HIDDEN:
         raise ValueError(f"hidden size {n} > {MAX_HIDDEN}: the Triton norm kernels keep a whole "
                          "row in registers; use the PyTorch twin (tritium.ref.norm)")
-    block_n = 1 << (max(n, 1) - 1).bit_length()  # next power of 2 (triton's costs host time)
+    block_n = next_pow2(n)
     if interpret:
         return 2, block_n, 1
     block_rows = max(1, min(16, _TILE // block_n))

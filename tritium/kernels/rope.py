@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
+from ._launch import Launcher, next_pow2
 
 
 @triton.jit
@@ -81,17 +81,13 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr,
 _launch = Launcher(_rope_kernel)
 
 
-def _np2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _tile(rows: int, d: int, interpret: bool) -> tuple[int, int, int]:
     """(BLOCK_R, BLOCK_D, num_warps): ~4096 elements per tile on the GPU; 2-row tiles in the
     interpreter so that tiny tests cross tile edges."""
-    bd = max(_np2(d), 2)
+    bd = max(next_pow2(d), 2)
     if interpret:
         return 2, bd, 1
-    br = max(1, min(4096 // bd, _np2(rows)))
+    br = max(1, min(4096 // bd, next_pow2(rows)))
     return br, bd, 8 if br * bd >= 4096 else 4
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher
+from ._launch import Launcher, next_pow2
 
 MAX_HISTORY = 16384
 
@@ -58,7 +58,7 @@ def prepared_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: fl
     return functools.partial(
         _launch_update, (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
         MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
-        BLOCK_L=1 << (length - 1).bit_length(), num_warps=4)
+        BLOCK_L=next_pow2(length), num_warps=4)
 
 
 def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: float,
