@@ -17,6 +17,14 @@ variant is timed once per round, in turn, for ROUNDS rounds; `ms` is the median 
 rounds (`ms_rounds` lists them). Timed in one pass with bf16 first, bf16 ran on an idle GPU's boost
 clock that no later variant, and no training job, gets (benchmarks/RESULTS.md). `--single`
 keeps that old single pass, for comparison.
+
+Autograd threading: PyTorch's engine runs the backward of CUDA tensors on its own device thread,
+so an autograd Function written in Python (tritium's, TE's) pays a hand-off to that thread and
+runs its backward there with cold caches: ~0.2 ms per step on the lent VMs, where the FP8 step
+at 8192x4096->4096 is bound by host time. Every variant is timed with PyTorch's default (the
+case named by its shape, the headline); bf16, tritium and torchao compiled are timed again with
+`torch.autograd.set_multithreading_enabled(False)` (the backward on the calling thread), each
+against bf16 under that same setting (the case with " | backward on calling thread").
 """
 from __future__ import annotations
 
@@ -64,10 +72,23 @@ def _variants(t, k, n):
         yield "torchao", exc, None
 
 
+SAME_THREAD = " | backward on calling thread"
+SAME_THREAD_VARIANTS = ("bf16 nn.Linear", "tritium fp8 delayed (eager)",
+                        "tritium fp8 current (eager)", "torchao tensorwise compiled")
+
+
+def _on_calling_thread(step):
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return run
+
+
 def _time_shape(case, variants, x, dy, rounds, settle):
     """Rows of one shape. First every variant compiles, warms up and has its device time and
     peak memory measured (measure_fwd_bwd); then, after settling the GPU when `settle`, the
-    variants are timed in turn, `rounds` times (`ms_rounds`)."""
+    variants are timed in turn, `rounds` times (`ms_rounds`), the SAME_THREAD_VARIANTS also
+    with the backward on the calling thread (case + SAME_THREAD)."""
     rows, steps = [], []
     for variant, module, ctx in variants:
         if isinstance(module, Exception):
@@ -81,13 +102,17 @@ def _time_shape(case, variants, x, dy, rounds, settle):
         rows.append({"case": case, "variant": variant, "ms_rounds": [],
                      "gpu_ms": res["gpu_ms"], "peak_mb": res["peak_mb"],
                      "peak_mb_in_network": res["peak_mb_in_network"]})
-        steps.append((rows[-1], fwd_bwd_step(module, x, dy, ctx)[0]))
+        step = fwd_bwd_step(module, x, dy, ctx)[0]
+        steps.append((rows[-1], step))
+        if variant in SAME_THREAD_VARIANTS:
+            rows.append({"case": case + SAME_THREAD, "variant": variant, "ms_rounds": []})
+            steps.append((rows[-1], _on_calling_thread(step)))
     if settle:
         settle_gpu()
     for _ in range(rounds):
         for row, step in steps:
             row["ms_rounds"].append(round(time_ms(step), 4))
-    return rows
+    return sorted(rows, key=lambda r: SAME_THREAD in r["case"])  # stable: headline rows first
 
 
 def main(argv):

@@ -186,3 +186,12 @@ def test_second_backward_through_fp8_linear_is_a_clear_error():
     y.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="retain_graph"):
         y.sum().backward()
+
+
+def test_unknown_fp8_gemm_choice_names_the_variable(setenv):
+    with pytest.raises(ValueError, match="TRITIUM_FP8_GEMM='cutlass': use auto, triton or cublas"):
+        setenv("TRITIUM_FP8_GEMM", "cutlass")
+    setenv("TRITIUM_FP8_GEMM", "cublas")
+    from tritium import _env
+    assert _env.fp8_gemm() == "cublas"
+    setenv("TRITIUM_FP8_GEMM", "auto")

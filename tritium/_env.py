@@ -8,6 +8,8 @@ TRITON_INTERPRET=1      Triton's own switch: kernels run in its CPU interpreter.
                         launches its Triton kernels on CPU tensors too (the `interp` test tier).
 TRITIUM_ATTN_BACKEND=B  force DotProductAttention's backend: cudnn, flash, efficient or torch (alias math);
                         unset or "auto": chosen per call (`tritium.attention.explain` says why).
+TRITIUM_FP8_GEMM=G      which FP8 GEMM runs on Hopper: "triton" (tritium.kernels.gemm), "cublas"
+                        (torch._scaled_mm) or "auto" (default; functional/gemm.py says how).
 TRITIUM_LOG=LEVEL       logging level of the `tritium` logger (default WARNING).
 
 The variables are read once, at import: an FP8 step asks several times per layer, and reading
@@ -30,6 +32,10 @@ def reload() -> None:
     for name in ("TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8", "TRITON_INTERPRET"):
         _flags[name] = _flag(name)
     _values["TRITIUM_ATTN_BACKEND"] = os.environ.get("TRITIUM_ATTN_BACKEND", "").strip().lower()
+    gemm = os.environ.get("TRITIUM_FP8_GEMM", "auto").strip().lower() or "auto"
+    if gemm not in ("auto", "triton", "cublas"):
+        raise ValueError(f"TRITIUM_FP8_GEMM={gemm!r}: use auto, triton or cublas")
+    _values["TRITIUM_FP8_GEMM"] = gemm
 
 
 reload()
@@ -51,6 +57,11 @@ def attn_backend():
     """The forced attention backend name, or None (chosen per call)."""
     value = _values["TRITIUM_ATTN_BACKEND"]
     return None if value in ("", "auto") else value
+
+
+def fp8_gemm() -> str:
+    """"auto", "triton" or "cublas" (TRITIUM_FP8_GEMM)."""
+    return _values["TRITIUM_FP8_GEMM"]
 
 
 def log_level() -> str:

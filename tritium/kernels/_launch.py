@@ -9,11 +9,16 @@ the compiled kernel's launcher directly. A miss (or a CPU tensor under TRITON_IN
 through Triton's normal path. (Triton's `cdiv` / `next_power_of_2` are constexpr-function
 objects whose calls cost host time too: launchers here do that arithmetic in plain Python,
 `-(-n // d)` and `next_pow2`.)
+TMA descriptors travel as `TensorDesc`, Triton's host `TensorDescriptor` built without its
+Python validation (the callers' layouts are checked where they are made); the key holds the
+base's dtype and the block shape, what the compiled signature ("tensordesc<fp8[128, 128]>")
+depends on. Its shape and strides are runtime values, encoded at each launch.
 Assumes every constexpr parameter comes after the runtime parameters (checked).
 """
 from __future__ import annotations
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 _Tensor = torch.Tensor
@@ -25,6 +30,15 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 def next_pow2(n: int) -> int:
     """The smallest power of 2 >= n (1 for n <= 1), without triton.next_power_of_2's cost."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+class TensorDesc(TensorDescriptor):
+    """A TMA descriptor of a 2D tensor with a contiguous last dim and a 16-byte-aligned base,
+    made without TensorDescriptor's per-call validation (host time on every GEMM)."""
+
+    def __init__(self, t: torch.Tensor, block_shape: tuple):
+        self.base, self.shape, self.strides = t, t.shape, t.stride()
+        self.block_shape, self.padding = block_shape, "zero"
 
 
 def _spec(a):
@@ -47,6 +61,12 @@ class Launcher:
         self.constexpr_names = [p.name for p in params if p.is_constexpr]
         self._cache = {}
 
+    def _plain(self, grid, args, num_warps, num_stages, constexprs):
+        """Triton's own launch (compiles on a miss); returns the compiled kernel."""
+        if num_stages is not None:
+            constexprs = {**constexprs, "num_stages": num_stages}
+        return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+
     @staticmethod
     def key(device, args, num_warps, constexprs) -> tuple:
         """What Triton specializes the compiled kernel on, computed inline (every launch)."""
@@ -57,19 +77,23 @@ class Launcher:
             elif isinstance(a, _Tensor):
                 key.append(a.dtype)
                 key.append(a.data_ptr() & 15)
+            elif a.__class__ is TensorDesc:
+                key.append((a.base.dtype, a.block_shape))
             else:
                 key.append(_spec(a))
         return tuple(key)
 
-    def __call__(self, grid, *args, num_warps: int = 4, **constexprs):
+    def __call__(self, grid, *args, num_warps: int = 4, num_stages=None, **constexprs):
         cache = self._cache
-        if cache is None or not args[0].is_cuda:
-            return self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+        first = args[0].base if args[0].__class__ is TensorDesc else args[0]
+        if cache is None or not first.is_cuda:
+            return self._plain(grid, args, num_warps, num_stages, constexprs)
         device = _current_device()
-        key = self.key(device, args, num_warps, constexprs)
+        key = self.key(device, args, num_warps if num_stages is None else (num_warps, num_stages),
+                       constexprs)
         hit = cache.get(key)
         if hit is None:
-            compiled = self.kernel[grid](*args, num_warps=num_warps, **constexprs)
+            compiled = self._plain(grid, args, num_warps, num_stages, constexprs)
             # what a direct launch passes: the launcher, the CUfunction, the packed metadata
             # and the constexprs in parameter order (fixed for this key); `compiled` rides
             # along so that the module holding the CUfunction lives as long as the entry

@@ -1,0 +1,102 @@
+"""gpu tier: the Triton FP8 GEMM (`tritium.kernels.gemm`) on Hopper tensor cores, against its
+twin (`tritium.ref.gemm`), torch._scaled_mm (cuBLASLt) and an fp64 oracle; and the Linear's
+choice of GEMM (TRITIUM_FP8_GEMM).
+
+Precise accumulation on integer-valued operands (every partial sum exact in fp32) must give the
+twin's bits. On random operands each accumulation mode must be about as accurate as cuBLASLt's
+same mode, measured against fp64 (the fast mode accumulates in the tensor cores' narrower
+format, so its error is larger than the precise mode's and is compared with cuBLASLt's fast).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritium as te
+from tritium import recipe
+from tritium.kernels import gemm as kgemm
+from tritium.ref import gemm as rgemm
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability() < (9, 0),
+                                 reason="needs a Hopper GPU (TMA, FP8 wgmma)")]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+
+
+def _bits(t):
+    return t.view({4: torch.int32, 2: torch.int16}[t.element_size()])
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 256, 128), (1040, 784, 528), (16, 48, 4096)])
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_precise_gemm_equals_twin_on_exact_sums(m, n, k, a_dtype, b_dtype, out_dtype, bias):
+    g = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
+    a = torch.randint(-8, 9, (m, k), device="cuda", generator=g).float().to(a_dtype)
+    b = torch.randint(-8, 9, (n, k), device="cuda", generator=g).float().to(b_dtype)
+    sa = torch.rand(1, device="cuda", generator=g) + 0.1
+    sb = torch.rand(1, device="cuda", generator=g) * 3 + 0.01
+    bias_t = torch.randn(n, device="cuda", generator=g).to(out_dtype) if bias else None
+    got = kgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t, fast_accum=False)
+    want = rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t)
+    assert got.abs().max() > 0
+    assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("m,n,k", [(8192, 4096, 4096), (2000, 1024, 8192), (256, 512, 1040)])
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gemm_as_accurate_as_cublas(m, n, k, a_dtype, b_dtype, fast_accum):
+    g = torch.Generator(device="cuda").manual_seed(m + n + k)
+    a = (torch.randn(m, k, device="cuda", generator=g) * 4).to(a_dtype)
+    b = (torch.randn(n, k, device="cuda", generator=g) * 4).to(b_dtype)
+    sa, sb = torch.full((1,), 0.37, device="cuda"), torch.full((1,), 1.9, device="cuda")
+    exact = (a.double() @ b.double().t()) * (0.37 * 1.9)
+    ours = kgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32, fast_accum=fast_accum)
+    cublas = torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32,
+                              use_fast_accum=fast_accum)
+    twin = rgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32)
+
+    def err(x):
+        return ((x.double() - exact).norm() / exact.norm()).item()
+    assert err(ours) <= 2 * err(cublas) + 1e-7, (err(ours), err(cublas))
+    if not fast_accum:
+        assert err(ours) < 1e-6 and err(twin) < 1e-6
+
+
+def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
+    """auto: fprop (fast accumulation) on the Triton kernel, dgrad/wgrad on cuBLASLt; the
+    results agree with TRITIUM_FP8_GEMM=cublas to the fast accumulator's precision."""
+    calls = []
+    real = kgemm.fp8_gemm_tn
+    monkeypatch.setattr(kgemm, "fp8_gemm_tn",
+                        lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
+                        or real(*a, **k))
+    torch.manual_seed(0)
+    layer = te.Linear(1024, 768, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+
+    def run():
+        layer.fp8_meta = type(layer.fp8_meta)(2, 1)
+        for _ in range(2):
+            xi = x.clone().requires_grad_()
+            layer.weight.grad = layer.bias.grad = None
+            with te.fp8_autocast(fp8_recipe=rec):
+                out = layer(xi)
+            out.backward(dy)
+        return out.detach(), xi.grad, layer.weight.grad, layer.bias.grad
+    auto = run()
+    assert calls == [True, True], "expected the Triton kernel for the two forward GEMMs only"
+    setenv("TRITIUM_FP8_GEMM", "cublas")
+    calls.clear()
+    cublas = run()
+    assert calls == []
+    for got, want in zip(auto, cublas):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    assert torch.equal(auto[1], cublas[1]), "dgrad is the same cuBLASLt call on the same bits"

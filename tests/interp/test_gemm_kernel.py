@@ -1,0 +1,79 @@
+"""`tritium.kernels.gemm.fp8_gemm_tn` == `tritium.ref.gemm.fp8_gemm_tn` under the interpreter.
+
+Bit for bit where the sum's order cannot matter: integer-valued fp8 operands with |v| <= 8 (exact
+in e4m3 and e5m2) give integer products and partial sums far below 2^24, exact in fp32 in any
+order, so the scale, bias and final rounding (same operations in the same order) must agree in
+every bit. With wide random values the two sum in different orders and agree to fp32 rounding.
+Tiles are 16x16x32 under the interpreter, so the odd shapes cross tile edges in M, N and K.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritium.kernels import gemm as kgemm
+from tritium.ref import gemm as rgemm
+
+from ._helpers import assert_same_bits, wide_randn
+
+pytestmark = [pytest.mark.interp,  # tl.range with a runtime step: numpy deprecation noise
+              pytest.mark.filterwarnings("ignore::DeprecationWarning:triton.runtime.interpreter")]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+SHAPES = [(16, 16, 16), (48, 32, 96), (32, 80, 48), (64, 16, 112)]
+
+
+def _integer_fp8(rows, cols, dtype, gen):
+    return torch.randint(-8, 9, (rows, cols), generator=gen).to(torch.float32).to(dtype)
+
+
+def _scales(gen):
+    # arbitrary fp32 scale_invs (not powers of two): the product is rounded the same way
+    return (torch.rand(1, generator=gen) + 0.1), (torch.rand(1, generator=gen) * 3 + 0.01)
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gemm_kernel_equals_ref_bits_on_exact_sums(m, n, k, a_dtype, b_dtype, out_dtype, bias,
+                                                   fast_accum):
+    gen = torch.Generator().manual_seed(hash((m, n, k, str(a_dtype), str(b_dtype),
+                                              str(out_dtype), bias, fast_accum)) % 2**31)
+    a, b = _integer_fp8(m, k, a_dtype, gen), _integer_fp8(n, k, b_dtype, gen)
+    sa, sb = _scales(gen)
+    bias_t = torch.randn(n, generator=gen).to(out_dtype) if bias else None
+    got = kgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t, fast_accum)
+    want = rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t, fast_accum)
+    assert got.abs().max() > 0
+    assert_same_bits(got, want, f"{m}x{n}x{k} {a_dtype}x{b_dtype} -> {out_dtype}")
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+def test_gemm_kernel_writes_a_row_block_in_place(a_dtype, b_dtype):
+    gen = torch.Generator().manual_seed(7)
+    a, b = _integer_fp8(32, 64, a_dtype, gen), _integer_fp8(48, 64, b_dtype, gen)
+    sa, sb = _scales(gen)
+    full = torch.full((80, 48), 123.0)
+    block = full[16:48]
+    got = kgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32, out=block)
+    assert got.data_ptr() == block.data_ptr()
+    assert_same_bits(full[16:48], rgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32), "block")
+    assert torch.all(full[:16] == 123.0) and torch.all(full[48:] == 123.0), \
+        "rows outside the block were written"
+
+
+@pytest.mark.parametrize("a_dtype,b_dtype", PAIRS)
+def test_gemm_kernel_matches_ref_to_fp32_rounding_on_wide_values(a_dtype, b_dtype):
+    gen = torch.Generator().manual_seed(11)
+    a = wide_randn((48, 96), torch.float32, gen, decades=2.0).clamp(-400, 400).to(a_dtype)
+    b = wide_randn((32, 96), torch.float32, gen, decades=2.0).clamp(-400, 400).to(b_dtype)
+    sa, sb = _scales(gen)
+    got = kgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32)
+    want = rgemm.fp8_gemm_tn(a, b, sa, sb, torch.float32)
+    # each sum's rounding error is bounded by K * eps * sum|a_i b_i|, whatever the order
+    bound = 96 * 2**-24 * (a.float().abs() @ b.float().abs().t()) * (sa * sb) + 1e-30
+    assert ((got - want).abs() <= bound).all()
+    assert not torch.equal(got, torch.zeros_like(got))

@@ -1,0 +1,106 @@
+"""Triton FP8 GEMM in the "TN" form: out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias).
+
+Why it exists beside `torch._scaled_mm`: at 8192x4096->4096 an eager FP8 Linear step is bound
+by host time on the lent VMs, and a step whose forward GEMM is this kernel spends ~70 us less
+host time than one whose forward goes through cuBLASLt (same GPU time: in fast-accumulation
+mode the kernel matches cuBLASLt; in precise mode it is ~20% slower, so dgrad/wgrad stay on
+cuBLASLt, see `tritium.functional.gemm`). It is launched through `Launcher` (a direct call of
+the compiled kernel) with TMA descriptors built by a light subclass of Triton's
+`TensorDescriptor`: a few microseconds of Python plus one driver call per descriptor.
+
+Layout: a [M, K] and b [N, K], fp8 (e4m3 or e5m2, not both e5m2), row-major with K contiguous;
+out [M, N] contiguous (a row block of a larger tensor is fine). TMA zero-fills the edges, so M,
+N, K need not divide the tiles (the Linear keeps them multiples of 16 anyway). Each program
+walks tiles `pid, pid + P, ...` (P = programs launched: the tile count, or the SM count for a
+persistent launch) in GROUP_M-grouped order for L2 reuse.
+
+Numerics (twin: `tritium.ref.gemm.fp8_gemm_tn`, the exact fp8 products summed in fp32):
+products of fp8 values are exact in fp32. `fast_accum=False` ("precise") adds the tensor
+cores' partial sum into an fp32 accumulator after every BLOCK_K slice of K
+(max_num_imprecise_acc); `fast_accum=True` lets the tensor cores accumulate the whole K in
+their own reduced-precision accumulator, as cuBLASLt's fast-accumulation mode does. The
+epilogue multiplies by a_scale_inv * b_scale_inv in fp32, adds the bias in fp32 and rounds
+once to the output dtype. The sums' order differs from the twin's, so the two agree to fp32
+rounding (precise) or to the accumulator's precision (fast), not bit for bit.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ._launch import Launcher, TensorDesc
+
+
+@triton.jit
+def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr, bias_ptr,
+                        M, N, K, num_programs,
+                        HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        GROUP_M: tl.constexpr):
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    scale = tl.load(a_scale_inv_ptr) * tl.load(b_scale_inv_ptr)
+    per_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        off_m = (first_m + tile % group_m) * BLOCK_M
+        off_n = ((tile % per_group) // group_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(k_tiles):
+            a = a_desc.load([off_m, ki * BLOCK_K])
+            b = b_desc.load([off_n, ki * BLOCK_K])
+            if PRECISE:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        c = acc * scale
+        if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
+            c += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        c_desc.store([off_m, off_n], c.to(c_desc.dtype))
+
+
+_launch_gemm = Launcher(_fp8_gemm_tn_kernel)
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by fast_accum, the best of a
+# sweep on an H100 (scripts/gemm_probe.py) at the Linear's GEMM shapes, launched persistent.
+# Precise accumulation holds a second fp32 tile in registers: 128x256 spills there.
+CONFIGS = {True: (128, 256, 128, 8, 8, 3), False: (256, 128, 128, 8, 8, 3)}
+_INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
+_sm_count: dict = {}
+
+
+def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
+                b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
+                bias: Optional[torch.Tensor] = None, fast_accum: bool = False,
+                out: Optional[torch.Tensor] = None, *, config: Optional[tuple] = None,
+                persistent: bool = True) -> torch.Tensor:
+    """See `tritium.ref.gemm.fp8_gemm_tn`. `config` / `persistent`: tile choice (benchmarks)."""
+    m, k = a.shape
+    n = b.shape[0]
+    if out is None:
+        out = torch.empty(m, n, dtype=out_dtype, device=a.device)
+    if config is None:
+        config = CONFIGS[fast_accum] if a.is_cuda else _INTERPRET_CONFIG
+    bm, bn, bk, group_m, warps, stages = config
+    tiles = -(-m // bm) * -(-n // bn)
+    programs = tiles
+    if persistent and a.is_cuda:
+        dev = a.get_device()
+        if dev not in _sm_count:
+            _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
+        programs = min(tiles, _sm_count[dev])
+    _launch_gemm((programs,), TensorDesc(a, (bm, bk)), TensorDesc(b, (bn, bk)),
+                 TensorDesc(out, (bm, bn)), a_scale_inv, b_scale_inv,
+                 bias if bias is not None else a_scale_inv, m, n, k, programs,
+                 HAS_BIAS=bias is not None, PRECISE=not fast_accum, BLOCK_M=bm, BLOCK_N=bn,
+                 BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    return out
+
+
+__all__ = ["fp8_gemm_tn", "CONFIGS"]
