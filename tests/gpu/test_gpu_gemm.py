@@ -2,10 +2,13 @@
 twin (`tritium.ref.gemm`), torch._scaled_mm (cuBLASLt) and an fp64 oracle; and the Linear's
 choice of GEMM (TRITIUM_FP8_GEMM).
 
-Precise accumulation on integer-valued operands (every partial sum exact in fp32) must give the
-twin's bits. On random operands each accumulation mode must be about as accurate as cuBLASLt's
-same mode, measured against fp64 (the fast mode accumulates in the tensor cores' narrower
-format, so its error is larger than the precise mode's and is compared with cuBLASLt's fast).
+Precise accumulation on integer-valued operands (every partial sum exact even in the tensor
+cores' reduced-precision adder) must give the twin's bits; with a bias and an fp32 output the
+compiled epilogue is one FMA (one rounding), so there the oracle is the fp64 value rounded once
+and the twin (two roundings) is one unit in the last place away at most. On random operands
+each accumulation mode must be about as accurate as cuBLASLt's same mode, measured against
+fp64: the tensor cores add fp8 products in reduced precision inside each K slice in both modes
+(~1e-4 relative here), precise mode only keeps the sum across slices in fp32.
 """
 from __future__ import annotations
 
@@ -44,7 +47,15 @@ def test_precise_gemm_equals_twin_on_exact_sums(m, n, k, a_dtype, b_dtype, out_d
     got = kgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t, fast_accum=False)
     want = rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, bias_t)
     assert got.abs().max() > 0
-    assert torch.equal(_bits(got), _bits(want))
+    if bias and out_dtype == torch.float32:  # fma(acc, scale, bias): one rounding
+        product = (a.double() @ b.double().t()) * (sa * sb).double()
+        assert torch.equal(_bits(got), _bits((product + bias_t.double()).float()))
+        # the twin rounds the product first: off by an ulp of the product (large under
+        # cancellation with the bias) plus one of the result
+        eps = torch.finfo(torch.float32).eps
+        assert ((got.double() - want.double()).abs() <= eps * (product.abs() + want.abs())).all()
+    else:
+        assert torch.equal(_bits(got), _bits(want))
 
 
 @pytest.mark.parametrize("m,n,k", [(8192, 4096, 4096), (2000, 1024, 8192), (256, 512, 1040)])
@@ -64,8 +75,7 @@ def test_gemm_as_accurate_as_cublas(m, n, k, a_dtype, b_dtype, fast_accum):
     def err(x):
         return ((x.double() - exact).norm() / exact.norm()).item()
     assert err(ours) <= 2 * err(cublas) + 1e-7, (err(ours), err(cublas))
-    if not fast_accum:
-        assert err(ours) < 1e-6 and err(twin) < 1e-6
+    assert err(ours) < (1e-2 if fast_accum else 1e-3) and err(twin) < 1e-6
 
 
 def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):

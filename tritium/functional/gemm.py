@@ -29,13 +29,22 @@ from ..ref import gemm as ref_gemm
 _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
 
 
-def _use_triton_gemm(a: torch.Tensor, fast_accum: bool) -> bool:
+def _tma_ok(t: Optional[torch.Tensor]) -> bool:
+    """A layout TMA takes: last dim contiguous, base and row stride 16-byte aligned."""
+    return t is None or (t.stride(-1) == 1 and not t.data_ptr() & 15
+                         and not (t.stride(0) * t.element_size()) & 15)
+
+
+def _use_triton_gemm(a, b, out, fast_accum: bool) -> bool:
     """"auto": the Triton kernel for fast accumulation (fprop), cuBLASLt for precise (dgrad,
-    wgrad); docs/performance.md has the measurements behind it."""
+    wgrad); docs/performance.md has the measurements behind it. Layouts TMA cannot take go to
+    cuBLASLt."""
     if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
         return False
     choice = _env.fp8_gemm()
-    return fast_accum if choice == "auto" else choice == "triton"
+    if not (fast_accum if choice == "auto" else choice == "triton"):
+        return False
+    return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
 
 def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -65,7 +74,7 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     if not _device.fp8_tensor_cores(a):
         return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
                                     out)
-    if _use_triton_gemm(a, fast_accum):
+    if _use_triton_gemm(a, b, out, fast_accum):
         from ..kernels import gemm as kernel_gemm
         return kernel_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
                                        fast_accum, out)
