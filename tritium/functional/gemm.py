@@ -8,12 +8,10 @@ TRITIUM_EMULATE_FP8=1) the GEMM is emulated (`tritium.ref.gemm`): the fp8 values
 fp32, multiplied in fp32, then scaled, biased and rounded once to out_dtype.
 
 Which GEMM runs on Hopper (TRITIUM_FP8_GEMM, default "auto"): fast accumulation (the forward
-GEMM) runs the Triton kernel `tritium.kernels.gemm`, precise accumulation (dgrad, wgrad) runs
-cuBLASLt through `torch._scaled_mm`. Measured on an H100 (benchmarks/RESULTS.md): in fast mode
-the Triton kernel is as fast as cuBLASLt (1351 vs 1366 TFLOP/s at 8192x4096x4096, 1222 vs 1251
-at 8192x14336x4096, 1260 vs 1228 at 16384x8192x8192) and an eager FP8 Linear step that keeps
-cuBLASLt out of its forward spends ~70 us less host time at 8192x4096->4096; in precise mode
-Triton's split accumulation runs at ~1000 against cuBLASLt's ~1250 TFLOP/s.
+GEMM) runs the Triton kernel `tritium.kernels.gemm`, as fast as cuBLASLt there and lighter on
+the host of an eager step; precise accumulation (dgrad, wgrad) runs cuBLASLt through
+`torch._scaled_mm`, ~20% faster there than Triton's split accumulation. Measurements:
+docs/performance.md.
 """
 from __future__ import annotations
 
