@@ -4,9 +4,10 @@ A. host cost per call (tiny GEMMs, no sync inside the loop): _scaled_mm, the Tri
    torch.empty, one fp8 cast launch;
 B. device time of the Linear's GEMM shapes (fprop fast accumulation; dgrad/wgrad precise) for
    a few tile configs, grid = tiles and persistent, next to _scaled_mm, with the max difference;
-C. the FP8 Linear fwd+bwd step with either GEMM backend next to bf16 nn.Linear (settled clock,
-   interleaved rounds, median).
-Usage: python3 scripts/gemm_probe.py [A] [B] [C]
+D. the FP8 Linear fwd+bwd step with each GEMM choice next to bf16 nn.Linear, under both
+   autograd threading modes (settled clock, alternating rounds, median). (A part C of the
+   first run, a shorter version of D, is in results/...-gemm_probe.json.)
+Usage: python3 scripts/gemm_probe.py [A] [B] [D]
 """
 from __future__ import annotations
 
@@ -119,46 +120,11 @@ def part_b():
         torch.cuda.empty_cache()
 
 
-def part_c(shapes=((8192, 4096, 4096), (8192, 4096, 14336))):
-    dt = torch.bfloat16
-    delayed = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
-    for t, k, n in shapes:
-        x = torch.randn(t, k, device="cuda", dtype=dt, requires_grad=True)
-        dy = torch.randn(t, n, device="cuda", dtype=dt)
-        base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dt)
-        lin = te.Linear(k, n, bias=False, params_dtype=dt, device="cuda")
-        fp8_step = fwd_bwd_step(lin, x, dy, lambda: te.fp8_autocast(fp8_recipe=delayed))[0]
-        variants = [("bf16 nn.Linear", "auto", fwd_bwd_step(base, x, dy)[0]),
-                    ("fp8 delayed, cublas gemm", "cublas", fp8_step),
-                    ("fp8 delayed, triton gemm", "triton", fp8_step)]
-        times = {name: [] for name, _, _ in variants}
-
-        def with_gemm(gemm):
-            os.environ["TRITIUM_FP8_GEMM"] = gemm
-            _env.reload()
-        for _, gemm, step in variants:
-            with_gemm(gemm)
-            step(); step()
-        settle_gpu()
-        for _ in range(5):
-            for name, gemm, step in variants:
-                with_gemm(gemm)
-                times[name].append(time_ms(step))
-        base_ms = statistics.median(times["bf16 nn.Linear"])
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            emit({"part": "C", "case": f"T{t} {k}->{n}", "variant": name, "ms": round(med, 4),
-                  "rounds": [round(v, 4) for v in ts], "speedup_vs_bf16": round(base_ms / med, 3)})
-        with_gemm("auto")
-
-
 def part_d(t=8192, k=4096, n=4096, rounds=12):
-    """Alternating rounds (noise-robust A/B): FP8 step with cuBLAS for all GEMMs, Triton for
-    fprop only, Triton for all; each with the autograd engine's device thread (default) and
-    with backward on the calling thread (set_multithreading_enabled(False)); bf16 alike."""
-    import importlib
-    fl = importlib.import_module("tritium.functional.linear")
-    real = fl.fp8_gemm_tn
+    """Alternating rounds (noise-robust A/B): the FP8 step with each TRITIUM_FP8_GEMM choice
+    (cublas: all three GEMMs on cuBLASLt; auto: Triton fprop; triton: all three on Triton),
+    each with the autograd engine's device thread (default) and with backward on the calling
+    thread (set_multithreading_enabled(False)); bf16 alike."""
     dt = torch.bfloat16
     delayed = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
     x = torch.randn(t, k, device="cuda", dtype=dt, requires_grad=True)
@@ -166,32 +132,19 @@ def part_d(t=8192, k=4096, n=4096, rounds=12):
     base = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=dt)
     lin = te.Linear(k, n, bias=False, params_dtype=dt, device="cuda")
     fp8 = fwd_bwd_step(lin, x, dy, lambda: te.fp8_autocast(fp8_recipe=delayed))[0]
-    bf16 = fwd_bwd_step(base, x, dy)[0]
-
-    def fprop_only(a, b, sa, sb, dtype, bias=None, fast_accum=False, out=None):
-        if fast_accum:
-            return kg.fp8_gemm_tn(a, b, sa, sb, dtype, bias, True, out)
-        return real(a, b, sa, sb, dtype, bias, fast_accum, out)
-    modes = {"cublas": ("cublas", real), "triton fprop": ("cublas", fprop_only),
-             "triton all": ("triton", real)}
-    variants = [("bf16", None, bf16)] + [(f"fp8 {m}", m, fp8) for m in modes]
-    times = {}
-    for mt in (True, False):
-        for name, mode, step in variants:
-            times[(name, mt)] = []
-    for r in range(rounds):
-        if r == 0:
-            settle_gpu()
+    variants = [("bf16", None, fwd_bwd_step(base, x, dy)[0])] + \
+        [(f"fp8 {gemm}", gemm, fp8) for gemm in ("cublas", "auto", "triton")]
+    times = {(name, mt): [] for name, _, _ in variants for mt in (True, False)}
+    settle_gpu()
+    for _ in range(rounds):
         for mt in (True, False):
             with torch.autograd.set_multithreading_enabled(mt):
-                for name, mode, step in variants:
-                    if mode is not None:
-                        os.environ["TRITIUM_FP8_GEMM"] = modes[mode][0]
+                for name, gemm, step in variants:
+                    if gemm is not None:
+                        os.environ["TRITIUM_FP8_GEMM"] = gemm
                         _env.reload()
-                        fl.fp8_gemm_tn = modes[mode][1]
                     step(); step()
                     times[(name, mt)].append(time_ms(step, warmup=5, rep=40))
-    fl.fp8_gemm_tn = real
     os.environ.pop("TRITIUM_FP8_GEMM", None)
     _env.reload()
     for mt in (True, False):
@@ -206,9 +159,9 @@ def part_d(t=8192, k=4096, n=4096, rounds=12):
 
 
 if __name__ == "__main__":
-    parts = sys.argv[1:] or ["A", "B", "C"]
+    parts = sys.argv[1:] or ["A", "B", "D"]
     print(torch.cuda.get_device_name(), torch.__version__, flush=True)
     for p in parts:
-        {"A": part_a, "B": part_b, "C": part_c, "D": part_d}[p]()
+        {"A": part_a, "B": part_b, "D": part_d}[p]()
     with open(os.path.join(OUT, "gemm_probe.json"), "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)

@@ -70,6 +70,19 @@ def fp8_state(modules) -> list:
     return out
 
 
+def fp8_linear_steps(layer, x, dy, fp8_recipe, steps: int):
+    """`steps` fwd+bwd of `layer` on x (a fresh leaf each time) under fp8_autocast; returns the
+    last step's (out, dx, dweight, dbias)."""
+    import tritium as te
+    for _ in range(steps):
+        xi = x.clone().requires_grad_()
+        layer.weight.grad = layer.bias.grad = None
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = layer(xi)
+        out.backward(dy)
+    return out.detach(), xi.grad, layer.weight.grad, layer.bias.grad
+
+
 def fp64_attention(q, k, v, do, causal: bool, scale: float) -> list:
     """The attention oracle: fp64 autograd on the same (16-bit) q, k, v [b, s, h, d] and do,
     GQA by repeating k/v heads. Returns [out, lse, dq, dk, dv] in fp64."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tritium as te
+from testlib import fp8_linear_steps
 from tritium import recipe
 from tritium.kernels import cast as kcast
 from tritium.kernels import scaling as kscaling
@@ -140,14 +141,8 @@ def test_fp8_linear_on_tensor_cores_matches_emulation(setenv, rec, tokens):
     x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, 768, device="cuda", dtype=torch.bfloat16)
 
-    def run():
-        for _ in range(3):  # let delayed scales settle; identical on both paths
-            xi = x.clone().requires_grad_()
-            layer.weight.grad = layer.bias.grad = None
-            with te.fp8_autocast(fp8_recipe=rec):
-                out = layer(xi)
-            out.backward(dy)
-        return out.detach(), xi.grad, layer.weight.grad, layer.bias.grad
+    def run():  # 3 steps let delayed scales settle; identical on both paths
+        return fp8_linear_steps(layer, x, dy, rec, steps=3)
 
     real = run()
     real_scales = [s.scale.clone() for s in (layer.fp8_meta.fwd, layer.fp8_meta.bwd) if s]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import tritium as te
+from testlib import fp8_linear_steps
 from tritium import recipe
 from tritium.kernels import gemm as kgemm
 from tritium.ref import gemm as rgemm
@@ -94,13 +95,7 @@ def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
 
     def run():
         layer.fp8_meta = type(layer.fp8_meta)(2, 1)
-        for _ in range(2):
-            xi = x.clone().requires_grad_()
-            layer.weight.grad = layer.bias.grad = None
-            with te.fp8_autocast(fp8_recipe=rec):
-                out = layer(xi)
-            out.backward(dy)
-        return out.detach(), xi.grad, layer.weight.grad, layer.bias.grad
+        return fp8_linear_steps(layer, x, dy, rec, steps=2)
     auto = run()
     assert calls == [True, True], "expected the Triton kernel for the two forward GEMMs only"
     setenv("TRITIUM_FP8_GEMM", "cublas")

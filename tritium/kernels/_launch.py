@@ -17,6 +17,8 @@ Assumes every constexpr parameter comes after the runtime parameters (checked).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -30,6 +32,12 @@ _current_device = getattr(torch._C, "_cuda_getDevice", None)
 def next_pow2(n: int) -> int:
     """The smallest power of 2 >= n (1 for n <= 1), without triton.next_power_of_2's cost."""
     return 1 << max(n - 1, 0).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(index: int) -> int:
+    """The SM count of CUDA device `index` (persistent grids)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 class TensorDesc(TensorDescriptor):

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher, TensorDesc
+from ._launch import Launcher, TensorDesc, num_sms
 
 
 @triton.jit
@@ -80,7 +80,6 @@ _launch_gemm = Launcher(_fp8_gemm_tn_kernel)
 # Precise accumulation holds a second fp32 tile in registers: 128x256 spills there.
 CONFIGS = {True: (128, 256, 128, 8, 8, 3), False: (256, 128, 128, 8, 8, 3)}
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
-_sm_count: dict = {}
 
 
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -97,12 +96,7 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
         config = CONFIGS[fast_accum] if a.is_cuda else _INTERPRET_CONFIG
     bm, bn, bk, group_m, warps, stages = config
     tiles = -(-m // bm) * -(-n // bn)
-    programs = tiles
-    if persistent and a.is_cuda:
-        dev = a.get_device()
-        if dev not in _sm_count:
-            _sm_count[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        programs = min(tiles, _sm_count[dev])
+    programs = min(tiles, num_sms(a.get_device())) if persistent and a.is_cuda else tiles
     # the output tile is staged in shared memory for its TMA store: an fp32 tile beside the
     # operand stages would not fit, so it is stored in two halves
     split = out.element_size() == 4

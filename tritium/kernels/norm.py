@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._launch import Launcher, next_pow2
+from ._launch import Launcher, next_pow2, num_sms
 
 MAX_HIDDEN = 65536
 _TILE = 4096                # elements per forward/backward tile when hidden is small
@@ -192,11 +192,6 @@ _launch_sum = Launcher(_partial_sum_kernel)
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
 def _tile(n: int, interpret: bool, backward: bool = False) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_N, num_warps) for rows of n elements.
 
@@ -254,7 +249,7 @@ def _bwd(dy, x, weight, mean, rstd, zero_centered_gamma, is_rms, need_bias_grad)
     tiles = (rows + block_rows - 1) // block_rows
     if x.is_cuda:
         index = x.get_device()
-        programs = min(tiles, _BWD_PROGRAMS_PER_SM * _num_sms(index))
+        programs = min(tiles, _BWD_PROGRAMS_PER_SM * num_sms(index))
     else:
         programs = min(tiles, 3)  # interpreter: a few programs that each loop over tiles
     dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
