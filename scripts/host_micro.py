@@ -111,3 +111,29 @@ g = torch.ones_like(xg)
 per_call("Nop.apply(xg).backward(g)", lambda: Nop.apply(xg).backward(g))
 per_call("torch.autograd.grad(Nop.apply(xg), xg, g)",
          lambda: torch.autograd.grad(Nop.apply(xg), xg, g))
+
+
+# --- how slow this host is at plain Python (compare with the same line on another machine) ---
+def _python_work():
+    d = {}
+    for i in range(200):
+        d[i & 31] = d.get(i & 31, 0) + i
+    return d
+
+
+per_call("pure Python: 200 dict updates", _python_work)
+
+# --- the autograd engine's hand-off: the same calls with the backward on the calling thread ---
+with torch.autograd.set_multithreading_enabled(False):
+    per_call("[calling thread] Nop.apply(xg).backward(g)", lambda: Nop.apply(xg).backward(g))
+    per_call("[calling thread] (xg*2).sum().backward()", lambda: (xg * 2).sum().backward())
+    per_call("[calling thread] fp8 layer fwd+bwd", fp8_step)
+
+# --- a Triton GEMM launch and its parts ---
+from tritium.kernels import gemm as kgemm  # noqa: E402
+from tritium.kernels._launch import TensorDesc  # noqa: E402
+
+if torch.cuda.get_device_capability()[0] >= 9:
+    per_call("kernels.gemm.fp8_gemm_tn (Triton, fast)",
+             lambda: kgemm.fp8_gemm_tn(a8, w8, si, wsi, torch.bfloat16, fast_accum=True))
+    per_call("TensorDesc(a8, (128, 128))", lambda: TensorDesc(a8, (128, 128)))

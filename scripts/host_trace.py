@@ -6,11 +6,12 @@ and prints the median step's stamps relative to its start. Each wrapper costs we
 microsecond, far less than torch.profiler's per-op cost, so the offsets are close to an
 unwrapped step's.
 
-    python scripts/host_trace.py [--loop] [T K N]      (default 8192 4096 4096)
+    python scripts/host_trace.py [--loop] [--calling] [T K N]      (default 8192 4096 4096)
 
 --loop runs the steps back to back as triton's do_bench does (an L2 flush and CUDA events
 around each step, no sync in between): then the host may run slower than in isolated steps
-(the GPU's queue is busy), and the events give each step's measured time next to its stamps.
+(the GPU's queue is busy), and the events give each step's measured time next to its stamps. --calling runs the backward on
+the calling thread (`torch.autograd.set_multithreading_enabled(False)`).
 """
 from __future__ import annotations
 
@@ -106,5 +107,7 @@ def main(t=8192, k=4096, n=4096, steps=60, loop=False):
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "--loop"]
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    if "--calling" in sys.argv:
+        torch.autograd.set_multithreading_enabled(False)
     main(*map(int, args[:3]), loop="--loop" in sys.argv)

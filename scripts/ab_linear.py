@@ -1,0 +1,138 @@
+"""A/B of the eager FP8 Linear step: this tree's tritium against a baseline copy (diagnostic, CUDA).
+
+Host changes are measured within one process, because the lent machines' hosts differ from call
+to call by more than the changes do. The baseline is an earlier commit's package importable as
+`tritium_base` (made by `scripts/ab_base.sh REV`, which writes it under the ignored ab_base/):
+
+    python scripts/ab_linear.py [T K N ...]           (default 8192 4096 4096)
+
+For each shape: bf16 nn.Linear, tritium FP8 delayed and tritium_base FP8 delayed, timed as
+bench_linear.py times them (do_bench, GPU settled, variants in turn, ROUNDS rounds, median),
+under the default autograd threading and with the backward on the calling thread. Then the host
+cost per step of each FP8 variant at a tiny shape (T256 512->512), where the GPU waits on the host.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = __file__.rsplit("/", 2)[0]
+sys.path.insert(0, ROOT + "/benchmarks")
+sys.path.insert(0, ROOT + "/ab_base")
+from harness import settle_gpu, time_ms  # noqa: E402
+
+import tritium  # noqa: E402
+
+try:
+    import tritium_base  # noqa: E402
+except ImportError:
+    tritium_base = None
+
+ROUNDS = 9
+
+
+def fp8_step(te, t, k, n):
+    torch.manual_seed(0)
+    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
+    rec = te.recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+    return _step(layer, t, k, n, lambda: te.fp8_autocast(fp8_recipe=rec))
+
+
+def bf16_step(t, k, n):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    return _step(layer, t, k, n, None)
+
+
+def _step(layer, t, k, n, ctx):
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
+    params = list(layer.parameters()) + [x]
+
+    def step():
+        for p in params:
+            p.grad = None
+        if ctx is None:
+            out = layer(x)
+        else:
+            with ctx():
+                out = layer(x)
+        out.backward(dy)
+    return step
+
+
+def calling_thread(step):
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return run
+
+
+def host_us(step, n=300):
+    """Host time per step where the GPU has almost nothing to do (best of 5 loops)."""
+    for _ in range(30):
+        step()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            step()
+        best = min(best, (time.perf_counter() - t0) / n)
+        torch.cuda.synchronize()
+    return round(1e6 * best, 1)
+
+
+def variants(t, k, n):
+    out = [("bf16 nn.Linear", bf16_step(t, k, n)), ("tritium", fp8_step(tritium, t, k, n))]
+    if tritium_base is not None:
+        out.append(("tritium_base", fp8_step(tritium_base, t, k, n)))
+    return out
+
+
+def main(argv):
+    dims = [int(a) for a in argv] or [8192, 4096, 4096]
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    for i in range(0, len(dims), 3):
+        t, k, n = dims[i:i + 3]
+        runs = []
+        for name, step in variants(t, k, n):
+            for mode, fn in (("default", step), ("calling thread", calling_thread(step))):
+                fn(), fn()
+                runs.append({"gpu": gpu, "case": f"T{t} {k}->{n}", "variant": name,
+                             "threading": mode, "fn": fn, "ms_rounds": []})
+        settle_gpu()
+        for _ in range(ROUNDS):
+            for r in runs:
+                r["ms_rounds"].append(round(time_ms(r["fn"]), 4))
+        for r in runs:
+            del r["fn"]
+            r["ms"] = statistics.median(r["ms_rounds"])
+            base = next(b for b in runs if b["variant"] == "bf16 nn.Linear"
+                        and b["threading"] == r["threading"])
+            r["speedup_vs_bf16"] = round(base["ms"] / r["ms"], 3)
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    for name, step in variants(256, 512, 512):
+        for mode, fn in (("default", step), ("calling thread", calling_thread(step))):
+            row = {"gpu": gpu, "case": "T256 512->512 host", "variant": name, "threading": mode,
+                   "host_us_per_step": host_us(fn)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "ab_linear.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    for r in rows:
+        val = (f"{r['ms']:.3f} ms ({r['speedup_vs_bf16']:.2f}x)" if "ms" in r
+               else f"{r['host_us_per_step']} us host")
+        print(f"{r['case']:<22} {r['variant']:<16} {r['threading']:<15} {val}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
