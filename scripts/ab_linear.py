@@ -1,12 +1,12 @@
 """A/B of the eager FP8 Linear step: this tree's tritium against a baseline copy (diagnostic, CUDA).
 
 Host changes are measured within one process, because the lent machines' hosts differ from call
-to call by more than the changes do. The baseline is an earlier commit's package importable as
-`tritium_base` (made by `scripts/ab_base.sh REV`, which writes it under the ignored ab_base/):
+to call by more than the changes do. Baselines are earlier commits' packages importable as
+`tritium_<rev>` (made by `scripts/ab_base.sh REV [REV ...]` under the ignored ab_base/):
 
     python scripts/ab_linear.py [T K N ...]           (default 8192 4096 4096)
 
-For each shape: bf16 nn.Linear, tritium FP8 delayed and tritium_base FP8 delayed, timed as
+For each shape: bf16 nn.Linear, tritium FP8 delayed and each baseline's FP8 delayed, timed as
 bench_linear.py times them (do_bench, GPU settled, variants in turn, ROUNDS rounds, median),
 under the default autograd threading and with the backward on the calling thread. Then the host
 cost per step of each FP8 variant at a tiny shape (T256 512->512), where the GPU waits on the host.
@@ -26,12 +26,12 @@ sys.path.insert(0, ROOT + "/benchmarks")
 sys.path.insert(0, ROOT + "/ab_base")
 from harness import settle_gpu, time_ms  # noqa: E402
 
+import importlib  # noqa: E402
+
 import tritium  # noqa: E402
 
-try:
-    import tritium_base  # noqa: E402
-except ImportError:
-    tritium_base = None
+BASES = sorted(p for p in (os.listdir(ROOT + "/ab_base") if os.path.isdir(ROOT + "/ab_base")
+                           else ()) if p.startswith("tritium_"))
 
 ROUNDS = 9
 
@@ -90,8 +90,8 @@ def host_us(step, n=300):
 
 def variants(t, k, n):
     out = [("bf16 nn.Linear", bf16_step(t, k, n)), ("tritium", fp8_step(tritium, t, k, n))]
-    if tritium_base is not None:
-        out.append(("tritium_base", fp8_step(tritium_base, t, k, n)))
+    for name in BASES:
+        out.append((name, fp8_step(importlib.import_module(name), t, k, n)))
     return out
 
 

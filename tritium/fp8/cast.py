@@ -16,10 +16,16 @@ from .. import _device
 from ..ref import cast as ref_cast
 
 
+_kernels = None  # tritium.kernels.cast, imported on first use (it imports triton)
+
+
 def _impl(t: torch.Tensor):
+    global _kernels
     if _device.use_triton(t):
-        from ..kernels import cast as kernel_cast
-        return kernel_cast
+        if _kernels is None:
+            from ..kernels import cast as kernel_cast
+            _kernels = kernel_cast
+        return _kernels
     return ref_cast
 
 

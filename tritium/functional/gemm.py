@@ -15,6 +15,7 @@ docs/performance.md.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -45,6 +46,13 @@ def _use_triton_gemm(a, b, out, fast_accum: bool) -> bool:
     return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_gemm():
+    """tritium.kernels.gemm.fp8_gemm_tn, imported on first use (the module imports triton)."""
+    from ..kernels import gemm as kernel_gemm
+    return kernel_gemm.fp8_gemm_tn
+
+
 def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     sa, sb = a.shape, b.shape
     if len(sa) == 2 and len(sb) == 2 and sa[1] == sb[1] and not (sa[0] | sa[1] | sb[0]) & 15 \
@@ -73,8 +81,7 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
         return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
                                     out)
     if _use_triton_gemm(a, b, out, fast_accum):
-        from ..kernels import gemm as kernel_gemm
-        return kernel_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+        return _triton_gemm()(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
                                        fast_accum, out)
     fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
     if out is None:

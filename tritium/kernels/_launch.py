@@ -89,6 +89,12 @@ class Launcher:
         computation in __call__)."""
         return _key_and_flat(device, args, num_warps, constexprs)[0]
 
+    def fixed(self, grid, *args, num_warps: int = 4, num_stages=None, **constexprs):
+        """This launch as a call with no arguments, for arguments that never change (tensors
+        whose storage stays put, e.g. a scaling state's): after its first call, each call is
+        the C entry point with a prebuilt argument list."""
+        return _FixedLaunch(self, grid, args, num_warps, num_stages, constexprs)
+
     def __call__(self, grid, *args, num_warps: int = 4, num_stages=None, **constexprs):
         cache = self._cache
         first = args[0].base if args[0].__class__ is TensorDesc else args[0]
@@ -113,6 +119,40 @@ class Launcher:
             flat = _expand_descriptors(flat, tma)
         launch(g[0], g[1], g[2], _raw_stream(device), function, *base, metadata, None, None,
                None, *flat, *constexpr_values)
+
+
+class _FixedLaunch:
+    """See Launcher.fixed."""
+
+    def __init__(self, launcher, grid, args, num_warps, num_stages, constexprs):
+        self._launcher, self._grid, self._args = launcher, tuple(grid), args
+        self._options = dict(num_warps=num_warps, num_stages=num_stages, **constexprs)
+        self._c_launch = self._tail = None
+
+    def __call__(self):
+        if self._c_launch is not None:
+            self._c_launch(*self._grid, _raw_stream(self._device), *self._tail)
+            return
+        self._launcher(self._grid, *self._args, **self._options)
+        self._bind()
+
+    def _bind(self):
+        """Prebuild the direct call once the launcher's cache holds this launch's entry."""
+        launcher, args, options = self._launcher, self._args, dict(self._options)
+        if launcher._cache is None or not args[0].is_cuda:
+            return
+        warps, stages = options.pop("num_warps"), options.pop("num_stages")
+        device = _current_device()
+        key, flat = _key_and_flat(device, args, warps if stages is None else (warps, stages),
+                                  options)
+        hit = launcher._cache.get(key)
+        if hit is None or hit[0] is None or hit[4]:  # not compiled yet / no direct path / TMA
+            return
+        launch, function, metadata, constexpr_values, _, base, _ = hit
+        self._device = device
+        self._grid = (*self._grid, 1, 1)[:3]
+        self._tail = (function, *base, metadata, None, None, None, *flat, *constexpr_values)
+        self._c_launch = launch
 
 
 def _key_and_flat(device, args, warps, constexprs):

@@ -7,7 +7,6 @@ writes the column rolled up by one with row 0 zeroed. Columns whose row 0 is 0 a
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -55,8 +54,8 @@ def prepared_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_max: fl
     length, slots = amax_history.shape
     if length > MAX_HISTORY:  # one program holds a whole column in registers
         raise ValueError(f"amax history of {length} rows exceeds the kernel's {MAX_HISTORY}")
-    return functools.partial(
-        _launch_update, (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
+    return _launch_update.fixed(
+        (slots,), amax_history, scale, length, slots, FP8_MAX=float(fp8_max),
         MARGIN_DIV=float(2.0 ** margin), MOST_RECENT=algo == "most_recent",
         BLOCK_L=next_pow2(length), num_warps=4)
 
