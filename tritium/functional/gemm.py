@@ -47,10 +47,10 @@ def _use_triton_gemm(a, b, out, fast_accum: bool) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _triton_gemm():
-    """tritium.kernels.gemm.fp8_gemm_tn, imported on first use (the module imports triton)."""
+def _kernels():
+    """tritium.kernels.gemm, imported on first use (it imports triton)."""
     from ..kernels import gemm as kernel_gemm
-    return kernel_gemm.fp8_gemm_tn
+    return kernel_gemm
 
 
 def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -81,7 +81,7 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
         return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
                                     out)
     if _use_triton_gemm(a, b, out, fast_accum):
-        return _triton_gemm()(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+        return _kernels().fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
                                        fast_accum, out)
     fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
     if out is None:
