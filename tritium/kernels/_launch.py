@@ -242,8 +242,9 @@ _MAX_TENSOR_MAPS = 1024
 def _expand_descriptors(flat: list, tma: list) -> list:
     """Each TensorDesc in flat becomes (encoded CUtensorMap, *shape, *strides), as the C entry
     point takes it. An encoded map holds only the pointer, shape, strides and layout, so one
-    encoded for the same four values is the same map (kept in `_tensor_maps`)."""
-    out = flat.copy()
+    encoded for the same four values is the same map (kept in `_tensor_maps`). flat is the
+    caller's fresh list: expanded in place."""
+    out = flat
     for pos, layout, fill in reversed(tma):  # back to front: earlier positions stay valid
         d = out[pos]
         ptr = d.base.data_ptr()
