@@ -14,42 +14,15 @@ calling thread. The numbers are host time; the results of stubbed steps are garb
 from __future__ import annotations
 
 import importlib
-import time
+import sys
 
 import torch
 
-import tritium as te
-from tritium import recipe
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from ab_linear import host_us  # noqa: E402
+from profile_host import fp8_linear_step  # noqa: E402
 
 _launch = importlib.import_module("tritium.kernels._launch")
-
-
-def fp8_step(t=256, k=512, n=512):
-    layer = te.Linear(k, n, bias=False, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(t, n, device="cuda", dtype=torch.bfloat16)
-    rec = recipe.DelayedScaling(amax_history_len=16)
-
-    def step():
-        layer.weight.grad = x.grad = None
-        with te.fp8_autocast(fp8_recipe=rec):
-            out = layer(x)
-        out.backward(dy)
-    return step
-
-
-def host_us(step, n=400):
-    for _ in range(40):
-        step()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            step()
-        best = min(best, (time.perf_counter() - t0) / n)
-        torch.cuda.synchronize()
-    return 1e6 * best
 
 
 def _no_launch(*args, **kwargs):
@@ -57,7 +30,7 @@ def _no_launch(*args, **kwargs):
 
 
 def main():
-    step = fp8_step()
+    step = fp8_linear_step(256, 512, 512)
     real_call = _launch.Launcher.__call__
     real_mm = torch._scaled_mm
 
@@ -67,6 +40,9 @@ def main():
             for key, entry in list(launcher._cache.items()):
                 if entry[0] is not None:
                     launcher._cache[key] = (_no_launch, *entry[1:])
+        for fixed in _instances(_launch._FixedLaunch):  # the prebuilt scale updates
+            if fixed._c_launch is not None:
+                fixed._c_launch = _no_launch
 
     def stub_mm():
         def fake(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False,
@@ -93,9 +69,13 @@ def main():
         torch._scaled_mm = real_mm
 
 
-def _iter_launchers():
+def _instances(cls):
     import gc
-    return [o for o in gc.get_objects() if isinstance(o, _launch.Launcher) and o._cache]
+    return [o for o in gc.get_objects() if isinstance(o, cls)]
+
+
+def _iter_launchers():
+    return [o for o in _instances(_launch.Launcher) if o._cache]
 
 
 if __name__ == "__main__":

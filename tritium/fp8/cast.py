@@ -8,6 +8,7 @@ both implementations.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -16,17 +17,15 @@ from .. import _device
 from ..ref import cast as ref_cast
 
 
-_kernels = None  # tritium.kernels.cast, imported on first use (it imports triton)
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """tritium.kernels.cast, imported on first use (it imports triton)."""
+    from ..kernels import cast as kernel_cast
+    return kernel_cast
 
 
 def _impl(t: torch.Tensor):
-    global _kernels
-    if _device.use_triton(t):
-        if _kernels is None:
-            from ..kernels import cast as kernel_cast
-            _kernels = kernel_cast
-        return _kernels
-    return ref_cast
+    return _kernels() if _device.use_triton(t) else ref_cast
 
 
 def cast_transpose(x, scale, amax, fp8_dtype, **kwargs):

@@ -7,7 +7,6 @@ writes the column rolled up by one with row 0 zeroed. Columns whose row 0 is 0 a
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
