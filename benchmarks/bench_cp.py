@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     from tritium.attention.cp.accuracy import table
     print(table(acc_rows, f"{torch.cuda.get_device_name(0)} cp=2, B{B} H{H} D{D} "
                           f"S{SEQS[0]} causal bf16: error vs fp64"))
-    finish("cp", rows, baseline="single GPU")
+    finish("cp", rows, baseline="single GPU", gpus=2)
     return 0
 
 

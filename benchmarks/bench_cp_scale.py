@@ -161,7 +161,7 @@ def main(argv=None) -> int:
                 if "ms" in r and r["case"] in base:
                     r["speedup_vs_cp2"] = round(base[r["case"]] / r["ms"], 3)
                     r["scaling"] = round(r["speedup_vs_cp2"] / (r["cp"] / 2), 3)
-            finish("cp_scale", rows, baseline="cp=2")
+            finish("cp_scale", rows, baseline="cp=2", gpus=world)
             print("\n".join(["", "Scaling (fwd+bwd ms, speedup vs cp=2, fraction of linear):"]
                             + [f"  {r['case']:<42} {r['variant']:<6} {r['ms']:10.3f} ms  "
                                f"x{r['speedup_vs_cp2']:.2f}  {100 * r['scaling']:.0f}%"

@@ -2,8 +2,11 @@
 
 Timing is `triton.testing.do_bench` (CUDA events, median). Each bench script builds rows
 {bench, case, variant, ms, ...} and calls `finish()`, which adds ratios against the row marked as
-baseline of the same case, prints a table and writes JSON to $OUT (device runs) or
-benchmarks/results/. Peers (torchao, liger) are optional imports: a missing peer becomes a row
+baseline of the same case, prints a table and writes JSON to $OUT (when set) or
+benchmarks/results/, named <date>-<gpu>-<bench>.json ("<n>x<gpu>" for a run on n GPUs). The
+environment record (env_info) holds the date, versions, GPU and the git commit of the tree the
+run was made from. `python -m tritium bench --markdown` builds benchmarks/RESULTS.md from those
+files. Peers (torchao, liger) are optional imports: a missing peer becomes a row
 with an error instead of a crash.
 """
 from __future__ import annotations
@@ -13,15 +16,31 @@ import json
 import os
 import pathlib
 import platform
+import subprocess
 
 import torch
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
+def git_commit() -> dict:
+    """{"commit": short hash of HEAD, "dirty": uncommitted changes to tracked files} of the
+    tree the run is made from; {} outside a git checkout."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                              timeout=30, check=True).stdout.strip()
+    try:
+        return {"commit": git("rev-parse", "--short", "HEAD"),
+                "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    except (OSError, subprocess.SubprocessError):
+        return {}
+
+
 def env_info() -> dict:
     info = {"date": datetime.date.today().isoformat(), "torch": torch.__version__,
-            "python": platform.python_version()}
+            "python": platform.python_version(), **git_commit()}
     try:
         import triton
         info["triton"] = triton.__version__
@@ -137,16 +156,20 @@ def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
     return out
 
 
-def finish(bench: str, rows: list[dict], baseline: str) -> dict:
+def finish(bench: str, rows: list[dict], baseline: str, gpus: int = 1) -> dict:
+    """Add `speedup_vs_<baseline>` to every row with ms, then write {bench, baseline, env, rows}
+    (env: env_info() and `gpus`, the number of GPUs the run used) and print a table."""
     by_case = {r["case"]: r for r in rows if r["variant"] == baseline and "ms" in r}
     for r in rows:
         base = by_case.get(r["case"])
         if base and "ms" in r:
             r[f"speedup_vs_{baseline}"] = round(base["ms"] / r["ms"], 3)
-    out = {"bench": bench, "env": env_info(), "rows": rows}
+    out = {"bench": bench, "baseline": baseline, "env": {**env_info(), "gpus": gpus},
+           "rows": rows}
     dest = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS_DIR
     dest.mkdir(parents=True, exist_ok=True)
     gpu = out["env"].get("gpu", "cpu").replace(" ", "_")
+    gpu = f"{gpus}x{gpu}" if gpus > 1 else gpu
     path = dest / f"{out['env']['date']}-{gpu}-{bench}.json"
     path.write_text(json.dumps(out, indent=1))
     print_table(bench, rows, baseline)

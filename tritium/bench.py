@@ -34,15 +34,19 @@ def _speedup_key(row: dict) -> Optional[str]:
 
 
 def merge(results: list) -> dict:
-    """Merge finish() outputs (each {bench, env, rows}) into one record; rows get a bench field."""
+    """Merge finish() outputs (each {bench, baseline, env, rows}) into one record; rows get a
+    bench field; each bench's baseline and GPU count are kept by bench name."""
     env = results[0]["env"] if results else {}
-    rows, benches = [], []
+    rows, benches, baselines, gpus = [], [], {}, {}
     for res in results:
         if res["bench"] not in benches:
             benches.append(res["bench"])
+        if res.get("baseline"):
+            baselines[res["bench"]] = res["baseline"]
+        gpus[res["bench"]] = res["env"].get("gpus", 1)
         rows.extend({"bench": res["bench"], **r} for r in res["rows"])
     return {"date": env.get("date"), "gpu": env.get("gpu", "cpu"), "env": env,
-            "benches": benches, "rows": rows}
+            "benches": benches, "baselines": baselines, "gpus": gpus, "rows": rows}
 
 
 def markdown(merged: dict) -> str:

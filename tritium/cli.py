@@ -5,7 +5,9 @@ demo      Trains a small Llama-style byte-level LM (te.TransformerLayer blocks) 
           loss curves and a checkpoint: tritium/demo.py.
 bench     Runs every `benchmarks/bench_*.py` on a CUDA GPU and writes one merged JSON, a markdown
           table and charts to benchmarks/results/; without a GPU it says so and exits 0:
-          tritium/bench.py.
+          tritium/bench.py. `bench --markdown` runs nothing: it regenerates the tables of
+          benchmarks/RESULTS.md and README's Speed table from benchmarks/results/*.json:
+          tritium/bench_report.py.
 numerics  Measures every module's error against float64 PyTorch in fp32, bf16, fp16 and FP8 and
           writes docs/numerics.md: tritium/numerics.py.
 
@@ -22,6 +24,13 @@ def demo(args) -> int:
 
 
 def bench(args) -> int:
+    if args.markdown:
+        from .bench import repo_root
+        from .bench_report import write_markdown
+        changed = write_markdown(repo_root())
+        print("tritium bench --markdown: " + (", ".join(str(p) for p in changed) + " updated"
+                                              if changed else "tables already up to date"))
+        return 0
     from .bench import run
     return run(args.only, args.out)
 
@@ -41,6 +50,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("bench", help="run benchmarks/bench_*.py (needs a CUDA GPU)")
     p.add_argument("only", nargs="*", help="run only benchmarks whose name contains one of these")
     p.add_argument("--out", default=None, help="report folder (default benchmarks/results)")
+    p.add_argument("--markdown", action="store_true",
+                   help="run nothing; regenerate benchmarks/RESULTS.md's tables and README's "
+                        "Speed table from benchmarks/results/*.json (no GPU needed)")
     p.set_defaults(func=bench)
     p = sub.add_parser("numerics", help="measure every module's error vs float64 PyTorch")
     p.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if present)")

@@ -1,0 +1,407 @@
+"""`python -m tritium bench --markdown`: the tables of benchmarks/RESULTS.md and README's Speed
+table, regenerated from benchmarks/results/*.json (no GPU needed).
+
+What it reads: every JSON file in the results folder that holds benchmark rows, in the three
+shapes the project writes: one bench (`harness.finish`: {bench, baseline, env, rows}), the merged
+report of `python -m tritium bench` ({env, benches, rows: [{bench, ...}]}) and the demo's
+results.json ({config, device, runs}). Each becomes one run per bench; a run's GPU kind is
+env["gpu"] (with "N x" in front when env["gpus"] > 1). For each bench the latest run per GPU kind
+(by env["date"], then file name) is shown: its date, its commit, tritium's variants and every
+peer of the same run as `ms (speedup vs the run's baseline)`, and the bench's targets.
+
+SPECS says, per bench, what a row of the table is: the title, which variants are tritium's and
+which are peers, rows and variants left out (parameter sweeps), how a cell reads, the targets
+(from the project's issues) and the headline rows of README's summary. A bench with no spec gets
+the defaults: baseline from its `speedup_vs_<baseline>` field, tritium = variants named
+"tritium...", peers = the rest, cells `ms (speedup)`; so a new bench_*.py shows up on its own.
+
+Where the tables go: between `<!-- bench:NAME -->` and `<!-- /bench:NAME -->` markers. Text
+outside the markers is kept byte for byte; a bench with runs but no block in RESULTS.md gets a
+new block at the end of it; README's summary goes between `<!-- bench:summary -->` markers. The
+output depends only on the JSON files, so regenerating on a clean checkout changes nothing.
+It does not pick between runs of the same GPU kind by quality: a run that should not be current
+is removed from results/ (git keeps it).
+"""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Target:
+    """The tritium `variant` in the cases matching `case` (regex) must have `field` >= at_least
+    (or <= at_most); `label` is how the target reads in the table."""
+    case: str
+    variant: str
+    label: str
+    field: str = "speedup"
+    at_least: Optional[float] = None
+    at_most: Optional[float] = None
+
+    def check(self, row: dict) -> Optional[bool]:
+        value = row.get(self.field)
+        if not isinstance(value, (int, float)):
+            return None
+        return ((self.at_least is None or value >= self.at_least)
+                and (self.at_most is None or value <= self.at_most))
+
+
+@dataclass(frozen=True)
+class Spec:
+    title: str
+    tritium: tuple = ()            # tritium's variants, in column order (default: "tritium*")
+    peers: Optional[tuple] = None  # peers in column order (default: every other variant)
+    hide_cases: str = ""           # regex: cases left out
+    hide_variants: str = ""        # regex: variants left out (sweeps)
+    cells: tuple = ()              # format strings over a row's fields, first that fits wins
+    rank: str = "speedup"          # field by which the summary picks the best peer
+    reference: str = r"\bcopy\b"    # regex: peers that are yardsticks (a copy), never "best"
+    targets: tuple = ()
+    headlines: tuple = ()          # README rows: (case regex, tritium variant, label)
+
+
+DEFAULT_CELL = "{time} ({speedup:.2f}x)"
+
+LINEAR_FP8 = "tritium fp8 delayed (eager)"
+SPECS = {
+    "linear": Spec(
+        "Linear fwd+bwd (bf16 in/out, no bias)",
+        tritium=(LINEAR_FP8, "tritium fp8 current (eager)", "tritium fp8 delayed (CUDA graph)"),
+        targets=(Target(r"^T8192 4096->4096$", LINEAR_FP8, ">= 1.2x", at_least=1.2),
+                 Target(r"^T8192 4096->14336$", LINEAR_FP8, ">= 1.45x", at_least=1.45)),
+        headlines=((r"^T8192 4096->4096$", LINEAR_FP8, "Linear, T8192 4096 -> 4096"),
+                   (r"^T8192 4096->14336$", LINEAR_FP8, "Linear, T8192 4096 -> 14336"),
+                   (r"^T16384 8192->8192$", LINEAR_FP8, "Linear, T16384 8192 -> 8192"))),
+    "mlp": Spec(
+        "LayerNormMLP fwd+bwd (RMSNorm, SwiGLU, no bias), bf16 in/out",
+        tritium=("tritium LayerNormMLP fp8 delayed", "tritium LayerNormMLP fp8 delayed, casts unfused",
+                 "tritium LayerNormMLP fp8 current", "tritium LayerNormMLP bf16"),
+        cells=("{time} ({speedup:.2f}x, {tflops:.0f} TFLOP/s)", DEFAULT_CELL),
+        targets=(Target("", "tritium LayerNormMLP fp8 delayed", ">= 1.5x", at_least=1.5),),
+        headlines=(("", "tritium LayerNormMLP fp8 delayed", "LayerNormMLP, T8192 4096 -> 14336"),)),
+    "block": Spec(
+        "Llama-3-8B-shaped TransformerLayer fwd+bwd (B2 x S4096, hidden 4096, 32 heads, "
+        "8 KV groups, ffn 14336)",
+        tritium=("tritium TransformerLayer fp8 delayed", "tritium TransformerLayer fp8 current",
+                 "tritium TransformerLayer bf16"),
+        cells=("{time} ({speedup:.2f}x, {ktok_per_s:.0f}k tok/s)", DEFAULT_CELL),
+        targets=(Target("", "tritium TransformerLayer fp8 delayed", ">= 1.5x", at_least=1.5),),
+        headlines=(("", "tritium TransformerLayer fp8 delayed", "Llama-3-8B block"),)),
+    "demo": Spec(
+        "Whole model: `python -m tritium demo` at its GPU default (bf16 vs FP8 delayed, "
+        "FusedAdam with fp32 masters)",
+        tritium=("fp8 delayed",),
+        cells=("{tokens_per_s:,.0f} tok/s ({speedup:.2f}x), held-out loss {held_out_loss:.4f}",),
+        targets=(Target("", "fp8 delayed", "tokens/s >= 1.3x", at_least=1.3),
+                 Target("", "fp8 delayed", "loss <= 1.02x", field="loss_ratio", at_most=1.02)),
+        headlines=(("", "fp8 delayed", "Whole model (demo, 0.83B)"),)),
+    "attention": Spec(
+        "DotProductAttention (bf16)",
+        tritium=("tritium auto", "tritium flash"),
+        cells=("{time} ({speedup:.2f}x, {tflops:.0f} TFLOP/s)", DEFAULT_CELL),
+        targets=(Target(r"S4096 D128 .*fwd\+bwd", "tritium auto", ">= 0.95x", at_least=0.95),),
+        headlines=((r"KV32 S4096 D128 causal fwd\+bwd", "tritium auto",
+                    "DotProductAttention, B4 H32 S4096 causal"),)),
+    "flash_attention": Spec(
+        "tritium's Triton flash kernel (fp32 partials, exact context parallelism) vs cuDNN",
+        cells=("{time} ({speedup:.2f}x, {tflops:.0f} TFLOP/s)", DEFAULT_CELL)),
+    "norm": Spec(
+        "RMSNorm / LayerNorm, 16384 x 4096 bf16: % of the copy bandwidth, kernels / wall",
+        peers=("torch compiled", "liger", "torch copy"),
+        hide_cases=r"bwd kernels", hide_variants=r"sweep",
+        cells=("{gpu_pct_of_copy:.1f}% / {pct_of_copy:.1f}% ({gpu_ms:.3f} ms of kernels)",
+               "{time} ({gbps} GB/s)"),
+        rank="gpu_pct_of_copy",
+        targets=(Target(r" fwd ", "tritium", "kernels >= 90% of copy", "gpu_pct_of_copy", 90),
+                 Target(r" fwd\+bwd ", "tritium", "kernels >= 80% of copy",
+                        "gpu_pct_of_copy", 80)),
+        headlines=((r"RMSNorm fwd\+bwd", "tritium", "RMSNorm fwd+bwd, 16384 x 4096"),
+                   (r"LayerNorm fwd\+bwd", "tritium", "LayerNorm fwd+bwd, 16384 x 4096"))),
+    "adam": Spec(
+        "FusedAdam step, 1B parameters (vs torch.optim.AdamW(fused=True) and a 4 GiB copy)",
+        tritium=("tritium FusedAdam",), hide_variants=r"sweep",
+        cells=("{time} ({speedup:.2f}x, {pct_of_copy:.1f}% of copy)", DEFAULT_CELL),
+        targets=(Target(r"^fp32", "tritium FusedAdam", ">= 92% of copy", "pct_of_copy", 92),
+                 Target(r"^bf16", "tritium FusedAdam", ">= 90% of copy", "pct_of_copy", 90)),
+        headlines=((r"^fp32", "tritium FusedAdam", "FusedAdam, 1B fp32 params"),
+                   (r"^bf16", "tritium FusedAdam", "FusedAdam, 1B bf16 params + fp32 master"))),
+    "graphs": Spec(
+        "make_graphed_callables: one FP8 training step of 4 TransformerLayers (hidden 512)",
+        tritium=("fp8 graphed fwd+bwd", "fp8 graphed fwd+bwd+adam"), peers=("bf16 eager",
+                                                                          "bf16 graphed fwd+bwd+adam"),
+        targets=(Target(r"1 micro-batch", "fp8 graphed fwd+bwd", ">= 2x", at_least=2.0),)),
+    "cast": Spec(
+        "FP8 cast kernels (bf16 in, e4m3 out) vs a device copy",
+        tritium=("cast+T tile(64, 128, 8)", "cast only (default tile)", "amax only"),
+        peers=(), cells=("{time} ({gbps} GB/s)",)),
+    "rope": Spec("RoPE, q and k (bf16)"),
+    "activation": Spec("Activations"),
+    "cp": Spec(
+        "Context-parallel attention, cp=2 (NCCL) vs one GPU",
+        tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
+        peers=(),
+        targets=(Target(r"S32768", "cp2 p2p fast", ">= 1.8x", at_least=1.8),),
+        headlines=((r"S32768", "cp2 p2p fast", "Context parallel, cp=2, S=32768"),)),
+    "cp_scale": Spec(
+        "Context-parallel scaling, cp=2 -> 4 -> 8 (fwd+bwd per step, max over ranks)",
+        tritium=("cp=4", "cp=8"), peers=(),
+        cells=("{time} ({scaling:.0%} of linear)", DEFAULT_CELL),
+        targets=(Target(r"S131072 .*p2p", "cp=8", ">= 85% of linear", "scaling", 0.85),),
+        rank="scaling",
+        headlines=((r"S131072 .*p2p", "cp=8", "Context parallel, cp=2 -> 8, S=131072"),)),
+}
+SUMMARY_ORDER = ("linear", "mlp", "block", "demo", "attention", "norm", "adam", "cp", "cp_scale")
+
+
+# ---- loading --------------------------------------------------------------------------------
+
+def _run(bench, env, rows, baseline, path) -> dict:
+    baseline = baseline or next((k[len("speedup_vs_"):] for r in rows for k in r
+                                 if k.startswith("speedup_vs_")), None)
+    key = f"speedup_vs_{baseline}"
+    out = []
+    for r in rows:
+        r = dict(r)
+        if key in r:
+            r["speedup"] = r[key]
+        if isinstance(r.get("ms"), (int, float)):
+            r["time"] = _ms(r["ms"])
+        out.append(r)
+    gpus = env.get("gpus") or 1
+    kind = f"{gpus} x {env.get('gpu', 'cpu')}" if gpus > 1 else env.get("gpu", "cpu")
+    return {"bench": bench, "env": env, "baseline": baseline, "rows": out, "kind": kind,
+            "file": path.name}
+
+
+def _demo_rows(data: dict) -> list:
+    cfg = data["config"]
+    case = (f"{data['params'] / 1e9:.2f}B params: {cfg['layers']} layers, hidden {cfg['hidden']}, "
+            f"{cfg['steps']} steps x {cfg['seq_len'] * cfg['batch']} tokens")
+    runs = {r["name"]: r for r in data["runs"]}
+    base = next(iter(runs.values()))
+    return [{"case": case, "variant": name, "tokens_per_s": r["tokens_per_s"],
+             "held_out_loss": r["held_out_loss"],
+             "speedup": r["tokens_per_s"] / base["tokens_per_s"],
+             "loss_ratio": r["held_out_loss"] / base["held_out_loss"]}
+            for name, r in runs.items()]
+
+
+def load_runs(folder: Path) -> list:
+    """Every run in folder/*.json (files of other shapes, e.g. A/B lists, are skipped)."""
+    runs = []
+    for path in sorted(Path(folder).glob("*.json")):
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):
+            continue
+        if "bench" in data and "rows" in data:
+            runs.append(_run(data["bench"], data.get("env", {}), data["rows"],
+                             data.get("baseline"), path))
+        elif "benches" in data:
+            for bench in data["benches"]:
+                rows = [r for r in data["rows"] if r.get("bench") == bench]
+                env = {**data.get("env", {}), "gpus": data.get("gpus", {}).get(bench, 1)}
+                runs.append(_run(bench, env, rows, data.get("baselines", {}).get(bench), path))
+        elif "runs" in data and "config" in data:
+            env = {"gpu": data.get("device"), **data.get("env", {})}
+            rows = _demo_rows(data)
+            runs.append(_run("demo", env, rows, rows[0]["variant"], path))
+    return runs
+
+
+def latest(runs: list) -> dict:
+    """{bench: [the latest run of each GPU kind, by kind]}."""
+    best = {}
+    for run in runs:
+        key = (run["bench"], run["kind"])
+        order = (run["env"].get("date") or "", run["file"])
+        if key not in best or order > best[key][0]:
+            best[key] = (order, run)
+    out = {}
+    for (bench, _), (_, run) in sorted(best.items()):
+        out.setdefault(bench, []).append(run)
+    return out
+
+
+# ---- rendering ------------------------------------------------------------------------------
+
+def _ms(ms: float) -> str:
+    return f"{ms:.1f} ms" if ms >= 100 else f"{ms:.2f} ms" if ms >= 10 else f"{ms:.3f} ms"
+
+
+def _cell(spec: Spec, row: Optional[dict]) -> str:
+    if row is None:
+        return "-"
+    if "error" in row:
+        return "error"
+    for fmt in spec.cells + (DEFAULT_CELL, "{time}"):
+        try:
+            return fmt.format(**row)
+        except (KeyError, ValueError, TypeError):
+            continue
+    return "-"
+
+
+def _columns(spec: Spec, run: dict) -> tuple:
+    """(tritium variants, peers) shown for this run, baseline excluded."""
+    seen, cases = [], _cases(spec, run)
+    for r in run["rows"]:
+        v = r["variant"]
+        if r["case"] in cases and v not in seen and v != run["baseline"] and not (
+                spec.hide_variants and re.search(spec.hide_variants, v)):
+            seen.append(v)
+    ours = [v for v in spec.tritium if v in seen] if spec.tritium else [
+        v for v in seen if v.startswith("tritium")]
+    if spec.peers is None:
+        peers = [v for v in seen if v not in ours]
+    else:
+        peers = [v for v in spec.peers if v in seen]
+    return ours, peers
+
+
+def _cases(spec: Spec, run: dict) -> list:
+    cases = []
+    for r in run["rows"]:
+        if ("time" in r or "error" in r or "speedup" in r) and r["case"] not in cases and not (
+                spec.hide_cases and re.search(spec.hide_cases, r["case"])):
+            cases.append(r["case"])
+    return cases
+
+
+def _line(cells: list) -> str:
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _row(run: dict, case: str, variant: str) -> Optional[dict]:
+    return next((r for r in run["rows"] if r["case"] == case and r["variant"] == variant), None)
+
+
+def _targets(spec: Spec, run: dict, case: str) -> str:
+    out = []
+    for t in spec.targets:
+        if re.search(t.case, case):
+            ok = t.check(_row(run, case, t.variant) or {})
+            verdict = "n/a" if ok is None else "**met**" if ok else "**not met**"
+            out.append(f"{t.variant} {t.label}: {verdict}" if t.variant != _main(spec, run)
+                       else f"{t.label}: {verdict}")
+    return "; ".join(out)
+
+
+def _main(spec: Spec, run: dict) -> Optional[str]:
+    ours, _ = _columns(spec, run)
+    return ours[0] if ours else None
+
+
+def describe(run: dict) -> str:
+    env = run["env"]
+    commit = env.get("commit")
+    parts = [f"**{run['kind']}**", env.get("date") or "date unknown",
+             f"commit `{commit}`" + (" (uncommitted changes)" if env.get("dirty") else "")
+             if commit else "commit unknown"]
+    versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "torchao", "liger_kernel")
+                         if env.get(k) and env[k] != "installed")
+    return ", ".join(parts) + (f"; {versions}" if versions else "") + f" (`results/{run['file']}`)"
+
+
+def bench_table(bench: str, runs: list) -> str:
+    spec = SPECS.get(bench) or Spec(bench)
+    out = [f"## {spec.title}", ""]
+    for run in runs:
+        ours, peers = _columns(spec, run)
+        base = run["baseline"]
+        cases = _cases(spec, run)
+        has_targets = any(_targets(spec, run, c) for c in cases)
+        head = ["case", f"{base} (baseline)"] + [f"**{v}**" for v in ours] + peers
+        head += ["target"] if has_targets else []
+        out += [describe(run), "", _line(head), "|" + "---|" * len(head)]
+        for case in cases:
+            cells = [case] + [_cell(spec, _row(run, case, v)) for v in [base] + ours + peers]
+            cells += [_targets(spec, run, case)] if has_targets else []
+            out.append(_line(cells))
+        out.append("")
+    return "\n".join(out)
+
+
+def summary_table(by_bench: dict) -> str:
+    out = ["| benchmark | GPU | date, commit | tritium | baseline | best peer, same run | target |",
+           "|---|---|---|---|---|---|---|"]
+    for bench in SUMMARY_ORDER:
+        spec = SPECS[bench]
+        for pattern, variant, label in spec.headlines:
+            for run in by_bench.get(bench, ()):
+                _, peers = _columns(spec, run)
+                for case in [c for c in _cases(spec, run) if re.search(pattern, c)][:1]:
+                    ours = _row(run, case, variant)
+                    if ours is None:
+                        continue
+                    ranked = [r for r in (_row(run, case, p) for p in peers
+                                          if not re.search(spec.reference, p))
+                              if r and isinstance(r.get(spec.rank), (int, float))]
+                    peer = max(ranked, key=lambda r: r[spec.rank], default=None)
+                    base = _row(run, case, run["baseline"])
+                    targets = [f"{t.label}: {'met' if t.check(ours) else 'not met'}"
+                               for t in spec.targets if t.variant == variant
+                               and re.search(t.case, case) and t.check(ours) is not None]
+                    env = run["env"]
+                    out.append(_line([
+                        label, run["kind"].replace("NVIDIA ", ""),
+                        f"{env.get('date', '?')}, `{env.get('commit', '?')}`",
+                        f"**{_cell(spec, ours)}**",
+                        f"{run['baseline']}: {_cell(spec, base)}" if base else "-",
+                        f"{peer['variant']}: {_cell(spec, peer)}" if peer else "-",
+                        "; ".join(targets) or "-"]))
+    return "\n".join(out) + "\n"
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+def _marker(name: str) -> tuple:
+    return f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+
+
+def fill_blocks(text: str, blocks: dict, append_missing: bool) -> str:
+    """Replace each `<!-- bench:NAME -->...<!-- /bench:NAME -->` with blocks[NAME]; blocks with
+    no markers in text are appended when append_missing. Text outside the markers is kept."""
+    for name, body in blocks.items():
+        start, end = _marker(name)
+        block = f"{start}\n{body.rstrip()}\n{end}"
+        pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+        if pattern.search(text):
+            text = pattern.sub(lambda _: block, text, count=1)
+        elif append_missing:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+    return text
+
+
+def render(results: Path, results_md: str, readme: Optional[str]) -> tuple:
+    """(new RESULTS.md text, new README text or None) from the runs in `results`."""
+    by_bench = latest(load_runs(results))
+    names = [b for b in SPECS if b in by_bench] + sorted(b for b in by_bench if b not in SPECS)
+    present = re.findall(r"<!-- bench:([\w.-]+) -->", results_md)
+    blocks = {b: bench_table(b, by_bench[b]) for b in names}
+    for b in present:
+        if b not in blocks:
+            blocks[b] = f"No run of `{b}` in benchmarks/results/."
+    new_readme = None
+    if readme is not None:
+        new_readme = fill_blocks(readme, {"summary": summary_table(by_bench)}, False)
+    return fill_blocks(results_md, blocks, True), new_readme
+
+
+def write_markdown(root: Path) -> list:
+    """Regenerate root/benchmarks/RESULTS.md (and README.md's summary block); returns the
+    paths whose text changed."""
+    results_md = root / "benchmarks" / "RESULTS.md"
+    readme = root / "README.md"
+    old_results = results_md.read_text() if results_md.exists() else "# Benchmark results\n"
+    old_readme = readme.read_text() if readme.exists() else None
+    new_results, new_readme = render(root / "benchmarks" / "results", old_results, old_readme)
+    changed = []
+    for path, old, new in ((results_md, old_results, new_results), (readme, old_readme, new_readme)):
+        if new is not None and new != old:
+            path.write_text(new)
+            changed.append(path)
+    return changed
