@@ -1,21 +1,28 @@
-"""A/B of the eager FP8 Linear step: this tree's tritium against a baseline copy (diagnostic, CUDA).
+"""Usage: python scripts/ab_linear.py {base REV [REV ...] | run [T K N ...]}
 
-Host changes are measured within one process, because the lent machines' hosts differ from call
-to call by more than the changes do. Baselines are earlier commits' packages importable as
-`tritium_<rev>` (made by `scripts/ab_base.sh REV [REV ...]` under the ignored ab_base/):
+A/B of the eager FP8 Linear step: this tree's tritium against earlier commits', in one process
+(diagnostic; `run` needs CUDA). Host-side changes are measured within one process because a
+host's speed moves from call to call by more than such a change does.
 
-    python scripts/ab_linear.py [T K N ...]           (default 8192 4096 4096)
-
-For each shape: bf16 nn.Linear, tritium FP8 delayed and each baseline's FP8 delayed, timed as
-bench_linear.py times them (do_bench, GPU settled, variants in turn, ROUNDS rounds, median),
-under the default autograd threading and with the backward on the calling thread. Then the host
-cost per step of each FP8 variant at a tiny shape (T256 512->512), where the GPU waits on the host.
+  base REV [REV ...]  writes ab_base/tritium_<rev>: the tritium package as of each git revision,
+                      importable next to this tree's (ab_base/ is ignored by git; copy it along
+                      to the GPU machine). No REV: clears ab_base/.
+  run [T K N ...]     for each shape (default 8192 4096 4096): bf16 nn.Linear, tritium FP8
+                      delayed and each ab_base/tritium_* FP8 delayed, timed as bench_linear.py
+                      times them (do_bench, GPU settled, variants in turn, ROUNDS rounds,
+                      median), under the default autograd threading and with the backward on
+                      the calling thread; then the host cost per step of each at T256 512->512,
+                      where the GPU waits on the host. Rows go to $OUT/ab_linear.json when $OUT
+                      is set.
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 
@@ -95,8 +102,8 @@ def variants(t, k, n):
     return out
 
 
-def main(argv):
-    dims = [int(a) for a in argv] or [8192, 4096, 4096]
+def run(dims):
+    dims = dims or [8192, 4096, 4096]
     gpu = torch.cuda.get_device_name()
     rows = []
     for i in range(0, len(dims), 3):
@@ -134,5 +141,40 @@ def main(argv):
         print(f"{r['case']:<22} {r['variant']:<16} {r['threading']:<15} {val}")
 
 
+def base(revs):
+    """ab_base/tritium_<rev> for each rev: `git archive REV tritium`, renamed."""
+    dest = os.path.join(ROOT, "ab_base")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
+    for rev in revs:
+        short = subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True,
+                               capture_output=True, text=True).stdout.strip()
+        archive = subprocess.run(["git", "archive", rev, "tritium"], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", dest], input=archive, check=True)
+        os.rename(os.path.join(dest, "tritium"), os.path.join(dest, f"tritium_{short}"))
+        print(os.path.join("ab_base", f"tritium_{short}"))
+
+
+def main(argv=None):
+    doc = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(prog="scripts/ab_linear.py", description=doc[1],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n\n".join(doc[2:]))
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("base", help="write ab_base/tritium_<rev> for each git revision")
+    p.add_argument("revs", nargs="*", metavar="REV")
+    p = sub.add_parser("run", help="time bf16, this tree and every ab_base/tritium_* (CUDA)")
+    p.add_argument("dims", nargs="*", type=int, metavar="T K N")
+    args = parser.parse_args(argv)
+    if args.command == "base":
+        return base(args.revs)
+    if len(args.dims) % 3:
+        parser.error(f"run: shapes are T K N triples, got {args.dims}")
+    if not torch.cuda.is_available():
+        parser.error("run needs a CUDA GPU; torch sees none")
+    run(args.dims)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main()

@@ -1,4 +1,6 @@
-"""Print the context-parallel accuracy table: bf16 CP attention vs an fp64 reference, next to
+"""Usage: python scripts/cp_accuracy.py [--gpu] [--no-cpu] [--seq S ...] [--json FILE]
+
+Print the context-parallel accuracy table: bf16 CP attention vs an fp64 reference, next to
 single-device bf16 attention (tritium.attention.cp.accuracy does the measuring).
 
     python scripts/cp_accuracy.py                  # CPU, gloo, CP = 2 and 4 (reference backend)
@@ -63,7 +65,7 @@ def run(world: int, backend: str, shape: dict, seed: int = 0):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     ap.add_argument("--gpu", action="store_true", help="also run on 2 GPUs with NCCL")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU (gloo) tables")
     ap.add_argument("--seq", type=int, nargs="+", default=[8192], help="GPU sequence lengths")

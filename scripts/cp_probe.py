@@ -1,6 +1,6 @@
-"""Where a context-parallel step's time goes (GPU, under torchrun; diagnostics, not a bench).
+"""Usage: torchrun --nproc_per_node=N scripts/cp_probe.py [--seq 131072] [--no-trace]
 
-    torchrun --nproc_per_node=8 scripts/cp_probe.py [--seq 131072] [--no-trace]
+Where a context-parallel step's time goes (GPUs, under torchrun; a diagnostic, not a bench).
 
 1. Ring bandwidth: `Ring.exchange` of one K,V pair (bf16) and of one dK,dV pair (fp32) of the
    local shape at `--seq`, for every cp group size 2, 4, 8 dividing the world (groups of
@@ -51,7 +51,7 @@ def _bandwidth(group, size, seq, heads, dim, device):
 
 
 def main() -> int:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1])
     p.add_argument("--seq", type=int, default=131072)
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--dim", type=int, default=128)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# One call on the lent GPU: gpu test tier + benchmarks, logs and JSON under $OUT.
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash]
-# (default: all). Any other word is taken as a pytest -k filter for the gpu tier: tests:EXPR.
+#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [tests:EXPR]
+# The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
+# $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
+# tests:EXPR runs the gpu tier with pytest -k EXPR.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -25,7 +26,7 @@ for s in $stages; do
     attn)   python3 benchmarks/bench_attention.py 2>&1 | tee "$OUT/bench_attn.log" | grep -v "^{" ;;
     rope)   python3 benchmarks/bench_rope.py 2>&1 | tee "$OUT/bench_rope.log" | grep -v "^{" ;;
     adam)   python3 benchmarks/bench_adam.py 2>&1 | tee "$OUT/bench_adam.log" | grep -v "^{" ;;
-    prof)   python3 scripts/profile_ops.py 2>&1 | tee "$OUT/profile_ops.log" ;;
+    prof)   python3 scripts/profile_host.py ops 2>&1 | tee "$OUT/profile_ops.log" ;;
     graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
     flash)  python3 benchmarks/bench_flash_attention.py 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
