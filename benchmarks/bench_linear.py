@@ -20,7 +20,7 @@ keeps that old single pass, for comparison.
 
 Autograd threading: PyTorch's engine runs the backward of CUDA tensors on its own device thread,
 so an autograd Function written in Python (tritium's, TE's) pays a hand-off to that thread and
-runs its backward there with cold caches: ~0.2 ms per step on the lent VMs, where the FP8 step
+runs its backward there with cold caches: ~0.2 ms per step on a slow host, where the FP8 step
 at 8192x4096->4096 is bound by host time. Every variant is timed with PyTorch's default (the
 case named by its shape, the headline); bf16, tritium and torchao compiled are timed again with
 `torch.autograd.set_multithreading_enabled(False)` (the backward on the calling thread), each
@@ -117,8 +117,8 @@ def _time_shape(case, variants, x, dy, rounds, settle):
 
 def main(argv):
     """argv: optional T K N triples to run instead of SHAPES (e.g. `8192 4096 4096`);
-    `--single`: one timing per variant, no settling (the method of the runs before the fourth
-    session, except that all variants compile before any is timed)."""
+    `--single`: one timing per variant in one pass, no settling (the old method, for
+    comparison; all variants still compile before any is timed)."""
     single = "--single" in argv
     dims = [int(a) for a in argv if a != "--single"]
     shapes = [tuple(dims[i:i + 3]) for i in range(0, len(dims), 3)] if dims else SHAPES

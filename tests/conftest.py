@@ -18,13 +18,11 @@ def _seed_of(nodeid: str) -> int:
     return zlib.crc32(nodeid.encode()) & 0x7FFFFFFF
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _tf32_off():
-    """Parity is checked in true fp32: no TF32 anywhere."""
+def pytest_configure(config):
+    """Parity is checked in true fp32: no TF32 anywhere, set once before any test runs."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    yield
 
 
 @pytest.fixture(autouse=True)

@@ -1,7 +1,7 @@
 """Triton FP8 GEMM in the "TN" form: out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias).
 
 Why it exists beside `torch._scaled_mm`: at 8192x4096->4096 an eager FP8 Linear step is bound
-by host time on the lent VMs, and a step whose forward GEMM is this kernel spends ~70 us less
+by host time on a slow host, and a step whose forward GEMM is this kernel spends ~70 us less
 host time than one whose forward goes through cuBLASLt (same GPU time: in fast-accumulation
 mode the kernel matches cuBLASLt; in precise mode it is ~20% slower, so dgrad/wgrad stay on
 cuBLASLt, see `tritium.functional.gemm`). It is launched through `Launcher` (a direct call of
@@ -76,7 +76,8 @@ def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr
 _launch_gemm = Launcher(_fp8_gemm_tn_kernel)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages) by fast_accum, the best of a
-# sweep on an H100 (scripts/gemm_probe.py) at the Linear's GEMM shapes, launched persistent.
+# sweep on an H100 at the Linear's GEMM shapes (8192x4096x4096, 8192x14336x4096,
+# 16384x8192x8192), launched persistent.
 # Precise accumulation holds a second fp32 tile in registers: 128x256 spills there.
 CONFIGS = {True: (128, 256, 128, 8, 8, 3), False: (256, 128, 128, 8, 8, 3)}
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
