@@ -53,7 +53,7 @@ class Target:
 @dataclass(frozen=True)
 class Spec:
     title: str
-    tritium: tuple = ()            # tritium's variants, in column order (default: "tritium*")
+    tritium: tuple = ()            # tritium's variants, first in column order (+ any "tritium*")
     peers: Optional[tuple] = None  # peers in column order (default: every other variant)
     hide_cases: str = ""           # regex: cases left out
     hide_variants: str = ""        # regex: variants left out (sweeps)
@@ -253,8 +253,8 @@ def _columns(spec: Spec, run: dict) -> tuple:
         if r["case"] in cases and v not in seen and v != run["baseline"] and not (
                 spec.hide_variants and re.search(spec.hide_variants, v)):
             seen.append(v)
-    ours = [v for v in spec.tritium if v in seen] if spec.tritium else [
-        v for v in seen if v.startswith("tritium")]
+    ours = [v for v in spec.tritium if v in seen] + [
+        v for v in seen if v.startswith("tritium") and v not in spec.tritium]
     if spec.peers is None:
         peers = [v for v in seen if v not in ours]
     else:

@@ -1,0 +1,150 @@
+"""cpu tier: `python -m tritium bench --markdown` (tritium/bench_report.py).
+
+The committed tables must be what the committed JSON gives: regenerating benchmarks/RESULTS.md
+and README's Speed table from benchmarks/results/*.json reproduces both files byte for byte (so
+running the command on a clean checkout leaves `git status` clean). On made-up runs: the latest
+run per GPU kind wins, every file shape the project writes is read (one bench, the merged report
+of `python -m tritium bench`, the demo's results.json), a bench with no block gets one appended,
+text outside the markers is kept, targets read met / not met from the row they name, and a bench
+with no spec is still rendered from its rows.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tritium import bench_report as br
+from tritium.bench import merge
+from tritium.cli import main
+
+pytestmark = pytest.mark.cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_committed_tables_are_regenerated_byte_for_byte():
+    results_md = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    new_results, new_readme = br.render(ROOT / "benchmarks" / "results", results_md, readme)
+    assert new_results == results_md, "run `python -m tritium bench --markdown` and commit"
+    assert new_readme == readme, "run `python -m tritium bench --markdown` and commit"
+    for name in br.SUMMARY_ORDER:  # every benchmark README's table promises has a run
+        assert f"<!-- bench:{name} -->" in results_md
+    assert "<!-- bench:summary -->" in readme
+
+
+def test_every_committed_result_file_is_cited():
+    """results/ keeps the JSON the tables cite and nothing else."""
+    results_md = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    for path in (ROOT / "benchmarks" / "results").glob("*.json"):
+        assert f"results/{path.name}" in results_md, path.name
+    for run in br.load_runs(ROOT / "benchmarks" / "results"):
+        assert run["env"].get("commit") and run["env"].get("date"), run["file"]
+
+
+def _write(folder: Path, name: str, data) -> None:
+    (folder / name).write_text(json.dumps(data))
+
+
+def _bench(bench, date, gpu, rows, baseline="bf16", **env):
+    return {"bench": bench, "baseline": baseline,
+            "env": {"date": date, "gpu": gpu, "commit": "abc1234", **env}, "rows": rows}
+
+
+def _rows(ms_fp8: float, case: str = "T8192 4096->4096"):
+    return [{"case": case, "variant": "bf16", "ms": 1.2, "speedup_vs_bf16": 1.0},
+            {"case": case, "variant": "tritium fp8", "ms": ms_fp8,
+             "speedup_vs_bf16": round(1.2 / ms_fp8, 3)},
+            {"case": case, "variant": "torchao compiled", "ms": 1.1, "speedup_vs_bf16": 1.091}]
+
+
+def test_latest_run_per_gpu_kind(tmp_path):
+    _write(tmp_path, "a.json", _bench("newbench", "2026-11-20", "NVIDIA H100", _rows(1.0)))
+    _write(tmp_path, "b.json", _bench("newbench", "2026-11-23", "NVIDIA H100", _rows(0.8)))
+    _write(tmp_path, "c.json", _bench("newbench", "2026-11-21", "NVIDIA H200", _rows(0.9)))
+    _write(tmp_path, "d.json", _bench("newbench", "2026-11-22", "NVIDIA H200", _rows(0.7),
+                                      gpus=2))
+    _write(tmp_path, "ab.json", [{"case": "x", "variant": "y"}])  # other shapes are skipped
+    runs = br.latest(br.load_runs(tmp_path))["newbench"]
+    assert [(r["kind"], r["file"]) for r in runs] == [
+        ("2 x NVIDIA H200", "d.json"), ("NVIDIA H100", "b.json"), ("NVIDIA H200", "c.json")]
+    table = br.bench_table("newbench", runs)
+    # a bench with no spec: tritium columns are the "tritium..." variants, the rest are peers
+    assert "| case | bf16 (baseline) | **tritium fp8** | torchao compiled |" in table
+    assert "| T8192 4096->4096 | 1.200 ms (1.00x) | 0.800 ms (1.50x) | 1.100 ms (1.09x) |" in table
+    assert "**NVIDIA H100**, 2026-11-23, commit `abc1234`" in table
+    assert "(`results/b.json`)" in table and "(`results/a.json`)" not in table
+
+
+def test_blocks_are_filled_appended_and_text_outside_kept(tmp_path):
+    _write(tmp_path, "lin.json", _bench("linear", "2026-11-23", "NVIDIA H200", _rows(0.8)
+                                        + _rows(3.0, "T8192 4096->14336"),
+                                        baseline="bf16"))
+    _write(tmp_path, "new.json", _bench("zeta", "2026-11-23", "NVIDIA H200", _rows(0.9)))
+    text = ("# Results\n\nintro, kept\n\n<!-- bench:linear -->\nold table\n<!-- /bench:linear -->"
+            "\n\nnote on linear, kept\n\n<!-- bench:gone -->\nold\n<!-- /bench:gone -->\n")
+    readme = "# x\n\n<!-- bench:summary -->\n<!-- /bench:summary -->\n\nafter\n"
+    out, new_readme = br.render(tmp_path, text, readme)
+    assert out.startswith("# Results\n\nintro, kept\n\n<!-- bench:linear -->\n## Linear")
+    assert "old table" not in out and "\n<!-- /bench:linear -->\n\nnote on linear, kept\n" in out
+    assert "<!-- bench:gone -->\nNo run of `gone` in benchmarks/results/.\n" in out
+    assert out.rstrip().endswith("<!-- /bench:zeta -->") and "## zeta" in out
+    # targets: 4096 at 1.50x >= 1.2x met; 14336 at 0.40x < 1.45x not met (tritium variant named
+    # in the spec is absent here, so the target reads n/a)
+    assert out.count("n/a") == 2
+    assert br.render(tmp_path, out, new_readme) == (out, new_readme)  # idempotent
+    assert new_readme.startswith("# x\n\n<!-- bench:summary -->\n| benchmark |")
+    assert new_readme.endswith("<!-- /bench:summary -->\n\nafter\n")
+
+
+def test_targets_met_and_not_met(tmp_path):
+    fp8 = br.LINEAR_FP8
+    rows = [{"case": c, "variant": v, "ms": ms, "speedup_vs_bf16 nn.Linear": round(base / ms, 3)}
+            for c, base, fp8_ms in (("T8192 4096->4096", 1.2, 0.9), ("T8192 4096->14336", 4.2, 3.0))
+            for v, ms in (("bf16 nn.Linear", base), (fp8, fp8_ms))]
+    _write(tmp_path, "l.json", _bench("linear", "2026-11-23", "NVIDIA H100", rows,
+                                      baseline="bf16 nn.Linear"))
+    by_bench = br.latest(br.load_runs(tmp_path))
+    table = br.bench_table("linear", by_bench["linear"])
+    assert "| 0.900 ms (1.33x) | >= 1.2x: **met** |" in table
+    assert "| 3.000 ms (1.40x) | >= 1.45x: **not met** |" in table
+    summary = br.summary_table(by_bench)
+    assert "| Linear, T8192 4096 -> 14336 | H100 | 2026-11-23, `abc1234` | **3.000 ms (1.40x)** |" \
+        in summary and ">= 1.45x: not met |" in summary
+
+
+def test_merged_report_and_demo_results_are_read(tmp_path):
+    env = {"date": "2026-11-24", "gpu": "NVIDIA H200", "commit": "def5678", "gpus": 1}
+    merged = merge([{"bench": "mlp", "baseline": "bf16", "env": env, "rows": _rows(0.6)},
+                    {"bench": "cp", "baseline": "bf16", "env": {**env, "gpus": 2},
+                     "rows": _rows(0.5)}])
+    _write(tmp_path, "m.json", merged)
+    demo = {"env": {"date": "2026-11-24", "commit": "def5678"}, "device": "NVIDIA H200",
+            "params": 8.3e8, "config": {"layers": 12, "hidden": 2560, "steps": 400,
+                                        "seq_len": 2048, "batch": 8},
+            "runs": [{"name": "bf16", "tokens_per_s": 100.0, "held_out_loss": 1.10},
+                     {"name": "fp8 delayed", "tokens_per_s": 135.0, "held_out_loss": 1.09}]}
+    _write(tmp_path, "demo.json", demo)
+    by_bench = br.latest(br.load_runs(tmp_path))
+    assert [r["kind"] for r in by_bench["cp"]] == ["2 x NVIDIA H200"]
+    assert by_bench["mlp"][0]["baseline"] == "bf16"
+    table = br.bench_table("demo", by_bench["demo"])
+    assert "| 100 tok/s (1.00x), held-out loss 1.1000 | 135 tok/s (1.35x), held-out loss 1.0900" \
+        in table
+    assert "tokens/s >= 1.3x: **met**; loss <= 1.02x: **met**" in table
+
+
+def test_cli_markdown_needs_no_gpu(tmp_path, monkeypatch, capsys):
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    _write(tmp_path / "benchmarks" / "results", "r.json",
+           _bench("rope", "2026-11-23", "NVIDIA H200", _rows(0.5)))
+    (tmp_path / "README.md").write_text("no markers\n")
+    monkeypatch.setattr("tritium.bench.repo_root", lambda: tmp_path)
+    assert main(["bench", "--markdown"]) == 0
+    assert "RESULTS.md" in capsys.readouterr().out
+    assert "<!-- bench:rope -->" in (tmp_path / "benchmarks" / "RESULTS.md").read_text()
+    assert (tmp_path / "README.md").read_text() == "no markers\n"
+    assert main(["bench", "--markdown"]) == 0
+    assert "already up to date" in capsys.readouterr().out
