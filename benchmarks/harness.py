@@ -25,7 +25,10 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 def git_commit() -> dict:
     """{"commit": short hash of HEAD, "dirty": uncommitted changes to tracked files} of the
-    tree the run is made from; {} outside a git checkout."""
+    tree the run is made from. A copy of the tree without .git (a GPU machine that got the
+    files only) names its commit in $BENCH_COMMIT; {} when neither says."""
+    if os.environ.get("BENCH_COMMIT"):
+        return {"commit": os.environ["BENCH_COMMIT"]}
     root = pathlib.Path(__file__).resolve().parent.parent
 
     def git(*args):

@@ -111,7 +111,7 @@ def test_targets_met_and_not_met(tmp_path):
     assert "| 0.900 ms (1.33x) | >= 1.2x: **met** |" in table
     assert "| 3.000 ms (1.40x) | >= 1.45x: **not met** |" in table
     summary = br.summary_table(by_bench)
-    assert "| Linear, T8192 4096 -> 14336 | H100 | 2026-11-23, `abc1234` | **3.000 ms (1.40x)** |" \
+    assert "| Linear FP8, T8192 4096 -> 14336 | H100 | 2026-11-23, `abc1234` | **3.000 ms (1.40x)** |" \
         in summary and ">= 1.45x: not met |" in summary
 
 

@@ -73,16 +73,16 @@ SPECS = {
         tritium=(LINEAR_FP8, "tritium fp8 current (eager)", "tritium fp8 delayed (CUDA graph)"),
         targets=(Target(r"^T8192 4096->4096$", LINEAR_FP8, ">= 1.2x", at_least=1.2),
                  Target(r"^T8192 4096->14336$", LINEAR_FP8, ">= 1.45x", at_least=1.45)),
-        headlines=((r"^T8192 4096->4096$", LINEAR_FP8, "Linear, T8192 4096 -> 4096"),
-                   (r"^T8192 4096->14336$", LINEAR_FP8, "Linear, T8192 4096 -> 14336"),
-                   (r"^T16384 8192->8192$", LINEAR_FP8, "Linear, T16384 8192 -> 8192"))),
+        headlines=((r"^T8192 4096->4096$", LINEAR_FP8, "Linear FP8, T8192 4096 -> 4096"),
+                   (r"^T8192 4096->14336$", LINEAR_FP8, "Linear FP8, T8192 4096 -> 14336"),
+                   (r"^T16384 8192->8192$", LINEAR_FP8, "Linear FP8, T16384 8192 -> 8192"))),
     "mlp": Spec(
         "LayerNormMLP fwd+bwd (RMSNorm, SwiGLU, no bias), bf16 in/out",
         tritium=("tritium LayerNormMLP fp8 delayed", "tritium LayerNormMLP fp8 delayed, casts unfused",
                  "tritium LayerNormMLP fp8 current", "tritium LayerNormMLP bf16"),
         cells=("{time} ({speedup:.2f}x, {tflops:.0f} TFLOP/s)", DEFAULT_CELL),
         targets=(Target("", "tritium LayerNormMLP fp8 delayed", ">= 1.5x", at_least=1.5),),
-        headlines=(("", "tritium LayerNormMLP fp8 delayed", "LayerNormMLP, T8192 4096 -> 14336"),)),
+        headlines=(("", "tritium LayerNormMLP fp8 delayed", "LayerNormMLP FP8, T8192 4096 -> 14336"),)),
     "block": Spec(
         "Llama-3-8B-shaped TransformerLayer fwd+bwd (B2 x S4096, hidden 4096, 32 heads, "
         "8 KV groups, ffn 14336)",
@@ -90,7 +90,7 @@ SPECS = {
                  "tritium TransformerLayer bf16"),
         cells=("{time} ({speedup:.2f}x, {ktok_per_s:.0f}k tok/s)", DEFAULT_CELL),
         targets=(Target("", "tritium TransformerLayer fp8 delayed", ">= 1.5x", at_least=1.5),),
-        headlines=(("", "tritium TransformerLayer fp8 delayed", "Llama-3-8B block"),)),
+        headlines=(("", "tritium TransformerLayer fp8 delayed", "Llama-3-8B TransformerLayer FP8, B2 x S4096"),)),
     "demo": Spec(
         "Whole model: `python -m tritium demo` at its GPU default (bf16 vs FP8 delayed, "
         "FusedAdam with fp32 masters)",
@@ -98,7 +98,7 @@ SPECS = {
         cells=("{tokens_per_s:,.0f} tok/s ({speedup:.2f}x), held-out loss {held_out_loss:.4f}",),
         targets=(Target("", "fp8 delayed", "tokens/s >= 1.3x", at_least=1.3),
                  Target("", "fp8 delayed", "loss <= 1.02x", field="loss_ratio", at_most=1.02)),
-        headlines=(("", "fp8 delayed", "Whole model (demo, 0.83B)"),)),
+        headlines=(("", "fp8 delayed", "Whole model FP8 (the demo, 0.83B)"),)),
     "attention": Spec(
         "DotProductAttention (bf16)",
         tritium=("tritium auto", "tritium flash"),
@@ -145,14 +145,14 @@ SPECS = {
         tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
         peers=(),
         targets=(Target(r"S32768", "cp2 p2p fast", ">= 1.8x", at_least=1.8),),
-        headlines=((r"S32768", "cp2 p2p fast", "Context parallel, cp=2, S=32768"),)),
+        headlines=((r"S32768", "cp2 p2p fast", "Context-parallel attention, cp=2, S=32768"),)),
     "cp_scale": Spec(
         "Context-parallel scaling, cp=2 -> 4 -> 8 (fwd+bwd per step, max over ranks)",
         tritium=("cp=4", "cp=8"), peers=(),
         cells=("{time} ({scaling:.0%} of linear)", DEFAULT_CELL),
         targets=(Target(r"S131072 .*p2p", "cp=8", ">= 85% of linear", "scaling", 0.85),),
         rank="scaling",
-        headlines=((r"S131072 .*p2p", "cp=8", "Context parallel, cp=2 -> 8, S=131072"),)),
+        headlines=((r"S131072 .*p2p", "cp=8", "Context-parallel scaling, cp=2 -> 8, S=131072"),)),
 }
 SUMMARY_ORDER = ("linear", "mlp", "block", "demo", "attention", "norm", "adam", "cp", "cp_scale")
 
