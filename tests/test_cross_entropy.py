@@ -224,3 +224,16 @@ def test_vocab_parallel_two_ranks(tmp_path, _seed):
         torch.testing.assert_close(got["loss2"], want2.detach(), **FP32_TOL)
         torch.testing.assert_close(got["dh"], h.grad, **FP32_TOL)
         torch.testing.assert_close(got["dw"], wf.grad[rank * 26:(rank + 1) * 26], **FP32_TOL)
+
+
+def test_every_token_ignored(randn):
+    """torch's mean over no tokens is NaN; the gradients are 0 (nothing to learn from)."""
+    hid, w, _, t = _lce_case(randn, 12, 16, 20)
+    t[:] = -100
+    loss = te.linear_cross_entropy(hid, w, t)
+    loss.backward()
+    assert torch.isnan(loss) and (hid.grad == 0).all() and (w.grad == 0).all()
+    x = randn(2, 6, 20, requires_grad=True)
+    loss = te.parallel_cross_entropy(x, t.reshape(2, 6), reduce_loss=True)
+    loss.backward()
+    assert torch.isnan(loss) and (x.grad == 0).all()
