@@ -75,7 +75,8 @@ def test_linear_cross_entropy_kernel_vs_ref(fp8, setenv):
         loss.backward()
         outs.append((loss.detach(), h.grad, ww.grad))
     (lk, hk, wk), (lr, hr, wr) = outs
-    torch.testing.assert_close(lk, lr, rtol=1e-5, atol=0)
+    # the same casts; the FP8 GEMMs may differ (Triton vs cuBLASLt fast accumulation)
+    torch.testing.assert_close(lk, lr, rtol=1e-4 if fp8 else 1e-5, atol=0)
     for got, want in ((hk, hr), (wk, wr)):
         assert (got.float() - want.float()).norm() / want.float().norm() < 1e-2
     # against the materialized bf16 logits, as an HF lm_head + F.cross_entropy computes them
