@@ -34,7 +34,7 @@ Not done here: softcapping, class weights, sequence-parallel hidden (gather it f
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,17 @@ from .gemm import fp8_gemm_tn
 CHUNK_BYTES = 256 << 20
 REDUCTIONS = ("mean", "sum", "none")
 _CURRENT = (0.0, False)  # current scaling: amax_epsilon 0, scales not rounded to powers of 2
+
+
+class _Options(NamedTuple):
+    ignore_index: int
+    reduction: str
+    label_smoothing: float
+    lse_square_scale: float
+    tp_group: object
+    recipe: object  # the fp8_autocast recipe when the FP8 lm_head runs, else None
+    chunk_size: Optional[int]
+    accum_dtype: Optional[torch.dtype]
 
 
 def chunk_rows(tokens: int, vocab: int, itemsize: int, chunk_size: Optional[int]) -> int:
@@ -114,8 +125,8 @@ def _logits(plan, h, weight, bias):
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h2d, weight, bias, target, cfg):
-        (ignore, reduction, eps, z, group, recipe, chunk_size, accum_dtype) = cfg
+    def forward(ctx, h2d, weight, bias, target, cfg: _Options):
+        ignore, reduction, eps, z, group, recipe, chunk_size, accum_dtype = cfg
         t_len = h2d.shape[0]
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grads_now = reduction != "none" and (need_h or need_w or need_b)
@@ -172,7 +183,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def _recompute_backward(ctx, grad_output):
     """reduction="none": the per-token gradients, recomputing the logits chunk by chunk."""
     h2d, weight, bias, target, lse = ctx.saved_tensors
-    (ignore, _, eps, z, group, recipe, chunk_size, accum_dtype) = ctx.cfg
+    ignore, _, eps, z, group, recipe, chunk_size, accum_dtype = ctx.cfg
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
     plan = None if recipe is None else _FP8Head(weight, recipe, need_h, need_w)
     dh = torch.empty_like(h2d) if need_h else None
@@ -230,10 +241,10 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: tor
     recipe = None
     if fp8 and is_fp8_enabled():
         recipe = get_fp8_recipe()
-    h2d = hidden.reshape(-1, hidden.shape[-1])
+    h2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()
     t1 = target.reshape(-1).to(torch.int64).contiguous()
-    cfg = (int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
-           tp_group, recipe, chunk_size, accum_dtype)
+    cfg = _Options(int(ignore_index), reduction, float(label_smoothing), float(lse_square_scale),
+                   tp_group, recipe, chunk_size, accum_dtype)
     loss = _LinearCrossEntropy.apply(h2d, weight, bias, t1, cfg)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
