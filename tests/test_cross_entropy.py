@@ -202,8 +202,14 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
         loss2 = te.linear_cross_entropy(h, ws, t2, label_smoothing=0.1, lse_square_scale=1e-2,
                                         tp_group=dist.group.WORLD, chunk_size=8)
         loss2.backward()
-        torch.save({"loss1": loss1.detach(), "dx": x.grad, "loss2": loss2.detach(),
-                    "dh": h.grad, "dw": ws.grad}, os.path.join(out_dir, f"rank{rank}.pt"))
+        res = {"loss1": loss1.detach(), "dx": x.grad, "loss2": loss2.detach(), "dh": h.grad,
+               "dw": ws.grad}
+        h.grad = ws.grad = None  # reduction="none": the backward recomputes the logits
+        loss3 = te.linear_cross_entropy(h, ws, t2, reduction="none", tp_group=dist.group.WORLD,
+                                        chunk_size=8)
+        loss3.backward(torch.linspace(-1, 1, 22))
+        res.update(loss3=loss3.detach(), dh3=h.grad, dw3=ws.grad)
+        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -217,6 +223,9 @@ def test_vocab_parallel_two_ranks(tmp_path, _seed):
     h, wf = hid.clone().requires_grad_(), w.clone().requires_grad_()
     want2 = te.linear_cross_entropy(h, wf, t2, label_smoothing=0.1, lse_square_scale=1e-2)
     want2.backward()
+    h3, w3 = hid.clone().requires_grad_(), w.clone().requires_grad_()
+    want3 = te.linear_cross_entropy(h3, w3, t2, reduction="none")
+    want3.backward(torch.linspace(-1, 1, 22))
     for rank in range(WORLD):
         got = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         torch.testing.assert_close(got["loss1"], want1.detach(), **FP32_TOL)
@@ -224,6 +233,9 @@ def test_vocab_parallel_two_ranks(tmp_path, _seed):
         torch.testing.assert_close(got["loss2"], want2.detach(), **FP32_TOL)
         torch.testing.assert_close(got["dh"], h.grad, **FP32_TOL)
         torch.testing.assert_close(got["dw"], wf.grad[rank * 26:(rank + 1) * 26], **FP32_TOL)
+        torch.testing.assert_close(got["loss3"], want3.detach(), **FP32_TOL)
+        torch.testing.assert_close(got["dh3"], h3.grad, **FP32_TOL)
+        torch.testing.assert_close(got["dw3"], w3.grad[rank * 26:(rank + 1) * 26], **FP32_TOL)
 
 
 def test_every_token_ignored(randn):
