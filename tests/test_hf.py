@@ -71,8 +71,11 @@ def test_fp32_logits_and_grads_match(kw):
     assert not any(isinstance(m, transformers.models.llama.modeling_llama.LlamaAttention)
                    for m in conv.modules())  # HF's q/k/v/o modules are gone
     ids = torch.randint(0, VOCAB, (3, 17))
+    with torch.no_grad():
+        torch.testing.assert_close(conv(input_ids=ids).logits, hf(input_ids=ids).logits,
+                                   **FP32_TOL)
     ref, out = hf(input_ids=ids, labels=ids), conv(input_ids=ids, labels=ids)
-    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    assert out.logits is None  # training with labels: the fused loss, no logits
     torch.testing.assert_close(out.loss, ref.loss, **FP32_TOL)
     ref.loss.backward()
     out.loss.backward()
@@ -117,7 +120,43 @@ def test_fp8_loss_within_fp8_tolerance():
     grads = [p.grad for p in conv.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     with torch.no_grad():  # and the FP8 forward really differs from fp32 (it ran in FP8)
-        assert not torch.equal(out.logits, conv(input_ids=ids).logits)
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            fp8_logits = conv(input_ids=ids).logits
+        assert not torch.equal(fp8_logits, conv(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fused_causal_lm_loss_equals_hf(tied):
+    """Training mode with labels: HF's ForCausalLMLoss (shift, ignore -100, mean; sum over
+    num_items_in_batch) through linear_cross_entropy, 1e-6 relative; logits None; gradients
+    of every weight (the tied embedding included) at fp32 tolerance."""
+    hf = _hf_model()
+    if tied:
+        hf.config.tie_word_embeddings = True
+        hf.lm_head.weight = hf.model.embed_tokens.weight
+    conv = convert_llama(copy.deepcopy(hf))
+    assert (conv.lm_head.weight is conv.model.embed_tokens.weight) == tied
+    ids = torch.randint(0, VOCAB, (3, 13))
+    labels = ids.clone()
+    labels[0, :4] = -100  # a masked prompt
+    labels[2, 7] = -100
+    for kwargs in (dict(), dict(num_items_in_batch=torch.tensor(50))):
+        for m in (hf, conv):
+            m.zero_grad(set_to_none=True)
+        ref = hf(input_ids=ids, labels=labels, **kwargs)
+        out = conv(input_ids=ids, labels=labels, **kwargs)
+        assert out.logits is None and ref.logits is not None
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+        ref.loss.backward()
+        out.loss.backward()
+        ref_grads, grads = _grads_by_hf_name(hf), _grads_by_hf_name(conv)
+        for name in ref_grads:
+            torch.testing.assert_close(grads[name], ref_grads[name], **FP32_TOL, msg=name)
+    conv.eval()  # eval mode: HF's own forward, logits and loss
+    with torch.no_grad():
+        out, ref = conv(input_ids=ids, labels=labels), hf.eval()(input_ids=ids, labels=labels)
+    torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
 
 
 def test_round_trip_state_dict():

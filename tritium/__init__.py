@@ -12,6 +12,9 @@ from .fp8.model_init import fp8_model_init, quantized_model_init
 from .fp8.tensor import Float8Tensor
 from .graphs import make_graphed_callables
 from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
+from .functional.cross_entropy import parallel_cross_entropy
+from .functional.linear_cross_entropy import linear_cross_entropy
+from .modules.cross_entropy import LinearCrossEntropyLoss
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
 
@@ -22,4 +25,5 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables",
+           "parallel_cross_entropy", "linear_cross_entropy", "LinearCrossEntropyLoss",
            "__version__"]

@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 import tritium as te
 
@@ -213,13 +212,17 @@ class ByteLlama(torch.nn.Module):
         self.head = te.Linear(cfg.hidden, VOCAB, bias=False, params_dtype=dtype, device=dev,
                               init_method=_normal(INIT_STD))
 
-    def forward(self, tokens: torch.Tensor, fp8_recipe=None) -> torch.Tensor:
+    def hidden(self, tokens: torch.Tensor, fp8_recipe=None) -> torch.Tensor:
+        """The final normed hidden states, the lm_head's input."""
         x = self.embed(tokens)
         freqs = self.rope(tokens.shape[1])
         with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
             for layer in self.layers:
                 x = layer(x, rotary_pos_emb=freqs)
-        return self.head(self.norm(x))
+        return self.norm(x)
+
+    def forward(self, tokens: torch.Tensor, fp8_recipe=None) -> torch.Tensor:
+        return self.head(self.hidden(tokens, fp8_recipe))
 
 
 def _make_optimizer(params, lr: float, master_weights: bool):
@@ -303,8 +306,8 @@ def _sync(device: torch.device) -> None:
 
 
 def _loss(model, x, y, fp8_recipe) -> torch.Tensor:
-    logits = model(x, fp8_recipe)
-    return F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1))
+    """Mean next-byte cross-entropy, fused with the head GEMM (no logits tensor)."""
+    return te.linear_cross_entropy(model.hidden(x, fp8_recipe), model.head.weight, y)
 
 
 @torch.no_grad()

@@ -303,6 +303,16 @@ def cp_appendix(out_path: str) -> str:
     return CP_INTRO + "\n" + table + "\n"
 
 
+LCE_TABLE = "lce_accuracy.md"   # next to the output file: written by scripts/lce_accuracy.py
+
+
+def lce_appendix(out_path: str) -> str:
+    """The linear_cross_entropy section (LCE_TABLE, measured by its own script); empty when
+    the file is missing."""
+    path = os.path.join(os.path.dirname(os.path.abspath(out_path)), LCE_TABLE)
+    return open(path).read() if os.path.exists(path) else ""
+
+
 CP_INTRO = f"""\
 ## Context-parallel attention vs single-device attention (2, 4 and 8 GPUs)
 
@@ -374,7 +384,8 @@ def main(args) -> int:
     t0 = time.perf_counter()
     results = measure(device, args.seeds, shapes, log=lambda s: print(s, flush=True))
     seconds = time.perf_counter() - t0
-    text = render(results, device, args.seeds, shapes, seconds, INTRO, cp_appendix(args.out))
+    text = render(results, device, args.seeds, shapes, seconds, INTRO,
+                  cp_appendix(args.out) + "\n" + lce_appendix(args.out))
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out} ({seconds:.1f} s)")

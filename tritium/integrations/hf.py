@@ -28,6 +28,17 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
   * Masks: None -> causal (HF's sdpa path without padding); a 4D bool mask (True = attend) or
     additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). Query rows
     with no visible key give 0 (TE's convention; HF gives garbage there, which it ignores).
+  * The causal-LM loss (`LlamaForCausalLM`, fused_cross_entropy=True, the default): in training
+    mode, `model(input_ids, labels=labels)` computes HF's loss (labels shifted left and padded
+    with -100, mean over non-ignored tokens, or the sum / num_items_in_batch when that is passed,
+    `shift_labels` and `ignore_index` as HF's ForCausalLMLoss takes them) through
+    `tritium.linear_cross_entropy` from the final hidden states and lm_head.weight, so no
+    tokens x vocab logits tensor is ever made, and returns `logits=None` (as Liger's
+    fused linear cross-entropy does). Without labels, or in eval mode, the forward is HF's own
+    (logits returned, HF's loss when labels are given). Tied embeddings work: lm_head.weight is
+    the embedding's Parameter, and both gradients accumulate into it. fp8_lm_head=True runs the
+    lm_head GEMMs in FP8 inside an enabled fp8_autocast (per-chunk current scaling, see
+    functional/linear_cross_entropy.py); off by default.
   * Not supported (clear errors): KV caches (convert_llama sets config.use_cache = False; an
     explicit use_cache=True or past_key_values raises: generate(..., use_cache=False) works), flex-attention BlockMask, attention/MLP biases, activations other than SiLU,
     output_attentions (there are no attention weights to return).
@@ -35,9 +46,12 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
 from __future__ import annotations
 
 import inspect
+import types
 from typing import Optional
 
 import torch
+
+from ..functional.linear_cross_entropy import linear_cross_entropy
 
 from .llama import hf_llama_layer_weights, llama_mlp_weights, load_llama_decoder_layer
 
@@ -147,9 +161,44 @@ def _llama_model(model):
     return inner
 
 
-def convert_llama(model):
+def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                       past_key_values=None, inputs_embeds=None, labels=None, use_cache=None,
+                       logits_to_keep=0, **kwargs):
+    """LlamaForCausalLM.forward with the loss through linear_cross_entropy (module note)."""
+    shift_labels = kwargs.pop("shift_labels", None)
+    if not self.training or (labels is None and shift_labels is None):
+        return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                  position_ids=position_ids, past_key_values=past_key_values,
+                                  inputs_embeds=inputs_embeds, labels=labels,
+                                  use_cache=use_cache, logits_to_keep=logits_to_keep,
+                                  **({} if shift_labels is None else
+                                     {"shift_labels": shift_labels}), **kwargs)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    return_dict = kwargs.pop("return_dict", None)
+    outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=position_ids, past_key_values=past_key_values,
+                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+    hidden = outputs[0]
+    if shift_labels is None:  # tokens < n predict n, as HF's ForCausalLMLoss
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    loss = linear_cross_entropy(hidden, self.lm_head.weight, shift_labels.to(hidden.device),
+                                ignore_index, "mean" if num_items is None else "sum",
+                                bias=self.lm_head.bias, fp8=self._tritium_fp8_lm_head)
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    out = CausalLMOutputWithPast(loss=loss, logits=None,
+                                 past_key_values=getattr(outputs, "past_key_values", None),
+                                 hidden_states=getattr(outputs, "hidden_states", None),
+                                 attentions=getattr(outputs, "attentions", None))
+    return out.to_tuple() if return_dict is False else out
+
+
+def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool = False):
     """Swap every decoder layer of an HF Llama model for a tritium TransformerLayer holding
-    the same weights (in place; returns the model). See the module note."""
+    the same weights and, for a LlamaForCausalLM, route the training loss through
+    linear_cross_entropy (in place; returns the model). See the module note."""
     from tritium.modules.transformer_layer import TransformerLayer
     inner = _llama_model(model)
     config = model.config
@@ -174,6 +223,9 @@ def convert_llama(model):
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple)
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
+    if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        model._tritium_fp8_lm_head = bool(fp8_lm_head)
+        model.forward = types.MethodType(_causal_lm_forward, model)
     return model
 
 

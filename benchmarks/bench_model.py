@@ -1,0 +1,228 @@
+"""The whole training step of a 1B Llama: tritium against HF eager, Liger, torch.compile, torchao.
+
+Model (issue 19): a real transformers `LlamaForCausalLM` with Llama-3.2-1B's shape (16 layers,
+hidden 2048, 32 heads, 8 KV heads, head dim 64, ffn 8192, vocab 128256, tied embeddings,
+rope_theta 500000), random weights (HF's init, seed 0: the same weights in every variant), cast
+to bf16 with model.to(torch.bfloat16). Data: B4 x S2048 byte-level ids of real text (the
+demo's corpus loader: the Python standard library's source), the same 50 batches for every
+variant; labels = input ids (HF shifts them). A step: zero_grad, forward with labels, backward,
+optimizer step.
+
+Optimizer. Every variant: torch.optim.AdamW(fused=True), lr 3e-4, betas (0.9, 0.95), no
+weight decay, on the bf16 parameters themselves: no fp32 master copy (its moments are bf16 as
+well, torch keeps them in the parameter's dtype), as a plain `model.to(bf16)` training loop
+does. Beside it, tritium FP8 delayed with te.optimizers.FusedAdam(master_weights=True): fp32
+masters and fp32 moments as optimizer state, the bf16 parameters written from the masters.
+
+Variants (each in its own process, so a peer's global patches, compile caches and memory never
+leak into the next one; --only picks some):
+  hf_eager       HF, attn_implementation="sdpa", eager: the baseline
+  hf_liger       apply_liger_kernel_to_llama() before building the model (RoPE, RMSNorm,
+                 SwiGLU, fused linear cross-entropy)
+  hf_compile     every decoder layer torch.compile'd (module.compile())
+  hf_torchao     torchao convert_to_float8_training (tensorwise) on the decoder layers' Linears
+                 (lm_head stays bf16: it is tied to the embedding), then layers compiled
+  tritium_bf16   tritium.integrations.hf.convert_llama (fused linear cross-entropy loss)
+  tritium_fp8_delayed / tritium_fp8_current   convert_llama, forward under te.fp8_autocast with
+                 DelayedScaling(HYBRID, amax_history_len=16, "max") / Float8CurrentScaling()
+  tritium_fp8_delayed_fp8head   the same with the lm_head GEMMs in FP8 (fp8_lm_head=True)
+  tritium_fp8_delayed_fusedadam FP8 delayed with te.optimizers.FusedAdam(master_weights=True)
+Reported per variant: ms per step and tokens_per_s (mean over the steps after the first
+WARMUP, which compile and autotune), peak_gib (torch.cuda.max_memory_allocated over the whole
+run: weights, grads, optimizer state, activations), loss_50 (the last step's loss) and
+loss_curve (every step). speedup_vs_hf_eager = hf_eager ms / ms.
+
+--tiny: a small config (2 layers, hidden 64, vocab 512, B2 x S64), 3 steps: a smoke test that
+writes the same rows. Without a GPU it runs on the CPU, in this process, only the variants that
+run there (hf_eager and tritium_*; FP8 emulated).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import finish  # noqa: E402
+
+MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+             tie_word_embeddings=True, rope_theta=500000.0, rms_norm_eps=1e-5,
+             max_position_embeddings=8192)
+TINY = dict(MODEL, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+BATCH, SEQ, STEPS, WARMUP = 4, 2048, 50, 5
+TINY_BATCH, TINY_SEQ, TINY_STEPS = 2, 64, 3
+LR, BETAS = 3e-4, (0.9, 0.95)
+BASELINE = "hf_eager"
+VARIANTS = ["hf_eager", "hf_liger", "hf_compile", "hf_torchao", "tritium_bf16",
+            "tritium_fp8_delayed", "tritium_fp8_current", "tritium_fp8_delayed_fp8head",
+            "tritium_fp8_delayed_fusedadam"]
+CPU_VARIANTS = ["hf_eager", "tritium_bf16", "tritium_fp8_delayed", "tritium_fp8_current",
+                "tritium_fp8_delayed_fusedadam"]
+
+
+def batches(n: int, batch: int, seq: int, seed: int = 0):
+    """n [batch, seq] int64 id tensors of real text (bytes), on the CPU."""
+    from tritium.demo import load_corpus, split_corpus
+    data, _ = load_corpus(max_bytes=max(4 << 20, 64 * (seq + 1) * batch))
+    train, _ = split_corpus(data, seq)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        starts = torch.randint(0, train.numel() - seq, (batch,), generator=g)
+        out.append(train[starts[:, None] + torch.arange(seq)].long())
+    return out
+
+
+def build(variant: str, cfg: dict, device: torch.device):
+    """(model, optimizer, context factory for the forward) for one variant."""
+    import contextlib
+
+    import transformers
+    if variant == "hf_liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+        apply_liger_kernel_to_llama()
+    config = transformers.LlamaConfig(**cfg, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    with device:
+        model = transformers.LlamaForCausalLM(config)
+    model.to(torch.bfloat16).train()
+    ctx = contextlib.nullcontext
+    if variant in ("hf_compile", "hf_torchao"):
+        if variant == "hf_torchao":
+            from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+            convert_to_float8_training(model.model.layers,
+                                       config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        for layer in model.model.layers:
+            layer.compile()
+    if variant.startswith("tritium"):
+        import tritium as te
+        from tritium import recipe
+        from tritium.integrations.hf import convert_llama
+        convert_llama(model, fp8_lm_head=variant.endswith("fp8head"))
+        if "fp8" in variant:
+            rcp = recipe.Float8CurrentScaling() if "current" in variant else \
+                recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                      amax_compute_algo="max")
+            ctx = lambda: te.fp8_autocast(enabled=True, fp8_recipe=rcp)  # noqa: E731
+    params = [p for p in model.parameters() if p.requires_grad]
+    if variant.endswith("fusedadam"):
+        import tritium as te
+        opt = te.optimizers.FusedAdam(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0,
+                                      adam_w_mode=True, master_weights=True)
+    else:
+        opt = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=1e-8, weight_decay=0.0,
+                                fused=device.type == "cuda" or None)
+    return model, opt, ctx
+
+
+def run_variant(variant: str, tiny: bool, steps: int) -> dict:
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    cfg, b, s = (TINY, TINY_BATCH, TINY_SEQ) if tiny else (MODEL, BATCH, SEQ)
+    data = batches(steps, b, s)
+    model, opt, ctx = build(variant, cfg, device)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    losses, marks = [], []
+    for ids in data:
+        ids = ids.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
+        else:
+            marks.append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+    warm = min(WARMUP, max(steps - 2, 0))
+    if cuda:
+        ms = marks[warm].elapsed_time(marks[-1]) / max(steps - 1 - warm, 1)
+    else:
+        ms = (marks[-1] - marks[warm]) * 1e3 / max(steps - 1 - warm, 1)
+    curve = [round(float(x), 5) for x in torch.stack(losses).float().cpu()]
+    row = {"variant": variant, "ms": round(ms, 3), "tokens_per_s": round(b * s / ms * 1e3, 1),
+           "loss_50": curve[-1], "loss_curve": curve, "steps": steps,
+           "optimizer": type(opt).__name__ + (" (fp32 masters)" if variant.endswith(
+               "fusedadam") else " (bf16 params, no masters)")}
+    if cuda:
+        row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return row
+
+
+def _child(variant: str, tiny: bool, steps: int, timeout: int) -> dict:
+    """run_variant in a fresh process; an error row when it fails."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dest = os.path.join(tmp, "row.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--steps",
+               str(steps), "--row-file", dest] + (["--tiny"] if tiny else [])
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": variant, "error": f"timed out after {timeout} s"}
+        if proc.returncode != 0 or not os.path.exists(dest):
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            return {"variant": variant, "error": " | ".join(tail)[-400:] or "failed"}
+        with open(dest) as f:
+            return json.load(f)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="*", default=None, help=f"variants, of {VARIANTS}")
+    p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--tiny", action="store_true", help="small config, in process (smoke test)")
+    p.add_argument("--timeout", type=int, default=900, help="seconds per variant (GPU runs)")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--row-file", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    steps = args.steps or (TINY_STEPS if args.tiny else STEPS)
+    if args.child:
+        row = run_variant(args.child, args.tiny, steps)
+        with open(args.row_file, "w") as f:
+            json.dump(row, f)
+        return 0
+    if not args.tiny and not torch.cuda.is_available():
+        print("bench_model needs a CUDA GPU (or --tiny for a CPU smoke test)")
+        return 0
+    names = VARIANTS if torch.cuda.is_available() else CPU_VARIANTS
+    if args.only:
+        bad = [v for v in args.only if v not in VARIANTS]
+        if bad:
+            p.error(f"unknown variants {bad}; choose from {VARIANTS}")
+        names = [v for v in VARIANTS if v in args.only]
+    if BASELINE not in names:
+        names = [BASELINE] + names  # speedups need the baseline in the same run
+    case = ("tiny " if args.tiny else "Llama-3.2-1B ") + \
+        (f"B{TINY_BATCH} S{TINY_SEQ}" if args.tiny else f"B{BATCH} S{SEQ}")
+    rows = []
+    for v in names:
+        if not torch.cuda.is_available():  # CPU smoke test: in this process
+            try:
+                row = run_variant(v, True, steps)
+            except Exception as exc:  # a missing peer, a CPU without the op: an error row
+                row = {"variant": v, "error": repr(exc)[:400]}
+        else:
+            row = _child(v, args.tiny, steps, args.timeout)
+        rows.append({"case": case, **row})
+        print({k: x for k, x in rows[-1].items() if k != "loss_curve"}, flush=True)
+    finish("model", rows, baseline=BASELINE)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
