@@ -35,6 +35,8 @@ loss_curve (every step). speedup_vs_hf_eager = hf_eager ms / ms.
 --tiny: a small config (2 layers, hidden 64, vocab 512, B2 x S64), 3 steps: a smoke test that
 writes the same rows. Without a GPU it runs on the CPU, in this process, only the variants that
 run there (hf_eager and tritium_*; FP8 emulated).
+--profile VARIANT: that variant in this process under torch.profiler: wall time per step, GPU
+kernel time per step and the kernels that take it (is the step bound by kernels or the host?).
 """
 from __future__ import annotations
 
@@ -89,7 +91,10 @@ def build(variant: str, cfg: dict, device: torch.device):
     if variant == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
         apply_liger_kernel_to_llama()
-    config = transformers.LlamaConfig(**cfg, attn_implementation="sdpa")
+    # use_cache=False in every variant: a training step builds no KV cache (with HF's default
+    # use_cache=True each layer would append to a DynamicCache, and a compiled layer would be
+    # specialized on its layer_idx: one recompile per layer).
+    config = transformers.LlamaConfig(**cfg, attn_implementation="sdpa", use_cache=False)
     torch.manual_seed(0)
     with device:
         model = transformers.LlamaForCausalLM(config)
@@ -100,6 +105,9 @@ def build(variant: str, cfg: dict, device: torch.device):
             from torchao.float8 import Float8LinearConfig, convert_to_float8_training
             convert_to_float8_training(model.model.layers,
                                        config=Float8LinearConfig.from_recipe_name("tensorwise"))
+        # One compiled graph per distinct layer is the intent: allow a recompile per layer
+        # rather than falling back to eager after dynamo's default limit of 8.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for layer in model.model.layers:
             layer.compile()
     if variant.startswith("tritium"):
@@ -164,6 +172,41 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
     return row
 
 
+def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
+    """One variant in this process: WARMUP steps, then `steps` steps under torch.profiler. Prints
+    the wall time per step, the GPU kernels' busy time per step and the kernels that take it,
+    grouped by name (the question: is the step bound by kernels, and by which)."""
+    from torch.profiler import ProfilerActivity, profile
+    device = torch.device("cuda")
+    data = batches(WARMUP + steps, BATCH, SEQ)
+    model, opt, ctx = build(variant, MODEL, device)
+
+    def step(ids):
+        opt.zero_grad(set_to_none=True)
+        with ctx():
+            loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
+        loss.backward()
+        opt.step()
+
+    for ids in data[:WARMUP]:
+        step(ids)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for ids in data[WARMUP:]:
+            step(ids)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    kernels: dict = {}
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
+    busy = sum(kernels.values())
+    print(f"{variant}: wall {wall:.2f} ms/step (profiled), GPU kernels {busy:.2f} ms/step")
+    for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {ms:8.3f} ms {100 * ms / busy:5.1f}%  {name[:110]}")
+
+
 def _child(variant: str, tiny: bool, steps: int, timeout: int) -> dict:
     """run_variant in a fresh process; an error row when it fails."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -187,10 +230,15 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="small config, in process (smoke test)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant (GPU runs)")
+    p.add_argument("--profile", metavar="VARIANT",
+                   help="profile one variant in this process: GPU kernel time per step, top kernels")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--row-file", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     steps = args.steps or (TINY_STEPS if args.tiny else STEPS)
+    if args.profile:
+        profile_variant(args.profile)
+        return 0
     if args.child:
         row = run_variant(args.child, args.tiny, steps)
         with open(args.row_file, "w") as f:
