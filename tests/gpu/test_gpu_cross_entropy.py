@@ -50,7 +50,13 @@ def test_slice_kernels_match_twin():
     x, t = _data(1024, V // 8, torch.bfloat16)
     t = t * 8  # global ids: most targets fall outside this slice
     start = V // 8 * 3
-    torch.testing.assert_close(kce.ce_stats(x, t, start), rce.ce_stats(x, t, start), **TOL32)
+    sk, sr = kce.ce_stats(x, t, start), rce.ce_stats(x, t, start)
+    torch.testing.assert_close(sk[:3], sr[:3], **TOL32)  # max, sum of exp, target logit
+    # The plain sum of 16032 logits (|x| up to ~20) cancels to near 0: compare it at the bound
+    # of an fp32 sum taken in another order, n * 2^-24 * max|x|, which a lost or doubled block
+    # (an error of a whole logit, ~4) still fails by far.
+    bound = x.shape[1] * 2.0 ** -24 * x.float().abs().amax().item()
+    torch.testing.assert_close(sk[3], sr[3], rtol=0, atol=bound)
     lse = torch.randn(1024, device="cuda") + 12
     gout = torch.rand(1024, device="cuda")
     gk, gr = torch.empty_like(x), torch.empty_like(x)
