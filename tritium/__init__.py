@@ -15,6 +15,8 @@ from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotar
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
 
+from .modules.grouped_linear import GroupedLinear
+
 __version__ = "0.1.0"
 
 __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
@@ -22,4 +24,5 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables",
+           "GroupedLinear",
            "__version__"]

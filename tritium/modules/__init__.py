@@ -9,3 +9,4 @@ from .transformer_layer import TransformerLayer
 
 __all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "LayerNorm", "RMSNorm",
            "MultiheadAttention", "TransformerLayer"]
+from .grouped_linear import GroupedLinear  # noqa: E402
