@@ -16,6 +16,7 @@ from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, Multihea
                       RMSNorm, TransformerLayer)
 
 from .modules.grouped_linear import GroupedLinear
+from .modules.moe import MoE, MoEConfig
 from .functional.moe import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
                              fused_topk_with_score_function, moe_permute,
                              moe_permute_with_probs, moe_unpermute)
@@ -27,7 +28,7 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables",
-           "GroupedLinear", "moe_permute", "moe_permute_with_probs", "moe_unpermute",
+           "GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs", "moe_unpermute",
            "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
            "fused_moe_aux_loss",
            "__version__"]

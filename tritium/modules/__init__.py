@@ -10,3 +10,4 @@ from .transformer_layer import TransformerLayer
 __all__ = ["FP8Module", "LayerNormLinear", "LayerNormMLP", "Linear", "LayerNorm", "RMSNorm",
            "MultiheadAttention", "TransformerLayer"]
 from .grouped_linear import GroupedLinear  # noqa: E402
+from .moe import MoE, MoEConfig  # noqa: E402
