@@ -67,19 +67,26 @@ def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.stack([w.detach() for w in weights])
 
 
-def _cast(plan: FP8Plan, x2d, offsets, state, slots: slice, fp8_dtype, *, record=True,
-          write_data=True, write_transpose=False):
+def _cast(plan: FP8Plan, x2d, offsets, m_splits, state, slots: slice, fp8_dtype, *,
+          record=True, write_data=True, write_transpose=False):
     impl = _cast_impl(x2d)
     if isinstance(plan.recipe, Float8CurrentScaling):
         amax = torch.zeros(offsets.shape[1] - 1, dtype=torch.float32, device=x2d.device)
         impl.grouped_amax_into(x2d, offsets, amax)
         return impl.grouped_cast_transpose(
             x2d, offsets, None, amax, fp8_dtype, write_data=write_data,
-            write_transpose=write_transpose,
+            write_transpose=write_transpose, m_splits=m_splits,
             current=(plan.recipe.amax_epsilon, plan.recipe.power_2_scale))
     amax = state.amax_history[0, slots] if record else None
     return impl.grouped_cast_transpose(x2d, offsets, state.scale[slots], amax, fp8_dtype,
-                                       write_data=write_data, write_transpose=write_transpose)
+                                       write_data=write_data, write_transpose=write_transpose,
+                                       m_splits=m_splits)
+
+
+@functools.lru_cache(maxsize=64)
+def _equal_offsets(g: int, n: int, device: torch.device) -> torch.Tensor:
+    """The offsets of G groups of n rows (the stacked weights), made once per shape."""
+    return ref_grouped.make_offsets([n] * g, device)
 
 
 def _weight_operands(plan: FP8Plan, weights, need_transpose: bool):
@@ -101,9 +108,9 @@ def _weight_operands(plan: FP8Plan, weights, need_transpose: bool):
         return cache.entry
     keep = cache is not None and plan.is_first_microbatch is not None
     stack = stacked_weights(weights)
-    offsets = ref_grouped.make_offsets([n] * g, stack.device)
-    w8, w8_t, w_si = _cast(plan, stack.view(g * n, k), offsets, plan.fwd, slice(1, None, 2),
-                           fp8_dtype, write_transpose=need_transpose or keep)
+    w8, w8_t, w_si = _cast(plan, stack.view(g * n, k), _equal_offsets(g, n, stack.device),
+                           [n] * g, plan.fwd, slice(1, None, 2), fp8_dtype,
+                           write_transpose=need_transpose or keep)
     entry = (w8.view(g, n, k), None if w8_t is None else w8_t.view(g, k, n), w_si)
     if keep:
         cache.entry, cache.key = entry, key
@@ -131,10 +138,10 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if fp8:
             fwd_dtype = plan.recipe.fp8_format.forward_dtype
             w8, w8_t, w_si = _weight_operands(plan, weights, need_dgrad)
-            x8, x8_t, x_si = _cast(plan, x2d, offsets, plan.fwd, slice(0, None, 2), fwd_dtype,
-                                   write_transpose=need_wgrad)
+            x8, x8_t, x_si = _cast(plan, x2d, offsets, m_splits, plan.fwd, slice(0, None, 2),
+                                   fwd_dtype, write_transpose=need_wgrad)
             out = _gemm_impl(x8).grouped_fp8_gemm_tn(x8, w8, x_si, w_si, offsets, inp.dtype,
-                                                     bias, True)
+                                                     bias, True, m_splits=m_splits)
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
             ws = [w.dequantize() if isinstance(w, Float8Tensor) else w for w in weights]
@@ -172,8 +179,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ctx.fp8_operands = None
             bwd_dtype = plan.recipe.fp8_format.backward_dtype
             dy2d = dy2d.contiguous()
-            dy8, dy8_t, dy_si = _cast(plan, dy2d, offsets, plan.bwd, slice(None), bwd_dtype,
-                                      write_data=need_dgrad, write_transpose=need_wgrad)
+            dy8, dy8_t, dy_si = _cast(plan, dy2d, offsets, m_splits, plan.bwd, slice(None),
+                                      bwd_dtype, write_data=need_dgrad,
+                                      write_transpose=need_wgrad)
             n, k = dy2d.shape[1], ctx.shape[-1]
             if need_wgrad:
                 dws = _gemm_impl(dy8_t).grouped_fp8_gemm_wgrad(dy8_t, x8_t, dy_si, x_si,
@@ -181,7 +189,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             del dy8_t, x8_t
             if need_dgrad:
                 dx = _gemm_impl(dy8).grouped_fp8_gemm_tn(dy8, w8_t, dy_si, w_si, offsets,
-                                                         dy2d.dtype, None, False)
+                                                         dy2d.dtype, None, False,
+                                                         m_splits=m_splits)
         else:
             x2d, *ws = ctx.saved_tensors
             if plan is not None:

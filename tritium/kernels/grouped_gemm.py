@@ -232,12 +232,15 @@ def _cast(x, offsets, scale, amax, fp8_dtype, write_data, write_t, update_amax, 
 def grouped_cast_transpose(x: torch.Tensor, offsets: torch.Tensor, scale: Optional[torch.Tensor],
                            amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
                            write_data: bool = True, write_transpose: bool = False,
-                           current: Optional[tuple] = None):
+                           current: Optional[tuple] = None, m_splits=None):
     """See `tritium.ref.grouped_gemm.grouped_cast_transpose`."""
     m, k = x.shape
     dev = x.device
     g = offsets.shape[1] - 1
-    padded = int(offsets[1, -1]) if write_transpose else 0
+    padded = 0
+    if write_transpose:
+        padded = (int(offsets[1, -1]) if m_splits is None
+                  else sum(-(-r // 16) * 16 for r in m_splits))
     data = torch.empty(m, k, dtype=fp8_dtype, device=dev) if write_data else None
     data_t = torch.empty(k * padded, dtype=fp8_dtype, device=dev) if write_transpose else None
     scale_inv = torch.empty(g, dtype=torch.float32, device=dev)
@@ -250,8 +253,8 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
                         b_scale_inv: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
                         bias: Optional[torch.Tensor] = None, fast_accum: bool = False, *,
                         m_splits=None, config: Optional[tuple] = None) -> torch.Tensor:
-    """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_tn`. `m_splits` (the host's row counts,
-    when the caller has them) saves reading the offsets back to count the tiles."""
+    """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_tn`. Without `m_splits` the offsets
+    are read back to count the tiles (a device sync)."""
     m, k = a.shape
     g, n, _ = b.shape
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)

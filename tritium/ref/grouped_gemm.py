@@ -46,12 +46,14 @@ def grouped_amax_into(x: torch.Tensor, offsets: torch.Tensor, amax: torch.Tensor
 def grouped_cast_transpose(x: torch.Tensor, offsets: torch.Tensor, scale: Optional[torch.Tensor],
                            amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
                            write_data: bool = True, write_transpose: bool = False,
-                           current: Optional[tuple] = None):
+                           current: Optional[tuple] = None, m_splits=None):
     """Cast the rows of each group of x [M, K] with that group's scale.
 
     scale / amax: [G] fp32 (any stride: e.g. every other slot of a forward scaling state); amax
     None records nothing. current=(amax_epsilon, power_2_scale): scale is None and amax must
     already hold each group's max|x| (see grouped_amax_into); it is not updated.
+    m_splits: the groups' row counts when the caller has them on the host (the kernel then
+    reads nothing back from the device; accepted and unused here).
     Returns (data [M, K] or None, data_t flat [K * padded M] or None, scale_inv [G] fp32).
     """
     m, k = x.shape
@@ -81,12 +83,13 @@ def grouped_cast_transpose(x: torch.Tensor, offsets: torch.Tensor, scale: Option
 
 def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                         b_scale_inv: torch.Tensor, offsets: torch.Tensor, out_dtype: torch.dtype,
-                        bias: Optional[torch.Tensor] = None,
-                        fast_accum: bool = False) -> torch.Tensor:
+                        bias: Optional[torch.Tensor] = None, fast_accum: bool = False, *,
+                        m_splits=None) -> torch.Tensor:
     """out[rows of g] = (a[rows of g] @ b[g].T) * a_scale_inv[g] * b_scale_inv[g] + bias[g].
 
     a [M, K] fp8 (rows grouped by `offsets` row 0), b [G, N, K] fp8, scale_invs [G] fp32,
-    bias [G, N] or None. Returns [M, N] of out_dtype (fprop and dgrad of GroupedLinear)."""
+    bias [G, N] or None; m_splits as in grouped_cast_transpose. Returns [M, N] of out_dtype
+    (fprop and dgrad of GroupedLinear)."""
     m = a.shape[0]
     n = b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
