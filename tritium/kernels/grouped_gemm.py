@@ -89,16 +89,18 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_stride, a
         r0 = tl.load(offs_ptr + g)
         p0 = tl.load(offs_ptr + G + 1 + g)
         pm = tl.load(offs_ptr + G + 2 + g) - p0
-        dst = (K * p0.to(tl.int64))[None, :] + rn[:, None] * pm[None, :] + (rm - r0)[None, :]
+        dst = (K * p0.to(tl.int64))[None, :] + rn.to(tl.int64)[:, None] * pm[None, :] \
+            + (rm - r0)[None, :]
         tl.store(data_t_ptr + dst, _scaled_fp8(xt, scale[None, :], mask_t, FP8_MAX, OUT_DTYPE),
                  mask=mask_t)
-    if (WRITE_DATA or WRITE_T) and (pid_m == 0) & (pid_n == 0):
-        for gg in range(G):  # every group's scale_inv, empty groups included
-            if CURRENT:
-                s = _current_scale(tl.load(amax_ptr + gg * amax_stride), FP8_MAX, EPS, POW2)
-            else:
-                s = tl.load(scale_ptr + gg * scale_stride)
-            tl.store(scale_inv_ptr + gg, tl.math.div_rn(1.0, s))
+    if WRITE_DATA or WRITE_T:
+        if (pid_m == 0) & (pid_n == 0):
+            for gg in range(G):  # every group's scale_inv, empty groups included
+                if CURRENT:
+                    s = _current_scale(tl.load(amax_ptr + gg * amax_stride), FP8_MAX, EPS, POW2)
+                else:
+                    s = tl.load(scale_ptr + gg * scale_stride)
+                tl.store(scale_inv_ptr + gg, tl.math.div_rn(1.0, s))
 
 
 @triton.jit
@@ -110,9 +112,9 @@ def _grouped_gemm_kernel(a_desc, b_desc, out_ptr, a_si_ptr, b_si_ptr, bias_ptr, 
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     for tile in tl.range(tl.program_id(0), total_tiles, num_programs):
-        grp = 0
-        first = 0
-        seen = 0
+        grp = tile * 0  # int32 scalars from the start (loop-carried)
+        first = tile * 0
+        seen = tile * 0
         for j in range(G):  # which group's tiles this one is among
             cnt = tl.cdiv(tl.load(offs_ptr + j + 1) - tl.load(offs_ptr + j), BLOCK_M) * tiles_n
             hit = (tile >= seen) & (tile < seen + cnt)
@@ -162,16 +164,26 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_ptr, N
         off_m = (first_m + local % group_m) * BLOCK_M
         off_n = ((local % per_group) // group_m) * BLOCK_N
         rows = tl.load(offs_ptr + grp + 1) - tl.load(offs_ptr + grp)
-        p0 = tl.load(offs_ptr + G + 1 + grp).to(tl.int64)
-        stride = tl.multiple_of(tl.load(offs_ptr + G + 2 + grp) - p0, 16)
+        p0 = tl.multiple_of(tl.load(offs_ptr + G + 1 + grp).to(tl.int64), 16)  # 16-aligned
+        stride = tl.multiple_of(tl.load(offs_ptr + G + 2 + grp) - p0, 16)     # rows: cp.async
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         a_rows = a_ptr + N * p0 + rm.to(tl.int64)[:, None] * stride
         b_rows = b_ptr + K * p0 + rn.to(tl.int64)[:, None] * stride
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, rows, BLOCK_K):
-            kk = k0 + rk
+        full = (rows // BLOCK_K) * BLOCK_K
+        # whole K tiles without a mask along K (vector loads, so the loop is pipelined with
+        # cp.async), then one masked tail tile
+        for k0 in range(0, full, BLOCK_K):
+            a = tl.load(a_rows + (k0 + rk)[None, :], mask=(rm < N)[:, None], other=0.0)
+            b = tl.load(b_rows + (k0 + rk)[None, :], mask=(rn < K)[:, None], other=0.0)
+            if PRECISE:
+                acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if full < rows:
+            kk = full + rk
             a = tl.load(a_rows + kk[None, :], mask=(rm < N)[:, None] & (kk < rows)[None, :],
                         other=0.0)
             b = tl.load(b_rows + kk[None, :], mask=(rn < K)[:, None] & (kk < rows)[None, :],
