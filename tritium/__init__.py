@@ -28,8 +28,7 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables",
-           "GroupedLinear", "MoE", "MoEConfig",
-           "moe_permute", "moe_permute_with_probs", "moe_unpermute",
-           "fused_topk_with_score_function", "fused_compute_score_for_moe_aux_loss",
-           "fused_moe_aux_loss",
            "__version__"]
+__all__ += ["GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",
+            "moe_unpermute", "fused_topk_with_score_function",
+            "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"]
