@@ -68,7 +68,9 @@ def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 
 
 def _cast(plan: FP8Plan, x2d, offsets, m_splits, state, slots: slice, fp8_dtype, *,
-          record=True, write_data=True, write_transpose=False):
+          write_data=True, write_transpose=False):
+    """The grouped cast of one operand: per-group scales from `state` at `slots` (delayed,
+    amaxes recorded there) or from each group's own amax (current scaling)."""
     impl = _cast_impl(x2d)
     if isinstance(plan.recipe, Float8CurrentScaling):
         amax = torch.zeros(offsets.shape[1] - 1, dtype=torch.float32, device=x2d.device)
@@ -77,8 +79,8 @@ def _cast(plan: FP8Plan, x2d, offsets, m_splits, state, slots: slice, fp8_dtype,
             x2d, offsets, None, amax, fp8_dtype, write_data=write_data,
             write_transpose=write_transpose, m_splits=m_splits,
             current=(plan.recipe.amax_epsilon, plan.recipe.power_2_scale))
-    amax = state.amax_history[0, slots] if record else None
-    return impl.grouped_cast_transpose(x2d, offsets, state.scale[slots], amax, fp8_dtype,
+    return impl.grouped_cast_transpose(x2d, offsets, state.scale[slots],
+                                       state.amax_history[0, slots], fp8_dtype,
                                        write_data=write_data, write_transpose=write_transpose,
                                        m_splits=m_splits)
 
@@ -120,19 +122,20 @@ def _weight_operands(plan: FP8Plan, weights, need_transpose: bool):
 def _group_sums(dy2d: torch.Tensor, m_splits: Sequence[int]) -> torch.Tensor:
     """[G, N]: each group's rows of dy summed in fp32 (the bias gradients)."""
     ids = torch.repeat_interleave(torch.arange(len(m_splits), device=dy2d.device),
-                                  torch.tensor(m_splits, device=dy2d.device), output_size=dy2d.shape[0])
+                                  torch.tensor(m_splits, device=dy2d.device),
+                                  output_size=dy2d.shape[0])
     out = torch.zeros(len(m_splits), dy2d.shape[1], dtype=torch.float32, device=dy2d.device)
     return out.index_add_(0, ids, dy2d.float())
 
 
 class _GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, inp, m_splits, plan: Optional[FP8Plan], main_grad: bool, bias, *weights):
+    def forward(ctx, inp, m_splits, plan: Optional[FP8Plan], main_grad: tuple, bias, *weights):
         shape = inp.shape
         x2d = inp.reshape(-1, shape[-1])
         g = len(weights)
         need_dgrad = ctx.needs_input_grad[0]
-        need_wgrad = any(ctx.needs_input_grad[5:]) or main_grad
+        need_wgrad = any(ctx.needs_input_grad[5:]) or bool(main_grad)
         fp8 = plan is not None and plan.compute_in_fp8
         offsets = ref_grouped.make_offsets(m_splits, inp.device)
         if fp8:
@@ -155,7 +158,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
             out = torch.cat([F.linear(xs[i], ws[i], None if bias is None else bias[i])
                              for i in range(g)])
             ctx.save_for_backward(x2d, *ws)
-        ctx.fp8, ctx.plan, ctx.main_grad, ctx.weights = fp8, plan, main_grad, weights
+        ctx.fp8, ctx.plan, ctx.main_grad, ctx.num_gemms = fp8, plan, main_grad, g
         ctx.m_splits, ctx.offsets, ctx.shape = m_splits, offsets, shape
         ctx.has_bias, ctx.need = bias is not None, (need_dgrad, need_wgrad)
         ctx.weight_dtype = weights[0].dtype
@@ -167,7 +170,7 @@ class _GroupedLinearFunction(torch.autograd.Function):
         if isinstance(grad_out, Float8Tensor):
             grad_out = grad_out.dequantize()
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
-        g, m_splits, offsets = len(ctx.weights), ctx.m_splits, ctx.offsets
+        g, m_splits, offsets = ctx.num_gemms, ctx.m_splits, ctx.offsets
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         dx = dws = None
         if ctx.fp8:
@@ -207,8 +210,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         wgrads = [None] * g
         if dws is not None:
             if ctx.main_grad:
-                for w, dw in zip(ctx.weights, dws):
-                    w.main_grad.add_(dw)
+                for param, dw in zip(ctx.main_grad, dws):
+                    param.main_grad.add_(dw)
             else:
                 wgrads = [dws[i] for i in range(g)]
         if plan is not None and plan.region is not None:
@@ -223,9 +226,13 @@ _apply = fast_apply(_GroupedLinearFunction)
 
 def grouped_linear(inp: torch.Tensor, m_splits: Sequence[int], weights: Sequence[torch.Tensor],
                    bias: Optional[torch.Tensor] = None, *, fp8: Optional[FP8Plan] = None,
-                   main_grad: bool = False) -> torch.Tensor:
-    """Rows m_splits[g] of inp times weights[g]^T (+ bias[g]); bias is [G, N] or None. Inputs
-    are checked by the caller (the module)."""
+                   main_grad: Sequence[torch.nn.Parameter] = ()) -> torch.Tensor:
+    """Rows m_splits[g] of inp times weights[g]^T (+ bias[g]); bias is [G, N] or None.
+    main_grad: the G weight Parameters whose fp32 `main_grad` takes the weight gradients
+    (fuse_wgrad_accumulation; the Function then returns none). Inputs are checked by the
+    caller (the module)."""
+    if isinstance(inp, Float8Tensor):  # e.g. from a fused norm: this Function takes 16/32 bits
+        inp = inp.dequantize()
     dev = inp.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
@@ -234,7 +241,7 @@ def grouped_linear(inp: torch.Tensor, m_splits: Sequence[int], weights: Sequence
             weights = [w.to(dtype) for w in weights]
         bias = None if bias is None else bias.to(dtype)
         with torch.autocast(dev, enabled=False):
-            return _apply(inp, tuple(m_splits), fp8, main_grad, bias, *weights)
+            return _apply(inp, tuple(m_splits), fp8, tuple(main_grad), bias, *weights)
     if fp8 is not None and bias is not None:
         bias = bias.to(inp.dtype)
-    return _apply(inp, tuple(m_splits), fp8, main_grad, bias, *weights)
+    return _apply(inp, tuple(m_splits), fp8, tuple(main_grad), bias, *weights)

@@ -112,6 +112,7 @@ def _router_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, inter_ptr, T, E
     valid = rmask[:, None] & (cols[None, :] < E)
     offs = rows.to(tl.int64)[:, None] * E + cols[None, :]
     x = tl.load(logits_ptr + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    raw = x
     if SIGMOID:
         scores = tl.where(valid, 1.0 / (1.0 + tl.exp(-x)), 0.0)
         raw = scores
@@ -151,7 +152,9 @@ def _router_fwd_kernel(logits_ptr, bias_ptr, probs_ptr, map_ptr, inter_ptr, T, E
     chosen = _topk_mask(sel, cols, TOPK) & valid
     if AUX:
         probs = scores
-        inter = raw if SIGMOID else scores
+        inter = scores
+        if SIGMOID:
+            inter = raw
     elif SIGMOID:
         probs = tl.where(chosen, scores, 0.0)
         inter = scores

@@ -104,12 +104,13 @@ class GroupedLinear(FP8Module):
                                              "out_features": self.out_features})
             self._fp8_dims_ok = True
         plan = self._fp8_plan(inp.device, is_first_microbatch)
-        main_grad = self.fuse_wgrad_accumulation and torch.is_grad_enabled()
-        if main_grad:
+        main_grad = ()
+        if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
             for i, w in enumerate(weights):
                 if getattr(w, "main_grad", None) is None:
                     raise RuntimeError(f"fuse_wgrad_accumulation=True needs weight{i}.main_grad "
                                        "(an fp32 tensor shaped like the weight) set before forward")
+            main_grad = weights
         biases = self._biases() if self.use_bias else None
         bias = None if biases is None or self.return_bias else torch.stack(biases)
         out = grouped_linear(inp, m_splits, weights, bias, fp8=plan, main_grad=main_grad)
