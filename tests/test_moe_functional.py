@@ -50,7 +50,8 @@ def test_permute_matches_plain_and_round_trips(randn, map_type):
     y = te.moe_unpermute(out * 3.0, row_id_map, merging_probs=probs, restore_shape=x.shape,
                          map_type=map_type)
     w = torch.stack([probs2[t, e] for e, t in src])
-    y_want = torch.zeros(T, H).index_add(0, torch.tensor([t for _, t in src]), w[:, None] * want * 3)
+    tokens = torch.tensor([t for _, t in src])
+    y_want = torch.zeros(T, H).index_add(0, tokens, w[:, None] * want * 3)
     torch.testing.assert_close(y, y_want, **FP32_TOL)
     torch.testing.assert_close(y, x.detach() * 3 * probs_e.sum(1, keepdim=True), **FP32_TOL)
     dy = randn(T, H)

@@ -229,9 +229,10 @@ def _cast(x, offsets, scale, amax, fp8_dtype, write_data, write_t, update_amax, 
     bm, bn, warps = (16, 16, 1) if not x.is_cuda else (64, 128, 8)
     eps, pow2 = current if current is not None else (0.0, False)
     dummy = amax if amax is not None else scale
+    src = scale if scale is not None else amax  # the scales (or, current scaling, amaxes)
     _launch_cast((max(-(-m // bm), 1), max(-(-k // bn), 1)), x,
                  data if data is not None else dummy, data_t if data_t is not None else dummy,
-                 scale if scale is not None else amax, (scale if scale is not None else amax).stride(0),
+                 src, src.stride(0),
                  dummy, dummy.stride(0), scale_inv if scale_inv is not None else dummy, offsets,
                  m, k, g, x.stride(0),
                  FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 448.0,
@@ -289,7 +290,8 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
 
 def grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, a_scale_inv: torch.Tensor,
                            b_scale_inv: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
-                           out_dtype: torch.dtype, *, config: Optional[tuple] = None) -> torch.Tensor:
+                           out_dtype: torch.dtype, *,
+                           config: Optional[tuple] = None) -> torch.Tensor:
     """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_wgrad`."""
     g = offsets.shape[1] - 1
     out = torch.empty(g, n, k, dtype=out_dtype, device=a_t.device)

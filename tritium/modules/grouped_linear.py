@@ -46,7 +46,8 @@ class GroupedLinear(FP8Module):
         super().__init__(num_gemms=num_gemms)
         params_dtype = params_dtype or torch.get_default_dtype()
         if params_dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
+            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got "
+                            f"{params_dtype}")
         self.num_gemms, self.in_features, self.out_features = num_gemms, in_features, out_features
         self.use_bias, self.return_bias = bias, return_bias
         self.fuse_wgrad_accumulation = fuse_wgrad_accumulation

@@ -88,7 +88,8 @@ class MoE(torch.nn.Module):
             raise ValueError(f"MoE: activation must be one of {ACTIVATIONS}, got {activation!r}")
         params_dtype = params_dtype or torch.get_default_dtype()
         if params_dtype not in HIGH_PRECISION_DTYPES:
-            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
+            raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got "
+                            f"{params_dtype}")
         device = default_device(device)
         self.hidden_size, self.ffn_hidden_size, self.config = hidden_size, ffn_hidden_size, config
         self.normalization, self.eps = normalization, float(eps)
