@@ -1,9 +1,11 @@
-"""te.MoE on the CPU path, and converting an HF Mixtral model.
+"""te.MoE on the CPU path, and converting HF Mixtral / Qwen3-MoE models.
 
 The layer against a plain per-token PyTorch MoE (softmax top-k renormalised, swiglu experts) at
 fp32 tolerance, outputs and every gradient; its FP8 run against the same plain MoE at fp8
-tolerance; as TransformerLayer's MLP; the aux loss. A tiny Mixtral (transformers) converted with
-`convert_moe` gives HF's logits and grads at fp32 tolerance, and maps back to HF's keys.
+tolerance; as TransformerLayer's MLP; the aux loss. Tiny Mixtral and Qwen3-MoE models
+(transformers; Qwen3 with and without renormalised top-k, and a dense layer left alone)
+converted with `convert_moe` give HF's logits and grads at fp32 tolerance, and map back to HF's
+keys.
 """
 from __future__ import annotations
 
@@ -116,16 +118,31 @@ def test_aux_loss_and_errors(randn):
 # --------------------------------------------------------------------------------------------
 # HF Mixtral
 # --------------------------------------------------------------------------------------------
-def test_convert_mixtral_matches_hf(randn):
+def _hf_model(transformers, family):
+    common = dict(vocab_size=64, hidden_size=H, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts_per_tok=K, max_position_embeddings=64)
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(intermediate_size=FF, num_local_experts=E, **common)
+        return transformers.MixtralForCausalLM(cfg)
+    # Qwen3-MoE, layer 0 a dense MLP (left alone), with or without renormalised top-k
+    cfg = transformers.Qwen3MoeConfig(intermediate_size=40, moe_intermediate_size=FF,
+                                      num_experts=E, norm_topk_prob=family == "qwen3-norm",
+                                      mlp_only_layers=[0], head_dim=8, **common)
+    return transformers.Qwen3MoeForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3-norm", "qwen3"])
+def test_convert_matches_hf(family):
     transformers = pytest.importorskip("transformers")
     from tritium.integrations.hf_moe import convert_moe, to_hf_moe_state_dict
-    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=H, intermediate_size=FF,
-                                     num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, num_local_experts=E,
-                                     num_experts_per_tok=K, max_position_embeddings=64)
-    hf = transformers.MixtralForCausalLM(cfg).float().eval()
+    hf = _hf_model(transformers, family).float().eval()
+    with torch.no_grad():  # Qwen3-MoE's router starts at zero: ties everywhere
+        for p in hf.parameters():
+            if p.abs().max() == 0:
+                p.normal_(0.0, 0.5)
     ours = convert_moe(copy.deepcopy(hf))
-    assert isinstance(ours.model.layers[1].mlp, te.MoE)
+    moe_layers = [i for i, layer in enumerate(ours.model.layers) if isinstance(layer.mlp, te.MoE)]
+    assert moe_layers == ([0, 1] if family == "mixtral" else [1])
     ids = torch.randint(0, 64, (2, 9))
     want = hf(input_ids=ids, labels=ids)
     got = ours(input_ids=ids, labels=ids)
@@ -133,8 +150,8 @@ def test_convert_mixtral_matches_hf(randn):
     want.loss.backward()
     got.loss.backward()
     hf_grads = {n: p.grad for n, p in hf.named_parameters()}
-    for i, layer in enumerate(ours.model.layers):
-        moe, pre = layer.mlp, f"model.layers.{i}.mlp."
+    for i in moe_layers:
+        moe, pre = ours.model.layers[i].mlp, f"model.layers.{i}.mlp."
         torch.testing.assert_close(moe.router_weight.grad, hf_grads[pre + "gate.weight"],
                                    **FP32_TOL)
         for e in range(E):
@@ -142,11 +159,12 @@ def test_convert_mixtral_matches_hf(randn):
                                        hf_grads[pre + "experts.gate_up_proj"][e], **FP32_TOL)
             torch.testing.assert_close(getattr(moe.experts_fc2, f"weight{e}").grad,
                                        hf_grads[pre + "experts.down_proj"][e], **FP32_TOL)
-    for n, p in ours.named_parameters():
-        if ".mlp." not in n:
+    moe_prefixes = tuple(f"model.layers.{i}.mlp." for i in moe_layers)
+    for n, p in ours.named_parameters():  # everything else is HF's own, dense MLPs included
+        if not n.startswith(moe_prefixes):
             torch.testing.assert_close(p.grad, hf_grads[n], **FP32_TOL, msg=n)
     sd = to_hf_moe_state_dict(ours)
-    fresh = transformers.MixtralForCausalLM(cfg).float()
+    fresh = _hf_model(transformers, family).float()
     fresh.load_state_dict(sd)
     torch.testing.assert_close(fresh(input_ids=ids).logits, want.logits, **FP32_TOL)
 

@@ -1,22 +1,24 @@
-"""Hugging Face Mixtral -> tritium: `convert_moe(model)` swaps each sparse-MoE block for te.MoE.
+"""Hugging Face Mixtral / Qwen3-MoE -> tritium: `convert_moe(model)` swaps each sparse-MoE block
+for a te.MoE.
 
-convert_moe(model) replaces, in place, every `model.model.layers[i].mlp` (a transformers
-`MixtralSparseMoeBlock`: router `gate.weight` [E, H], experts `gate_up_proj` [E, 2F, H] with
-gate rows first, `down_proj` [E, H, F]) by a `te.MoE` with MoEConfig(num_experts, topk,
-softmax scores, use_pre_softmax=False) and swiglu experts, whose parameters take the values:
+convert_moe(model) replaces, in place, every `model.model.layers[i].mlp` that is a transformers
+sparse-MoE block (`MixtralSparseMoeBlock`, `Qwen3MoeSparseMoeBlock`: router `gate.weight`
+[E, H], experts `gate_up_proj` [E, 2F, H] with gate rows first, `down_proj` [E, H, F]) by a
+`te.MoE` with MoEConfig(num_experts, topk, softmax scores) and swiglu experts; dense MLP layers
+(Qwen3-MoE's mlp_only_layers) are left alone. The te.MoE's parameters take the values:
 router_weight = gate.weight, experts_fc1.weight{e} = gate_up_proj[e] (gate then up: TE's swiglu
 order, no reshuffle), experts_fc2.weight{e} = down_proj[e]. Attention, norms, embeddings and the
 head stay HF's, so the model keeps HF's forward signature and outputs.
 
-Routing: Mixtral takes the top-k of softmax(logits) and renormalises them to sum to 1, which is
-the softmax over the chosen logits, i.e. TE's use_pre_softmax=False (same function; the fp32
-results agree to rounding). The te.MoE is built without a norm (HF's post_attention_layernorm
+Routing: Mixtral (and Qwen3-MoE with norm_topk_prob=True) takes the top-k of softmax(logits) and
+renormalises them to sum to 1, which is the softmax over the chosen logits, i.e. TE's
+use_pre_softmax=False (same function; the fp32 results agree to rounding); Qwen3-MoE with
+norm_topk_prob=False keeps the top-k softmax values: use_pre_softmax=True. The te.MoE is built without a norm (HF's post_attention_layernorm
 stays in front of it) and in the dtype and on the device of the HF weights.
 
 Not supported (clear errors): router_jitter_noise > 0; output_router_logits=True (HF's aux loss
 reads the router modules that are replaced: use te.MoE's own `aux_loss`, MoEConfig's
-aux_loss_coeff, instead); activations other than SiLU. Qwen3-MoE (the same layout plus
-norm_topk_prob) is not wired yet.
+aux_loss_coeff, instead); activations other than SiLU.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ def _layers(model):
     inner = getattr(model, "model", model)
     layers = getattr(inner, "layers", None)
     if layers is None:
-        raise TypeError(f"convert_moe: expected a MixtralForCausalLM or MixtralModel, got "
+        raise TypeError(f"convert_moe: expected a Mixtral / Qwen3-MoE model, got "
                         f"{type(model).__name__} (no .model.layers)")
     return inner, layers
 
@@ -49,11 +51,14 @@ def _check_config(config) -> None:
 
 @torch.no_grad()
 def moe_from_hf_block(block, config) -> MoE:
-    """A te.MoE holding the values of one MixtralSparseMoeBlock."""
+    """A te.MoE holding the values of one sparse-MoE block (Mixtral / Qwen3-MoE)."""
     gate_up, down = block.experts.gate_up_proj, block.experts.down_proj
     e, two_f, h = gate_up.shape
-    moe = MoE(h, two_f // 2, MoEConfig(num_experts=e, topk=config.num_experts_per_tok),
-              activation="swiglu", params_dtype=gate_up.dtype, device=gate_up.device)
+    renormalise = getattr(config, "norm_topk_prob", True)  # Mixtral always renormalises
+    cfg = MoEConfig(num_experts=e, topk=config.num_experts_per_tok,
+                    use_pre_softmax=not renormalise)
+    moe = MoE(h, two_f // 2, cfg, activation="swiglu", params_dtype=gate_up.dtype,
+              device=gate_up.device)
     moe.router_weight.copy_(block.gate.weight)
     for i in range(e):
         getattr(moe.experts_fc1, f"weight{i}").copy_(gate_up[i])
@@ -74,18 +79,17 @@ def convert_moe(model):
         layer.mlp = moe_from_hf_block(block, config)
         converted += 1
     if not converted:
-        raise TypeError("convert_moe: no Mixtral sparse-MoE block (mlp.gate + mlp.experts) found")
+        raise TypeError("convert_moe: no sparse-MoE block (mlp.gate + mlp.experts) found")
     return model
 
 
 def to_hf_moe_state_dict(model) -> dict:
-    """The converted model's state dict under HF's Mixtral key names."""
-    out = {}
-    for key, value in model.state_dict().items():
-        if ".mlp." not in key:
-            out[key] = value
+    """The converted model's state dict under HF's key names (Mixtral / Qwen3-MoE)."""
     _, layers = _layers(model)
     prefix = "model.layers" if hasattr(model, "model") else "layers"
+    converted = tuple(f"{prefix}.{i}.mlp." for i, layer in enumerate(layers)
+                      if isinstance(getattr(layer, "mlp", None), MoE))
+    out = {k: v for k, v in model.state_dict().items() if not k.startswith(converted)}
     for i, layer in enumerate(layers):
         moe = layer.mlp
         if not isinstance(moe, MoE):
