@@ -229,3 +229,26 @@ def test_errors(randn):
             odd(randn(4, 24), [2, 2])
     with pytest.raises(ValueError, match="num_gemms"):
         te.GroupedLinear(0, K, N, device="cpu")
+
+
+def test_fused_adam_masters_keep_one_weight_buffer_and_checkpoint(randn, tmp_path):
+    layer = make(randn, params_dtype=torch.bfloat16)
+    opt = te.optimizers.FusedAdam(layer.parameters(), lr=1e-2, master_weights=True)
+    x = randn(sum(SPLITS), K, dtype=torch.bfloat16)
+    rcp = recipe.DelayedScaling()
+    before = layer.weight3.detach().clone()
+    with te.fp8_autocast(fp8_recipe=rcp):
+        layer(x, SPLITS).float().square().sum().backward()
+    opt.step()
+    assert not torch.equal(layer.weight3, before)
+    assert opt.state[layer.weight3]["master_param"].dtype == torch.float32
+    w0 = layer.weight0
+    assert layer.weight3.data_ptr() == w0.data_ptr() + 3 * N * K * 2  # still one buffer
+    # a checkpoint (weights_only) carries the per-expert FP8 state
+    torch.save(layer.state_dict(), tmp_path / "ckpt.pt")
+    fresh = make(randn, params_dtype=torch.bfloat16)
+    fresh.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    assert torch.equal(fresh.fp8_meta.fwd.scale, layer.fp8_meta.fwd.scale)
+    assert torch.equal(fresh.weight2, layer.weight2)
+    with te.fp8_autocast(fp8_recipe=rcp):
+        assert torch.equal(fresh(x, SPLITS), layer(x, SPLITS))
