@@ -16,9 +16,10 @@ transpose a [K, pm_g] block of one flat buffer).
   are computed and never stored); the output is stored with a row mask, so m_g needs no
   padding, and an empty group has no tiles.
 * `grouped_fp8_gemm_wgrad`: out[g] = A_g @ B_g.T with the reduction over the group's rows, from
-  the transposed blocks; pointer loads with a mask on the group's last K tile (a TMA box
-  cannot stop at a group boundary inside one tensor), rows 16-byte aligned by the padded layout.
-  An empty group gets zeros.
+  the transposed blocks. Pointer loads (a TMA box cannot stop at a group boundary inside one
+  tensor): the whole K tiles unmasked along K, with rows 16-byte aligned by the padded layout,
+  so they are vector loads and the loop is cp.async-pipelined (checked in the sm_90 build); the
+  group's last partial tile is one masked step. An empty group gets zeros.
 Accumulation: fprop fast (`fast_accum=True`), dgrad/wgrad precise (fp32 promotion every BLOCK_K),
 as `tritium.kernels.gemm`. Bitwise equal to the twin where all partial sums are exact.
 
