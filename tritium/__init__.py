@@ -18,6 +18,12 @@ from .modules.cross_entropy import LinearCrossEntropyLoss
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
 
+from .modules.grouped_linear import GroupedLinear
+from .modules.moe import MoE, MoEConfig
+from .functional.moe import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
+                             fused_topk_with_score_function, moe_permute,
+                             moe_permute_with_probs, moe_unpermute)
+
 __version__ = "0.1.0"
 
 __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init", "quantized_model_init",
@@ -27,3 +33,6 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "make_graphed_callables",
            "parallel_cross_entropy", "linear_cross_entropy", "LinearCrossEntropyLoss",
            "__version__"]
+__all__ += ["GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",
+            "moe_unpermute", "fused_topk_with_score_function",
+            "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"]

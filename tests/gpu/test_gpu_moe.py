@@ -1,0 +1,173 @@
+"""gpu tier: the grouped FP8 kernels, GroupedLinear and te.MoE on a Hopper GPU.
+
+The grouped GEMMs in precise accumulation on integer-valued operands give their twins' bits
+(every partial sum exact); with a bias and an fp32 output the compiled epilogue is one FMA, so
+there the oracle is the fp64 value rounded once (as tests/gpu/test_gpu_gemm.py explains); fast
+accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
+its twin's bits. GroupedLinear and MoE under FP8 (kernels) agree with the same modules on the
+twins (TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import tritium as te
+from tritium import recipe
+from tritium.kernels import grouped_gemm as kg
+from tritium.ref import grouped_gemm as rg
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available()
+                                 or torch.cuda.get_device_capability() < (9, 0),
+                                 reason="needs a Hopper GPU (TMA, FP8 wgmma)")]
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SPLITS = [[300, 0, 1024, 17, 129], [4096] * 4, [0, 0, 77]]
+
+
+def _int_fp8(shape, dtype, g):
+    return torch.randint(-8, 9, shape, device="cuda", generator=g).float().to(dtype)
+
+
+def _bits(t):
+    return t.contiguous().view({4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()])
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
+    g = torch.Generator(device="cuda").manual_seed(sum(splits))
+    n, k = 784, 528
+    offsets = rg.make_offsets(splits, "cuda")
+    a = _int_fp8((sum(splits), k), E5M2, g)
+    b = _int_fp8((len(splits), n, k), E4M3, g)
+    sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
+    sb = torch.rand(len(splits), device="cuda", generator=g) * 3 + 0.01
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits)
+    want = rg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype)
+    assert torch.equal(_bits(got), _bits(want))
+    # a bias in fp32: one FMA, the fp64 value rounded once
+    bias = torch.randn(len(splits), n, device="cuda", generator=g)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, torch.float32, bias, m_splits=splits)
+    r0 = 0
+    for e, rows in enumerate(splits):
+        prod = a[r0:r0 + rows].double() @ b[e].double().t()
+        oracle = (prod * (sa[e] * sb[e]).double() + bias[e].double()).float()
+        assert torch.equal(_bits(got[r0:r0 + rows]), _bits(oracle))
+        r0 += rows
+
+
+@pytest.mark.parametrize("splits", [[4096] * 4, [1024, 0, 2048]])
+def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
+    """Fast accumulation keeps K in the tensor cores' narrow accumulator: per expert, the error
+    against fp64 is compared with cuBLASLt's fast mode (torch._scaled_mm) on the same operands."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    n, k = 1024, 4096
+    offsets = rg.make_offsets(splits, "cuda")
+    a = torch.randn(sum(splits), k, device="cuda", generator=g).to(E4M3)
+    b = (torch.randn(len(splits), n, k, device="cuda", generator=g) * 0.05).to(E4M3)
+    one = torch.ones(len(splits), device="cuda")
+    got = kg.grouped_fp8_gemm_tn(a, b, one, one, offsets, torch.float32, fast_accum=True,
+                                 m_splits=splits)
+    r0 = 0
+    for e, rows in enumerate(splits):
+        if rows:
+            exact = a[r0:r0 + rows].double() @ b[e].double().t()
+            cublas = torch._scaled_mm(a[r0:r0 + rows], b[e].t(), scale_a=one[:1],
+                                      scale_b=one[:1], out_dtype=torch.float32,
+                                      use_fast_accum=True)
+            ours_err = (got[r0:r0 + rows].double() - exact).abs().max()
+            cublas_err = (cublas.double() - exact).abs().max()
+            assert ours_err <= 2 * cublas_err + 1e-6 * exact.abs().max()
+        r0 += rows
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+def test_grouped_wgrad_equals_twin(splits):
+    g = torch.Generator(device="cuda").manual_seed(5)
+    n, k = 528, 784
+    offsets = rg.make_offsets(splits, "cuda")
+    padded = sum(-(-r // 16) * 16 for r in splits)
+    a_t = _int_fp8((n * padded,), E5M2, g)
+    b_t = _int_fp8((k * padded,), E4M3, g)
+    sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
+    sb = torch.rand(len(splits), device="cuda", generator=g) + 0.1
+    for dtype in (torch.float32, torch.bfloat16):
+        got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
+        want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
+        assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("current", [False, True])
+def test_grouped_cast_equals_twin(current):
+    g = torch.Generator(device="cuda").manual_seed(9)
+    splits = [300, 0, 1024, 17]
+    offsets = rg.make_offsets(splits, "cuda")
+    x = torch.randn(sum(splits), 4096, device="cuda", generator=g).to(torch.bfloat16) * 3
+    scale = torch.rand(8, device="cuda", generator=g) * 40 + 1
+    outs = []
+    for impl in (kg, rg):
+        if current:
+            amax = torch.zeros(4, device="cuda")
+            impl.grouped_amax_into(x, offsets, amax)
+            res = impl.grouped_cast_transpose(x, offsets, None, amax, E5M2, write_transpose=True,
+                                              current=(0.0, False), m_splits=splits)
+        else:
+            amax = torch.zeros(2, 8, device="cuda")[0, 0::2]
+            res = impl.grouped_cast_transpose(x, offsets, scale[0::2], amax, E4M3,
+                                              write_transpose=True, m_splits=splits)
+        outs.append((res, amax))
+    (gk, ak), (gr, ar) = outs
+    assert torch.equal(ak, ar)
+    assert torch.equal(_bits(gk[0]), _bits(gr[0])) and torch.equal(gk[2], gr[2])
+    o = offsets.tolist()
+    for e, rows in enumerate(splits):  # each group's written transposed block
+        p0, p1 = o[1][e], o[1][e + 1]
+        blk_k = gk[1][4096 * p0:4096 * p1].view(4096, p1 - p0)[:, :rows]
+        blk_r = gr[1][4096 * p0:4096 * p1].view(4096, p1 - p0)[:, :rows]
+        assert torch.equal(_bits(blk_k), _bits(blk_r))
+
+
+def _steps(module, xs, dys, rcp, **kw):
+    outs = []
+    for x, dy in zip(xs, dys):
+        x = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=rcp):
+            y = module(x, **kw)
+        y.backward(dy)
+        outs.append([y.detach().float(), x.grad.float()])
+    return outs[-1] + [p.grad.float() for p in module.parameters()]
+
+
+@pytest.mark.parametrize("rcp", [recipe.DelayedScaling(), recipe.Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_grouped_linear_fp8_kernels_match_twins(rcp, setenv):
+    torch.manual_seed(0)
+    splits = [300, 0, 1024, 17, 129]
+    layer = te.GroupedLinear(5, 512, 768, params_dtype=torch.bfloat16, device="cuda")
+    twin = copy.deepcopy(layer)
+    xs = [torch.randn(sum(splits), 512, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    dys = [torch.randn(sum(splits), 768, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    got = _steps(layer, xs, dys, rcp, m_splits=splits)
+    setenv("TRITIUM_FORCE_REF", "1")
+    want = _steps(twin, xs, dys, rcp, m_splits=splits)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
+
+
+def test_moe_fp8_kernels_match_twins(setenv):
+    torch.manual_seed(1)
+    # fp32 router logits: no ties, so the kernel and torch.topk pick the same experts
+    moe = te.MoE(1024, 512, te.MoEConfig(num_experts=8, topk=2), normalization="RMSNorm",
+                 device="cuda")
+    twin = copy.deepcopy(moe)
+    x = [torch.randn(1000, 1024, device="cuda")]
+    dy = [torch.randn(1000, 1024, device="cuda")]
+    got = _steps(moe, x, dy, recipe.Float8CurrentScaling())
+    setenv("TRITIUM_FORCE_REF", "1")
+    want = _steps(twin, x, dy, recipe.Float8CurrentScaling())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2 * b.abs().max().item())
