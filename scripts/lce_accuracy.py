@@ -1,4 +1,7 @@
-"""The accuracy of linear_cross_entropy (bf16, and with the FP8 lm_head) against float64.
+"""Usage: python scripts/lce_accuracy.py [--device cpu|cuda] [--tokens T] [--hidden H] [--vocab V]
+       [--chunk C] [--out FILE]
+
+The accuracy of linear_cross_entropy (bf16, and with the FP8 lm_head) against float64.
 
 Writes the markdown section docs/lce_accuracy.md, which `python -m tritium numerics` appends to
 docs/numerics.md. Data (drawn on the CPU from seeded generators, so every device measures the
