@@ -14,6 +14,9 @@ from .graphs import make_graphed_callables
 from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
+from . import distributed
+from .distributed.activation_checkpoint import checkpoint
+from .distributed.random import CudaRNGStatesTracker
 
 __version__ = "0.1.0"
 
@@ -21,5 +24,5 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
-           "make_graphed_callables",
+           "make_graphed_callables", "distributed", "checkpoint", "CudaRNGStatesTracker",
            "__version__"]
