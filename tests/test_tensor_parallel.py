@@ -31,8 +31,10 @@ S, B = 8, 2   # sequence, batch (sbhd)
 
 KINDS = ("linear-col", "linear-row", "lnlinear", "lnmlp-gelu", "lnmlp-swiglu", "mha",
          "layer-llama", "layer-te")
+# layer-bshd: sequence parallelism splits dim 0, which for bshd is the batch
 CASES2 = [f"{k}/{'sp' if sp else 'tp'}/{'fp8' if f else 'hp'}" for k in KINDS
-          for sp in (False, True) for f in (False, True)]
+          for sp in (False, True) for f in (False, True)] + ["layer-bshd/sp/hp",
+                                                             "layer-bshd/sp/fp8"]
 CASES4 = ["linear-col/sp/fp8", "linear-row/sp/fp8", "lnmlp-swiglu/sp/fp8", "layer-llama/sp/fp8",
           "layer-te/tp/hp"]
 
@@ -68,11 +70,12 @@ def _build(kind, tp: dict, world: int):
         return te.MultiheadAttention(64, heads, num_gqa_groups=groups, attention_dropout=0.0,
                                      input_layernorm=True, fuse_qkv_params=True,
                                      set_parallel_mode=True, **common), 64
-    if kind == "layer-llama":
+    if kind in ("layer-llama", "layer-bshd"):
         return te.TransformerLayer(64, 128, heads, num_gqa_groups=groups, hidden_dropout=0.0,
                                    attention_dropout=0.0, normalization="RMSNorm",
                                    activation="swiglu", bias=False, fuse_qkv_params=True,
                                    qkv_weight_interleaved=False, set_parallel_mode=True,
+                                   attn_input_format="bshd" if kind == "layer-bshd" else "sbhd",
                                    **common), 64
     return te.TransformerLayer(64, 128, heads, num_gqa_groups=groups, hidden_dropout=0.0,
                                attention_dropout=0.0, set_parallel_mode=True, **common), 64
@@ -115,8 +118,9 @@ def _module_case(name, group, world, rank):
     rcp = recipe.DelayedScaling(amax_history_len=4)
     g = torch.Generator().manual_seed(_seed(name))  # the same data on every rank
     kw = {}
-    if kind == "layer-llama":
-        kw["rotary_pos_emb"] = te.RotaryPositionEmbedding(64 // (8 if world == 4 else 4))(S)
+    if kind in ("layer-llama", "layer-bshd"):  # bshd: x [S, B, h] is read as [batch, seq, h]
+        rope = te.RotaryPositionEmbedding(64 // (8 if world == 4 else 4))
+        kw["rotary_pos_emb"] = rope(S if kind == "layer-llama" else B)
     got, want = [], []
     for step in range(2 if fp8 else 1):
         x = torch.randn(S, B, hidden, generator=g) * (1 + step)
@@ -184,6 +188,45 @@ def _mesh_case(group, world, rank):
     return all(torch.equal(outs[0], o) for o in outs[1:])
 
 
+def _current_scaling_case(group, world, rank):
+    """Float8CurrentScaling, column-parallel SP Linear: the gathered input is cast with ONE
+    scale from the amax of the whole (all ranks') input; the output columns and wgrad equal the
+    independent emulation (testlib) with that scale and the local weight's and dy's scales."""
+    import tritium as te
+    from tritium import recipe
+    from testlib import E4M3, E5M2, current_scale, emulated_linear
+    torch.manual_seed(21 + rank)
+    lin = te.Linear(32, 64, parallel_mode="column", sequence_parallel=True, tp_group=group,
+                    device="cpu")
+    g = torch.Generator().manual_seed(22)
+    x = torch.randn(S, B, 32, generator=g)
+    x[0, 0, 0] = 9.0 if rank == 0 else 1.0          # the largest |x| is in rank 0's rows
+    dy = torch.randn(S, B, 64 // world, generator=g)
+    leaf = x.chunk(world)[rank].clone().requires_grad_()
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        y = lin(leaf)
+    y.backward(dy)
+    want_y, _, want_dw, _ = emulated_linear(
+        x, lin.weight.detach(), lin.bias.detach(), dy, current_scale(x, E4M3),
+        current_scale(lin.weight, E4M3), current_scale(dy, E5M2), E4M3, E5M2)
+    return {"got": [y.detach(), lin.weight.grad], "want": [want_y, want_dw]}
+
+
+def _init_case(group, world, rank):
+    """With get_rng_state_tracker (seeded per rank) the shards are initialised in its fork and
+    differ across ranks although the default generator is seeded alike."""
+    import torch.distributed as dist
+    import tritium as te
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 500 + rank)
+    torch.manual_seed(1)
+    mlp = te.LayerNormMLP(32, 64, tp_group=group, set_parallel_mode=True, device="cpu",
+                          get_rng_state_tracker=lambda: tracker)
+    w = [torch.empty_like(mlp.fc1_weight) for _ in range(world)]
+    dist.all_gather(w, mlp.fc1_weight.detach(), group=group)
+    return all(not torch.equal(w[0], v) for v in w[1:])
+
+
 def _checkpoint_case(group, world, rank):
     """te.distributed.checkpoint around a TP+SP TransformerLayer under FP8 (3 steps, with
     hidden dropout in the tracker's fork) == no recompute: outputs, input and param grads, FP8
@@ -196,13 +239,13 @@ def _checkpoint_case(group, world, rank):
 
     def run(how):
         torch.manual_seed(3 + rank)
+        tracker.reset()
+        tracker.add("model-parallel-rng", 1000 + rank)
         layer = te.TransformerLayer(64, 128, 4, num_gqa_groups=2, hidden_dropout=0.25,
                                     attention_dropout=0.0, normalization="RMSNorm",
                                     activation="swiglu", tp_group=group, sequence_parallel=True,
                                     set_parallel_mode=True, get_rng_state_tracker=lambda: tracker,
                                     device="cpu")
-        tracker.reset()
-        tracker.add("model-parallel-rng", 1000 + rank)
         torch.manual_seed(77)
         rcp = recipe.DelayedScaling(amax_history_len=4)
         g = torch.Generator().manual_seed(9)
@@ -340,6 +383,8 @@ def _worker(rank, world, port, out_dir, cases):
             results["mesh"] = _mesh_case(group, world, rank)
             results["checkpoint"] = _checkpoint_case(group, world, rank)
             results["rng"] = _rng_case(group, world, rank)
+            results["current"] = _current_scaling_case(group, world, rank)
+            results["init"] = _init_case(group, world, rank)
             results["errors"] = _errors(group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
@@ -399,6 +444,16 @@ def test_checkpoint_recompute_equals_no_recompute(world2):
     assert res["reentrant"] and res["non-reentrant"], res
     assert res["distributed"], res
     assert res["torch-differs"], "the negative control (torch.utils.checkpoint) should differ"
+
+
+def test_current_scaling_one_scale_for_the_gathered_input(world2):
+    res = world2["current"]
+    for i, (a, b) in enumerate(zip(res["got"], res["want"])):
+        torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
+
+
+def test_tracker_initialises_different_shards(world2):
+    assert world2["init"]
 
 
 def test_rng_tracker(world2):

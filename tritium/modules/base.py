@@ -15,6 +15,7 @@ tritium/fp8/model_init.py for the contract with the optimizer).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -152,6 +153,14 @@ class FP8Module(torch.nn.Module):
         """The forward ScalingState a fused cast reads now (frozen copy when recomputing)."""
         scope = recompute.current()
         return self.fp8_meta.fwd if scope is None else scope.forward_scales(self.fp8_meta.fwd)
+
+    def _shard_init_rng(self, sharded: bool, name: Optional[str] = None):
+        """TE's init of TP shards: inside the RNG tracker's fork when one was given (each rank
+        seeds it differently, so the shards differ); the default generator otherwise."""
+        tracker = getattr(self, "get_rng_state_tracker", None)
+        if not sharded or tracker is None:
+            return contextlib.nullcontext()
+        return tracker().fork(name) if name else tracker().fork()
 
     def set_tensor_parallel_group(self, tp_group) -> None:
         """TE's method: the group the tensor-parallel collectives use (a ProcessGroup or a

@@ -95,7 +95,7 @@ class LayerNormMLP(FP8Module):
     def reset_parameters(self) -> None:
         reset_norm_params(self, self.zero_centered_gamma)
         self._unquantize_fp8_params()
-        with torch.no_grad():
+        with torch.no_grad(), self._shard_init_rng(self.tp.size > 1):
             self.init_method(self.fc1_weight)
             self.output_layer_init_method(self.fc2_weight)
             for b in (self.fc1_bias, self.fc2_bias):

@@ -109,7 +109,8 @@ class Linear(FP8Module):
 
     def reset_parameters(self) -> None:
         self._unquantize_fp8_params()
-        with torch.no_grad():
+        sharded = self.parallel_mode is not None and self.tp.size > 1
+        with torch.no_grad(), self._shard_init_rng(sharded, self.rng_tracker_name):
             for w in self._parts("weight"):
                 self.init_method(w)
             if self.use_bias:

@@ -103,7 +103,8 @@ class MultiheadAttention(torch.nn.Module):
         tp_args = dict(tp_group=self.tp.group, tp_size=tp, sequence_parallel=sequence_parallel)
         common = dict(bias=bias, params_dtype=params_dtype, device=device,
                       init_method=init_method, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                      parallel_mode="column" if set_parallel_mode else None, **tp_args)
+                      parallel_mode="column" if set_parallel_mode else None,
+                      get_rng_state_tracker=get_rng_state_tracker, **tp_args)
         norm = dict(eps=layernorm_epsilon, normalization=normalization,
                     zero_centered_gamma=zero_centered_gamma,
                     return_layernorm_output=return_layernorm_output)
@@ -138,7 +139,8 @@ class MultiheadAttention(torch.nn.Module):
                            params_dtype=params_dtype, device=device,
                            init_method=output_layer_init_method or init_method,
                            fuse_wgrad_accumulation=fuse_wgrad_accumulation,
-                           parallel_mode="row" if set_parallel_mode else None, **tp_args)
+                           parallel_mode="row" if set_parallel_mode else None,
+                           get_rng_state_tracker=get_rng_state_tracker, **tp_args)
 
     def _qkv_layer(self):
         return self.layernorm_qkv if self.input_layernorm else self.qkv
