@@ -417,7 +417,22 @@ def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
     return full, (full.t().contiguous() if need_transpose else None), x_si
 
 
-def _local_linear(inp, weight, bias, fp8, main_grad, column=None):
+def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
+           fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = (),
+           tp: Optional[TPSpec] = None):
+    """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller.
+
+    `tp` (tensor parallelism, see tritium.distributed.tensor_parallel): weight and bias are
+    this rank's shards. Column: the input is replicated (gradient all-reduced) or, under
+    sequence parallelism, this rank's dim-0 rows, all-gathered first (in FP8 when the GEMM
+    runs in FP8; gradient reduce-scattered). Row: the partial outputs are all-reduced (or
+    reduce-scattered along dim 0) and the bias is added once, after the reduction."""
+    if tp is not None:
+        return _tp_linear(inp, weight, bias, fp8, main_grad, tp)
+    return _linear(inp, weight, bias, fp8, main_grad)
+
+
+def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     dev = inp.device.type
     if not torch.is_autocast_enabled(dev):
         if fp8 is None and not main_grad and column is None:
@@ -436,26 +451,15 @@ def _local_linear(inp, weight, bias, fp8, main_grad, column=None):
         return _apply_linear(inp, weight, bias, fp8, tuple(main_grad), column)
 
 
-def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = (),
-           tp: Optional[TPSpec] = None):
-    """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller.
-
-    `tp` (tensor parallelism, see tritium.distributed.tensor_parallel): weight and bias are
-    this rank's shards. Column: the input is replicated (gradient all-reduced) or, under
-    sequence parallelism, this rank's dim-0 rows, all-gathered first (in FP8 when the GEMM
-    runs in FP8; gradient reduce-scattered). Row: the partial outputs are all-reduced (or
-    reduce-scattered along dim 0) and the bias is added once, after the reduction."""
-    if tp is None:
-        return _local_linear(inp, weight, bias, fp8, main_grad)
+def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
     group = tp.group
     if tp.mode == "column":
         if fp8 is not None and fp8.compute_in_fp8:  # the input may be a fused cast's fp8
-            return _local_linear(inp, weight, bias, fp8, main_grad, column=tp)
+            return _linear(inp, weight, bias, fp8, main_grad, column=tp)
         inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
                else copy_to_tensor_parallel_region(inp, group))
-        return _local_linear(inp, weight, bias, fp8, main_grad)
-    out = _local_linear(inp, weight, None, fp8, main_grad)
+        return _linear(inp, weight, bias, fp8, main_grad)
+    out = _linear(inp, weight, None, fp8, main_grad)
     out = (reduce_scatter_to_sequence_parallel_region(out, group) if tp.sequence_parallel
            else reduce_from_tensor_parallel_region(out, group))
     if bias is None:

@@ -42,10 +42,12 @@ def apply_norm(module: torch.nn.Module, inp: torch.Tensor, normalization: str, e
                zero_centered_gamma: bool, fp8_cast=None, return_hp: bool = False, tp=None):
     """`tp`: a sequence-parallel TPSpec when inp holds this rank's rows only: the norm's
     (replicated) parameters then get their gradients all-reduced over the group."""
-    weight = sp_replicated(module.layer_norm_weight, tp)
+    weight, bias = module.layer_norm_weight, module.layer_norm_bias
+    if tp is not None:
+        weight, bias = sp_replicated(weight, tp), sp_replicated(bias, tp)
     if normalization == "LayerNorm":
-        return layer_norm(inp, weight, sp_replicated(module.layer_norm_bias, tp), eps,
-                          zero_centered_gamma, fp8_cast=fp8_cast, return_hp=return_hp)
+        return layer_norm(inp, weight, bias, eps, zero_centered_gamma, fp8_cast=fp8_cast,
+                          return_hp=return_hp)
     return rms_norm(inp, weight, eps, zero_centered_gamma, fp8_cast=fp8_cast,
                     return_hp=return_hp)
 
@@ -55,12 +57,7 @@ def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
     """(the GEMM's input, the norm's high-precision output or None): with `fp8_cast` the first
     is the fused norm's Float8Tensor and the second is written only when `want_hp`."""
     args = (module, inp, module.normalization, module.eps, module.zero_centered_gamma)
-    if tp is not None and tp.sequence_parallel:
-        return _norm_then_gemm_input(args, fp8_cast, want_hp, dict(tp=tp))
-    return _norm_then_gemm_input(args, fp8_cast, want_hp, {})
-
-
-def _norm_then_gemm_input(args, fp8_cast, want_hp, kw):
+    kw = {"tp": tp} if tp is not None and tp.sequence_parallel else {}
     if fp8_cast is None:
         ln_out = apply_norm(*args, **kw)
         return ln_out, ln_out
