@@ -50,10 +50,10 @@ def _seed(name: str) -> int:
 
 
 # --------------------------------------------------------------------------- worker side
-def _build(kind, tp: dict, world: int):
+def _build(kind, tp: dict, world: int, device="cpu", dtype=torch.float32):
     """The module of `kind`; tp = {} builds the unsharded reference (same parameter names)."""
     import tritium as te
-    common = dict(device="cpu", **tp)
+    common = dict(device=device, params_dtype=dtype, **tp)
     heads, groups = (8, 4) if world == 4 else (4, 2)
     if kind == "linear-col":
         return te.Linear(32, 64, parallel_mode="column", **common), 32
@@ -95,7 +95,8 @@ def _fp8_states(model):
     return [t.clone() for t in out]
 
 
-def _module_case(name, group, world, rank):
+def _module_case(name, group, world, rank, device="cpu", dtype=torch.float32):
+    """(also run on 2 GPUs by tests/gpu/test_gpu_tensor_parallel.py, in bf16)"""
     import torch.distributed as dist
     import tritium as te
     from tritium import recipe
@@ -103,13 +104,14 @@ def _module_case(name, group, world, rank):
     kind, mode, prec = name.split("/")
     sp, fp8 = mode == "sp", prec == "fp8"
     torch.manual_seed(_seed(name) + rank)          # a different init on every rank
-    tp_mod, hidden = _build(kind, dict(tp_group=group, sequence_parallel=sp), world)
+    tp_mod, hidden = _build(kind, dict(tp_group=group, sequence_parallel=sp), world, device,
+                            dtype)
     full_sd = T.gather_full_state_dict(tp_mod)
     local_sd = tp_mod.state_dict()
     back = T.shard_state_dict(tp_mod, full_sd)
     roundtrip = all(torch.equal(back[k], v) for k, v in local_sd.items()
                     if isinstance(v, torch.Tensor))
-    ref, _ = _build(kind, {}, world)
+    ref, _ = _build(kind, {}, world, device, dtype)
     ref.load_state_dict(full_sd)
     col = kind in ("linear-col", "lnlinear")
     in_dim = -1 if kind == "linear-row" else (0 if sp else None)
@@ -120,12 +122,12 @@ def _module_case(name, group, world, rank):
     kw = {}
     if kind in ("layer-llama", "layer-bshd"):  # bshd: x [S, B, h] is read as [batch, seq, h]
         rope = te.RotaryPositionEmbedding(64 // (8 if world == 4 else 4))
-        kw["rotary_pos_emb"] = rope(S if kind == "layer-llama" else B)
+        kw["rotary_pos_emb"] = rope(S if kind == "layer-llama" else B).to(device)
     got, want = [], []
     for step in range(2 if fp8 else 1):
-        x = torch.randn(S, B, hidden, generator=g) * (1 + step)
+        x = (torch.randn(S, B, hidden, generator=g) * (1 + step)).to(device, dtype)
         out_features = 32 if kind == "linear-row" or kind.startswith("lnmlp") else 64
-        dy = torch.randn(S, B, out_features, generator=g)
+        dy = torch.randn(S, B, out_features, generator=g).to(device, dtype)
         x_loc = x if in_dim is None else x.chunk(world, in_dim)[rank]
         if out_dim == -1:   # column outputs: this rank's chunk of each block of features
             dy_loc = T.shard_tensor(dy, -1, out_blocks, world, rank)
