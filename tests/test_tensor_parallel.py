@@ -33,8 +33,8 @@ KINDS = ("linear-col", "linear-row", "lnlinear", "lnmlp-gelu", "lnmlp-swiglu", "
          "layer-llama", "layer-te")
 # layer-bshd: sequence parallelism splits dim 0, which for bshd is the batch
 CASES2 = [f"{k}/{'sp' if sp else 'tp'}/{'fp8' if f else 'hp'}" for k in KINDS
-          for sp in (False, True) for f in (False, True)] + ["layer-bshd/sp/hp",
-                                                             "layer-bshd/sp/fp8"]
+          for sp in (False, True) for f in (False, True)] + [
+              "layer-bshd/sp/hp", "layer-bshd/sp/fp8", "layer-postln/sp/hp"]
 CASES4 = ["linear-col/sp/fp8", "linear-row/sp/fp8", "lnmlp-swiglu/sp/fp8", "layer-llama/sp/fp8",
           "layer-te/tp/hp"]
 
@@ -77,8 +77,11 @@ def _build(kind, tp: dict, world: int, device="cpu", dtype=torch.float32):
                                    qkv_weight_interleaved=False, set_parallel_mode=True,
                                    attn_input_format="bshd" if kind == "layer-bshd" else "sbhd",
                                    **common), 64
+    # layer-te: TE's defaults (LayerNorm, gelu, bias, q/k/v split); layer-postln: the output
+    # norm on this rank's rows under SP
     return te.TransformerLayer(64, 128, heads, num_gqa_groups=groups, hidden_dropout=0.0,
-                               attention_dropout=0.0, set_parallel_mode=True, **common), 64
+                               attention_dropout=0.0, set_parallel_mode=True,
+                               output_layernorm=kind == "layer-postln", **common), 64
 
 
 def _gather(t, dim, group):

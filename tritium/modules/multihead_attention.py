@@ -19,7 +19,7 @@ QKV layout. fuse_qkv_params=True keeps one `weight`; else TE's parameters_split 
 rotary_pos_emb (forward): freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a pair
 (q_freqs, k_freqs), applied to q and k after the split.
 
-Tensor parallelism (tp_size > 1 with set_parallel_mode=True, as TransformerLayer passes): the
+Tensor parallelism (tp_size > 1 with set_parallel_mode=True, TE's arguments): the
 heads and the KV groups are split over the TP group (each divisible by tp_size), the QKV (and
 query / key_value) projections are column-parallel and `proj` row-parallel; the core attention
 runs on this rank's heads. Under sequence parallelism hidden_states is this rank's dim-0 rows;
@@ -69,7 +69,8 @@ class MultiheadAttention(torch.nn.Module):
         self.tp_size, self.sequence_parallel = self.tp.size, self.tp.sequence_parallel
         if self.tp.size > 1 and not set_parallel_mode:
             raise ValueError("MultiheadAttention: tp_size > 1 needs set_parallel_mode=True (QKV "
-                             "column-parallel, proj row-parallel), to MultiheadAttention or TransformerLayer")
+                             "column-parallel, proj row-parallel; pass it to "
+                             "MultiheadAttention or TransformerLayer)")
         self.set_parallel_mode, self.get_rng_state_tracker = set_parallel_mode, get_rng_state_tracker
         if attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got "

@@ -13,8 +13,9 @@ causal, fuse_qkv_params=False, qkv_weight_interleaved=True); docs/porting.md lis
 Llama port overrides (RMSNorm, swiglu, bias=False, dropouts 0, GQA, RoPE through
 `rotary_pos_emb`, and fuse_qkv_params=True with qkv_weight_interleaved=False for copy-free q/k/v).
 
-Tensor parallelism: tp_group / tp_size / sequence_parallel / get_rng_state_tracker go to both
-sub-blocks (the attention with TE's set_parallel_mode, the MLP always column/row as in TE).
+Tensor parallelism: tp_group / tp_size / sequence_parallel / set_parallel_mode /
+get_rng_state_tracker go to both sub-blocks, as in TE (tp_size > 1 needs set_parallel_mode=True:
+QKV and fc1 column-parallel, proj and fc2 row-parallel).
 Under sequence parallelism hidden_states and the output are this rank's dim-0 rows (the
 sequence for sbhd); the residual adds and hidden dropout run on them (dropout in the RNG
 tracker's fork when one is given: other tokens, another mask).
@@ -98,7 +99,8 @@ class TransformerLayer(torch.nn.Module):
             return_layernorm_output=apply_residual_connection_post_layernorm,
             zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
             init_method=init_method, output_layer_init_method=output_layer_init_method,
-            set_parallel_mode=True, get_rng_state_tracker=get_rng_state_tracker, **tp_args)
+            set_parallel_mode=set_parallel_mode, get_rng_state_tracker=get_rng_state_tracker,
+            **tp_args)
         if output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm_cls(hidden_size, eps=layernorm_epsilon,
