@@ -333,9 +333,16 @@ def _rng_case(group, world, rank):
 def _errors(group, world, rank):
     import torch.distributed as dist
     import tritium as te
+    from tritium import recipe
     from tritium.distributed import tensor_parallel as T
     from torch.distributed.device_mesh import init_device_mesh
     solo = dist.new_group([0])
+    sp_lin = te.Linear(32, 64, parallel_mode="column", tp_group=group, sequence_parallel=True,
+                       device="cpu")
+
+    def _sp_fp8(ctx):
+        with ctx:
+            sp_lin(torch.randn(4, 32))
     calls = {
         "size-mismatch": lambda: te.Linear(32, 64, parallel_mode="column", tp_group=group,
                                            tp_size=world + 1, device="cpu"),
@@ -361,6 +368,9 @@ def _errors(group, world, rank):
                                          torch.randn(3, 2, 64 // world)),
         "no-group": lambda: te.Linear(32, 64, parallel_mode="column", tp_size=2 * world,
                                       device="cpu")(torch.randn(2, 32)),
+        "sp-scales": lambda: _sp_fp8(te.fp8_autocast(
+            fp8_recipe=recipe.DelayedScaling(reduce_amax=False))),
+        "sp-amax-group": lambda: _sp_fp8(te.fp8_autocast(fp8_group=solo)),
     }
     out = {}
     for label, fn in calls.items():
@@ -482,6 +492,8 @@ ERRORS = {
     "seq-scatter": ("ValueError", "not divisible by tp_size=2"),
     "seq-row": ("ValueError", "must be a multiple of tp_size"),
     "no-group": ("ValueError", "no tp_group was given and the default group has 2 ranks"),
+    "sp-scales": ("ValueError", "use a recipe with reduce_amax=True"),
+    "sp-amax-group": ("ValueError", "an fp8_group (fp8_autocast) that contains the TP group"),
 }
 
 

@@ -47,7 +47,7 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
                                            reduce_from_tensor_parallel_region, reduce_scatter_dim0,
                                            reduce_scatter_to_sequence_parallel_region,
                                            sp_replicated)
-from ..fp8.autocast import FP8Region
+from ..fp8.autocast import FP8Region, current as current_autocast
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.recompute import FrozenScales
@@ -394,6 +394,26 @@ class _LinearFunction(torch.autograd.Function):
 _apply_linear = fast_apply(_LinearFunction)
 
 
+_one_scale_checked: set = set()
+
+
+def _check_one_scale(plan: FP8Plan, group) -> None:
+    """The gathered rows are read with this rank's scale_inv, so under delayed scaling every TP
+    rank must hold the same scale: amaxes reduced over a group that holds the TP group."""
+    amax_group = None if current_autocast() is None else current_autocast().group
+    key = (id(group), id(amax_group), plan.recipe.reduce_amax)
+    if key in _one_scale_checked:
+        return
+    tp_ranks = set(dist.get_process_group_ranks(group))
+    amax_ranks = set(dist.get_process_group_ranks(amax_group or dist.group.WORLD))
+    if not plan.recipe.reduce_amax or not tp_ranks <= amax_ranks:
+        raise ValueError(
+            "sequence_parallel under DelayedScaling all-gathers fp8 rows that every TP rank "
+            "must have cast with one scale: use a recipe with reduce_amax=True and an fp8_group "
+            f"(fp8_autocast) that contains the TP group's ranks {sorted(tp_ranks)}")
+    _one_scale_checked.add(key)
+
+
 def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
     """Sequence parallelism under FP8: this rank's rows cast with the one scale every rank
     uses (delayed: the shared scale slot, amax recorded locally and MAX-reduced at the update;
@@ -409,6 +429,7 @@ def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
         local, _, x_si = plan.quantize(x2d, None, plan.input_slot, fp8_dtype, pad_rows_to=1,
                                        tensor_amax=amax)
     else:
+        _check_one_scale(plan, group)
         local, _, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fp8_dtype, pad_rows_to=1)
     full = all_gather_dim0(local, group)
     tokens, k = full.shape
