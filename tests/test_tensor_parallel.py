@@ -313,6 +313,15 @@ def _rng_case(group, world, rank):
     tracker.set_states(saved)
     with tracker.fork():
         replay = torch.nn.functional.dropout(ones, 0.5)
+    # MultiheadAttention draws its attention dropout (this rank's heads) from the fork
+    mha = te.MultiheadAttention(64, 4, attention_dropout=0.5, tp_group=group,
+                                set_parallel_mode=True, get_rng_state_tracker=lambda: tracker,
+                                device="cpu")
+    before = tracker.get_states()["model-parallel-rng"]
+    default_before = torch.get_rng_state()
+    mha(torch.randn(S, B, 64, generator=torch.Generator().manual_seed(3)))
+    attn_fork = (not torch.equal(before, tracker.get_states()["model-parallel-rng"])
+                 and torch.equal(default_before, torch.get_rng_state()))
     both = [torch.empty(2, 256) for _ in range(world)]
     dist.all_gather(both, torch.stack([outside, inside]), group=group)
     errors = {}
@@ -327,6 +336,7 @@ def _rng_case(group, world, rank):
     return {"outside_same": all(torch.equal(both[0][0], b[0]) for b in both),
             "inside_differ": all(not torch.equal(both[0][1], b[1]) for b in both[1:]),
             "continues": torch.equal(after, after_plain), "replay": torch.equal(inside, replay),
+            "attention_in_fork": attn_fork,
             "errors": errors}
 
 
@@ -474,7 +484,7 @@ def test_tracker_initialises_different_shards(world2):
 def test_rng_tracker(world2):
     res = world2["rng"]
     assert res["outside_same"] and res["inside_differ"], res
-    assert res["continues"] and res["replay"], res
+    assert res["continues"] and res["replay"] and res["attention_in_fork"], res
     assert res["errors"] == {"dup-seed": "ValueError", "dup-name": "ValueError",
                              "unknown": "KeyError"}
 

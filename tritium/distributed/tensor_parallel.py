@@ -65,6 +65,7 @@ class TPConfig:
     size: int = 1
     group: Optional[dist.ProcessGroup] = None
     sequence_parallel: bool = False
+    _specs: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def make(cls, owner: str, tp_group, tp_size, sequence_parallel: bool) -> "TPConfig":
@@ -87,6 +88,7 @@ class TPConfig:
                              f"the module was built with tp_size={self.size} (its parameters "
                              "are shards of that size); build it with the group's size")
         self.group = group
+        self._specs.clear()
 
     def active_group(self, owner: str):
         """The group the collectives use; checked here, before any collective runs."""
@@ -106,9 +108,14 @@ class TPConfig:
         return 0 if self.size == 1 else dist.get_rank(self.active_group(owner))
 
     def spec(self, owner: str, mode: Optional[str]) -> Optional["TPSpec"]:
+        """The TPSpec of a GEMM in `mode` (None without TP); made once per mode and group."""
         if self.size == 1 or mode is None:
             return None
-        return TPSpec(mode, self.active_group(owner), self.size, self.sequence_parallel)
+        spec = self._specs.get(mode)
+        if spec is None:
+            spec = TPSpec(mode, self.active_group(owner), self.size, self.sequence_parallel)
+            self._specs[mode] = spec
+        return spec
 
 
 @dataclasses.dataclass(frozen=True)
