@@ -71,7 +71,8 @@ class MultiheadAttention(torch.nn.Module):
             raise ValueError("MultiheadAttention: tp_size > 1 needs set_parallel_mode=True (QKV "
                              "column-parallel, proj row-parallel; pass it to "
                              "MultiheadAttention or TransformerLayer)")
-        self.set_parallel_mode, self.get_rng_state_tracker = set_parallel_mode, get_rng_state_tracker
+        self.set_parallel_mode = set_parallel_mode
+        self.get_rng_state_tracker = get_rng_state_tracker
         if attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got "
                              f"{attention_type!r}")
