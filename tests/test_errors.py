@@ -115,11 +115,14 @@ def test_te_autocast_alias(randn):
     assert lin.fp8_meta.fwd.scale[0].item() != 1.0
 
 
-def test_unsupported_options():
-    with pytest.raises(NotImplementedError, match="tp_size"):
-        te.Linear(32, 16, tp_size=2, device="cpu")
-    with pytest.raises(NotImplementedError, match="sequence_parallel"):
-        te.Linear(32, 16, sequence_parallel=True, device="cpu")
+def test_unsupported_options(randn):
+    # tensor parallelism without torch.distributed: a clear error at the first forward
+    lin = te.Linear(32, 16, tp_size=2, parallel_mode="column", device="cpu")
+    assert tuple(lin.weight.shape) == (8, 32)
+    with pytest.raises(RuntimeError, match="tp_size=2 needs torch.distributed"):
+        lin(randn(4, 32))
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        te.Linear(32, 16, tp_size=0, device="cpu")
     for kw in (dict(in_features=0), dict(out_features=True), dict(in_features=3.0)):
         args = dict(in_features=32, out_features=16, device="cpu") | kw
         with pytest.raises(ValueError, match=next(iter(kw))):

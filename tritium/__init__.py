@@ -17,6 +17,9 @@ from .functional.linear_cross_entropy import linear_cross_entropy
 from .modules.cross_entropy import LinearCrossEntropyLoss
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
+from . import distributed
+from .distributed.activation_checkpoint import checkpoint
+from .distributed.random import CudaRNGStatesTracker
 
 from .modules.grouped_linear import GroupedLinear
 from .modules.moe import MoE, MoEConfig
@@ -30,7 +33,7 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "Float8Tensor", "Linear", "LayerNorm", "RMSNorm",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
-           "make_graphed_callables",
+           "make_graphed_callables", "distributed", "checkpoint", "CudaRNGStatesTracker",
            "parallel_cross_entropy", "linear_cross_entropy", "LinearCrossEntropyLoss",
            "__version__"]
 __all__ += ["GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",

@@ -87,8 +87,8 @@ class _CaptureRegion(FP8Region):
         super().__init__()
         self.calls: list[tuple] = []
 
-    def register(self, fwd, bwd, recipe, group) -> bool:
-        first = super().register(fwd, bwd, recipe, group)
+    def register(self, fwd, bwd, recipe, group, again: bool = False) -> bool:
+        first = super().register(fwd, bwd, recipe, group, again)
         if not any(c[0] is fwd and c[1] is bwd for c in self.calls):
             self.calls.append((fwd, bwd, recipe, group))
         return first

@@ -30,11 +30,18 @@ class FP8Region:
         self.fwd: dict[int, tuple[ScalingState, object, bool]] = {}
         self.bwd: dict[int, tuple[ScalingState, object, bool]] = {}
         self._bwd_updated = False
+        self._first: Optional[int] = None
 
     def register(self, fwd: Optional[ScalingState], bwd: Optional[ScalingState], recipe: Recipe,
-                 group) -> bool:
-        """Record a module's states; True when it is the first FP8 module of the region."""
+                 group, again: bool = False) -> bool:
+        """Record a module's states; True when it is the first FP8 module of the region (with
+        `again`, a recomputed forward: True when it is that module again)."""
+        key = id(fwd if fwd is not None else bwd)
         first = not self.fwd and not self.bwd
+        if first:
+            self._first = key
+        elif again:
+            first = key == self._first
         reduce = bool(getattr(recipe, "reduce_amax", False))
         for table, state in ((self.fwd, fwd), (self.bwd, bwd)):
             if state is not None:

@@ -23,6 +23,12 @@ wrote one, gives the bias gradient); the blocked backward slices the given opera
 where it would have cast blocks, so the GEMMs and their bits are the unfused path's. Without
 FP8 compute such operands are dequantized.
 
+Tensor parallelism (`linear(..., tp=TPSpec)`, layouts in tritium.distributed.tensor_parallel):
+the collectives wrap the local GEMM as autograd Functions, except for a column-parallel GEMM in
+FP8, whose input may be a fused cast's Float8Tensor: there the Function itself all-reduces
+dgrad, or under sequence parallelism casts the local rows with the shared scale, all-gathers
+the fp8 bytes (the transpose is made after the gather) and reduce-scatters dgrad.
+
 `fuse_wgrad_accumulation`: the weight gradient is added into `param.main_grad` (fp32) and the
 Function returns no gradient for the weight, so `param.grad` stays None.
 """
@@ -32,31 +38,24 @@ import dataclasses
 from typing import Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..fp8.autocast import FP8Region
+from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
+                                           copy_to_tensor_parallel_region,
+                                           gather_from_sequence_parallel_region,
+                                           reduce_from_tensor_parallel_region, reduce_scatter_dim0,
+                                           reduce_scatter_to_sequence_parallel_region,
+                                           sp_replicated)
+from ..fp8.autocast import FP8Region, current as current_autocast
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair
 from ..fp8.recipe import Float8CurrentScaling, Recipe
+from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
 from .fused_cast import fp8_operands, pad16
 from .gemm import fp8_gemm_tn
-
-
-
-class FrozenScales:
-    """A forward state's scales copied at one moment, recording nothing: what a recomputed
-    forward (activation checkpointing) must use, since the live scales update at autocast exit."""
-
-    def __init__(self, state: ScalingState):
-        self.scale = state.scale.detach().clone()
-
-    def scale_slot(self, i: int) -> torch.Tensor:
-        return self.scale[i:i + 1]
-
-    def amax_slot(self, i: int):
-        return None
 
 
 class WeightCache:
@@ -294,17 +293,26 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
-                main_grad: Sequence[MainGradTarget]):
+                main_grad: Sequence[MainGradTarget], column: Optional[TPSpec] = None):
         shape = inp.shape
         x2d = inp if len(shape) == 2 else inp.reshape(-1, shape[-1])
         tokens = x2d.shape[0]
+        # column-parallel FP8: dgrad all-reduced (reduce-scattered under sequence parallelism,
+        # where the forward casts the local rows and all-gathers the fp8 bytes)
+        ctx.column = column
+        gather = column.group if column is not None and column.sequence_parallel else None
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
         fp8 = plan is not None and plan.compute_in_fp8
         fwd_dtype = plan.recipe.fp8_format.forward_dtype if fp8 else None
         if isinstance(inp, Float8Tensor) and not (fp8 and inp._fp8_dtype == fwd_dtype):
             x2d = inp.dequantize().reshape(-1, shape[-1])
         if fp8:
-            if isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
+            if gather is not None:
+                x8, x8_t, x_si = _gathered_fp8_input(plan, x2d, gather, need_wgrad)
+                tokens = tokens * dist.get_world_size(gather)
+                shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
+                w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
+            elif isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
                 x8, x8_t, x_si = fp8_operands(inp, need_wgrad)
                 w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             else:
@@ -326,7 +334,7 @@ class _LinearFunction(torch.autograd.Function):
             out = F.linear(x2d, weight, bias)
             ctx.save_for_backward(x2d if need_wgrad else None, weight if need_dgrad else None)
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
-        ctx.shape, ctx.tokens, ctx.need = shape, tokens, (need_dgrad, need_wgrad)
+        ctx.shape, ctx.in_shape, ctx.need = shape, inp.shape, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
         return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
 
@@ -374,30 +382,107 @@ class _LinearFunction(torch.autograd.Function):
             dw = None
         if plan is not None and plan.region is not None:
             plan.region.backward_done()
-        if dx is not None and len(ctx.shape) != 2:
-            dx = dx.view(ctx.shape)
-        return dx, dw, db, None, None
+        if dx is not None and ctx.column is not None:
+            group = ctx.column.group
+            dx = (reduce_scatter_dim0(dx, group) if ctx.column.sequence_parallel
+                  else all_reduce(dx, group))
+        if dx is not None and len(ctx.in_shape) != 2:
+            dx = dx.view(ctx.in_shape)
+        return dx, dw, db, None, None, None
 
 
 _apply_linear = fast_apply(_LinearFunction)
 
 
+_one_scale_checked: set = set()
+
+
+def _check_one_scale(plan: FP8Plan, group) -> None:
+    """The gathered rows are read with this rank's scale_inv, so under delayed scaling every TP
+    rank must hold the same scale: amaxes reduced over a group that holds the TP group."""
+    amax_group = None if current_autocast() is None else current_autocast().group
+    key = (id(group), id(amax_group), plan.recipe.reduce_amax)
+    if key in _one_scale_checked:
+        return
+    tp_ranks = set(dist.get_process_group_ranks(group))
+    amax_ranks = set(dist.get_process_group_ranks(amax_group or dist.group.WORLD))
+    if not plan.recipe.reduce_amax or not tp_ranks <= amax_ranks:
+        raise ValueError(
+            "sequence_parallel under DelayedScaling all-gathers fp8 rows that every TP rank "
+            "must have cast with one scale: use a recipe with reduce_amax=True and an fp8_group "
+            f"(fp8_autocast) that contains the TP group's ranks {sorted(tp_ranks)}")
+    _one_scale_checked.add(key)
+
+
+def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
+    """Sequence parallelism under FP8: this rank's rows cast with the one scale every rank
+    uses (delayed: the shared scale slot, amax recorded locally and MAX-reduced at the update;
+    current: the local amaxes MAX-reduced first), then the fp8 bytes all-gathered; the
+    transpose wgrad needs is made after the gather. Returns (x8 [Tp, K], x8^T, scale_inv)."""
+    fp8_dtype = plan.recipe.fp8_format.forward_dtype
+    if isinstance(x2d, Float8Tensor):  # a fused norm wrote it with the shared scale
+        local, x_si = x2d._data.reshape(-1, x2d.shape[-1]), x2d._scale_inv
+    elif isinstance(plan.recipe, Float8CurrentScaling):
+        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
+        amax_into(x2d, amax)
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        local, _, x_si = plan.quantize(x2d, None, plan.input_slot, fp8_dtype, pad_rows_to=1,
+                                       tensor_amax=amax)
+    else:
+        _check_one_scale(plan, group)
+        local, _, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fp8_dtype, pad_rows_to=1)
+    full = all_gather_dim0(local, group)
+    tokens, k = full.shape
+    if tokens % 16:
+        full = torch.cat([full, full.new_zeros(pad16(tokens) - tokens, k)])
+    return full, (full.t().contiguous() if need_transpose else None), x_si
+
+
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
-           fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = ()):
-    """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller."""
+           fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = (),
+           tp: Optional[TPSpec] = None):
+    """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller.
+
+    `tp` (tensor parallelism, see tritium.distributed.tensor_parallel): weight and bias are
+    this rank's shards. Column: the input is replicated (gradient all-reduced) or, under
+    sequence parallelism, this rank's dim-0 rows, all-gathered first (in FP8 when the GEMM
+    runs in FP8; gradient reduce-scattered). Row: the partial outputs are all-reduced (or
+    reduce-scattered along dim 0) and the bias is added once, after the reduction."""
+    if tp is not None:
+        return _tp_linear(inp, weight, bias, fp8, main_grad, tp)
+    return _linear(inp, weight, bias, fp8, main_grad)
+
+
+def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     dev = inp.device.type
     if not torch.is_autocast_enabled(dev):
-        if fp8 is None and not main_grad:
+        if fp8 is None and not main_grad and column is None:
             return F.linear(inp, weight, bias)
         if fp8 is not None and bias is not None:
             bias = bias.to(inp.dtype)
-        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad))
+        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad), column)
     dtype = torch.get_autocast_dtype(dev)
     inp = inp.to(dtype)
     if fp8 is None or not fp8.compute_in_fp8:
         weight = weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    if fp8 is None and not main_grad:
+    if fp8 is None and not main_grad and column is None:
         return F.linear(inp, weight, bias)
     with torch.autocast(dev, enabled=False):  # the Function's math runs in the dtypes given
-        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad))
+        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad), column)
+
+
+def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
+    group = tp.group
+    if tp.mode == "column":
+        if fp8 is not None and fp8.compute_in_fp8:  # the input may be a fused cast's fp8
+            return _linear(inp, weight, bias, fp8, main_grad, column=tp)
+        inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
+               else copy_to_tensor_parallel_region(inp, group))
+        return _linear(inp, weight, bias, fp8, main_grad)
+    out = _linear(inp, weight, None, fp8, main_grad)
+    out = (reduce_scatter_to_sequence_parallel_region(out, group) if tp.sequence_parallel
+           else reduce_from_tensor_parallel_region(out, group))
+    if bias is None:
+        return out
+    return out + sp_replicated(bias, tp).to(out.dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed.tensor_parallel import sp_replicated
 from ..functional.norm import layer_norm, rms_norm
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -38,30 +39,37 @@ def reset_norm_params(module: torch.nn.Module, zero_centered_gamma: bool) -> Non
 
 
 def apply_norm(module: torch.nn.Module, inp: torch.Tensor, normalization: str, eps: float,
-               zero_centered_gamma: bool, fp8_cast=None, return_hp: bool = False):
+               zero_centered_gamma: bool, fp8_cast=None, return_hp: bool = False, tp=None):
+    """`tp`: a sequence-parallel TPSpec when inp holds this rank's rows only: the norm's
+    (replicated) parameters then get their gradients all-reduced over the group."""
+    weight, bias = module.layer_norm_weight, module.layer_norm_bias
+    if tp is not None:
+        weight, bias = sp_replicated(weight, tp), sp_replicated(bias, tp)
     if normalization == "LayerNorm":
-        return layer_norm(inp, module.layer_norm_weight, module.layer_norm_bias, eps,
-                          zero_centered_gamma, fp8_cast=fp8_cast, return_hp=return_hp)
-    return rms_norm(inp, module.layer_norm_weight, eps, zero_centered_gamma, fp8_cast=fp8_cast,
+        return layer_norm(inp, weight, bias, eps, zero_centered_gamma, fp8_cast=fp8_cast,
+                          return_hp=return_hp)
+    return rms_norm(inp, weight, eps, zero_centered_gamma, fp8_cast=fp8_cast,
                     return_hp=return_hp)
 
 
 def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
-                         want_hp: bool):
+                         want_hp: bool, tp=None):
     """(the GEMM's input, the norm's high-precision output or None): with `fp8_cast` the first
     is the fused norm's Float8Tensor and the second is written only when `want_hp`."""
     args = (module, inp, module.normalization, module.eps, module.zero_centered_gamma)
+    kw = {"tp": tp} if tp is not None and tp.sequence_parallel else {}
     if fp8_cast is None:
-        ln_out = apply_norm(*args)
+        ln_out = apply_norm(*args, **kw)
         return ln_out, ln_out
     if want_hp:
-        return apply_norm(*args, fp8_cast=fp8_cast, return_hp=True)
-    return apply_norm(*args, fp8_cast=fp8_cast), None
+        return apply_norm(*args, fp8_cast=fp8_cast, return_hp=True, **kw)
+    return apply_norm(*args, fp8_cast=fp8_cast, **kw), None
 
 
-def norm_cast_spec(fp8_meta, recipe, device, write_transpose: bool):
-    """The CastSpec of the fused norm: the first GEMM's input slot (0) of the forward state."""
+def norm_cast_spec(module, recipe, device, write_transpose: bool):
+    """The CastSpec of the fused norm: the first GEMM's input slot (0) of the forward state
+    (its frozen copy when a checkpoint recomputes)."""
     from ..functional.fused_cast import CastSpec
-    fp8_meta.prepare(recipe, device)
-    fwd = fp8_meta.fwd
+    module.fp8_meta.prepare(recipe, device)
+    fwd = module._forward_scales()
     return CastSpec(fwd.scale_slot(0), fwd.amax_slot(0), fwd.fp8_dtype, write_transpose)

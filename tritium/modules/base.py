@@ -15,10 +15,12 @@ tritium/fp8/model_init.py for the contract with the optimizer).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
 
+from ..fp8 import recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import HIGH_PRECISION_DTYPES, fp8_max
 from ..fp8.model_init import fp8_params_config
@@ -127,10 +129,16 @@ class FP8Module(torch.nn.Module):
         meta.prepare(state.recipe, device)
         if self._fp8_param_recipe is not None:
             self._link_fp8_params()
-        first = state.region.register(meta.fwd, meta.bwd, state.recipe, state.group)
+        fwd, scope = meta.fwd, recompute.current()
+        again = scope is not None and scope.recomputing
+        if scope is not None:  # inside tritium.distributed.checkpoint (fp8/recompute.py)
+            fwd = scope.forward_scales(meta.fwd)
+            if again and is_first_microbatch:  # the forward cached this step's weight cast
+                is_first_microbatch = False
+        first = state.region.register(meta.fwd, meta.bwd, state.recipe, state.group, again)
         if not state.enabled and meta.fwd is None:  # calibrating needs a delayed-scaling state
             return None
-        return [FP8Plan(recipe=state.recipe, fwd=meta.fwd, bwd=meta.bwd,
+        return [FP8Plan(recipe=state.recipe, fwd=fwd, bwd=meta.bwd,
                         compute_in_fp8=state.enabled,
                         region=state.region if first and i == 0 else None,
                         weight_cache=cache, is_first_microbatch=is_first_microbatch,
@@ -140,6 +148,24 @@ class FP8Module(torch.nn.Module):
     def _fp8_plan(self, device: torch.device, is_first_microbatch: Optional[bool]):
         plans = self._fp8_plans(device, is_first_microbatch)
         return None if plans is None else plans[0]
+
+    def _forward_scales(self):
+        """The forward ScalingState a fused cast reads now (frozen copy when recomputing)."""
+        scope = recompute.current()
+        return self.fp8_meta.fwd if scope is None else scope.forward_scales(self.fp8_meta.fwd)
+
+    def _shard_init_rng(self, sharded: bool, name: Optional[str] = None):
+        """TE's init of TP shards: inside the RNG tracker's fork when one was given (each rank
+        seeds it differently, so the shards differ); the default generator otherwise."""
+        tracker = getattr(self, "get_rng_state_tracker", None)
+        if not sharded or tracker is None:
+            return contextlib.nullcontext()
+        return tracker().fork(name) if name else tracker().fork()
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's method: the group the tensor-parallel collectives use (a ProcessGroup or a
+        DeviceMesh); its size must be the tp_size the module was built with."""
+        self.tp.set_group(type(self).__name__, tp_group)
 
     def _clear_weight_caches(self) -> None:
         for cache in self._weight_caches:

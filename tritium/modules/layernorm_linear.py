@@ -10,6 +10,11 @@ Under fp8_autocast with DelayedScaling the norm writes the GEMM's fp8 input itse
 amax + transpose in one kernel, bit-identical to norm then cast; `tritium.functional.fused_cast`
 says when it applies); the high-precision norm output is then written only for
 return_layernorm_output. Other recipes, calibration and high precision: norm, then the GEMM.
+
+Tensor parallelism: as Linear (usually parallel_mode="column"). Under sequence parallelism the
+norm runs on this rank's rows, its output (in fp8 when fused) is all-gathered before the GEMM,
+ln_out (return_layernorm_output) is the local rows, and the norm's replicated parameters get
+their gradients all-reduced over the TP group.
 """
 from __future__ import annotations
 
@@ -42,13 +47,15 @@ class LayerNormLinear(Linear):
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check_input(inp, self.layer_norm_weight)
+        tp = self.tp.spec(type(self).__name__, self.parallel_mode)
         cast, state = None, fusable_state(inp)
         if state is not None:
             self._check_fp8_dims()
+            # under sequence parallelism the transpose is made after the fp8 gather
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
-                w.requires_grad for w in self._parts("weight")))
-            cast = norm_cast_spec(self.fp8_meta, state.recipe, inp.device, need_t)
-        gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output)
+                w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
+            cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
+        gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output, tp)
         out = super().forward(gemm_in, is_first_microbatch)
         if not self.return_layernorm_output:
             return out

@@ -16,6 +16,14 @@ norm writes fc1's fp8 input (+ transpose, amax), the activation writes fc2's fp8
 activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the high-precision
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
+
+Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
+parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
+so the local activation pairs matching halves), fc1_bias likewise, fc2_weight [H, F/tp], fc2_bias
+[H] replicated. With set_parallel_mode=True fc1 is column-parallel and fc2 row-parallel (output
+all-reduced, or reduce-scattered along dim 0 under sequence parallelism, where the input is
+this rank's rows and is all-gathered, in fp8 under FP8, before fc1). As in TE, without
+set_parallel_mode the GEMMs run on the shards with no collective (the output is a partial sum).
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import torch
 import torch.utils.checkpoint
 
 from .._device import default_device
+from ..distributed.tensor_parallel import TPConfig, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
@@ -53,13 +62,17 @@ class LayerNormMLP(FP8Module):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if tp_size != 1 or set_parallel_mode or sequence_parallel:
-            raise NotImplementedError("tensor/sequence parallel LayerNormMLP is not built yet: "
-                                      "use tp_size=1, set_parallel_mode=False")
+        self.tp = TPConfig.make("LayerNormMLP", tp_group, tp_size, sequence_parallel)
+        self.tp_size, self.sequence_parallel = self.tp.size, self.tp.sequence_parallel
+        self.set_parallel_mode = set_parallel_mode
+        self.get_rng_state_tracker = get_rng_state_tracker
+        self._ffn_full = ffn_hidden_size
+        ffn_hidden_size = divide("LayerNormMLP", "ffn_hidden_size", ffn_hidden_size, self.tp.size)
         params_dtype = params_dtype or torch.get_default_dtype()
         if params_dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
-        self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
+        self.hidden_size, self.ffn_hidden_size = hidden_size, self._ffn_full
+        self.size_per_partition = ffn_hidden_size  # TE's name: this rank's share of the ffn
         self.eps, self.normalization, self.activation = float(eps), normalization, activation
         self.zero_centered_gamma, self.use_bias = zero_centered_gamma, bias
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
@@ -82,7 +95,7 @@ class LayerNormMLP(FP8Module):
     def reset_parameters(self) -> None:
         reset_norm_params(self, self.zero_centered_gamma)
         self._unquantize_fp8_params()
-        with torch.no_grad():
+        with torch.no_grad(), self._shard_init_rng(self.tp.size > 1):
             self.init_method(self.fc1_weight)
             self.output_layer_init_method(self.fc2_weight)
             for b in (self.fc1_bias, self.fc2_bias):
@@ -91,14 +104,26 @@ class LayerNormMLP(FP8Module):
         self._quantize_fp8_params()
         self._clear_weight_caches()
 
+    def _tp_layout(self) -> dict:
+        """{param name: (sharded dim, full block sizes)}: fc1 column (gate and up sharded
+        separately), fc2 row (tritium.distributed.tensor_parallel)."""
+        if self.tp.size == 1:
+            return {}
+        f = self._ffn_full
+        blocks = (f, f) if self.activation in GATED else (f,)
+        out = {"fc1_weight": (0, blocks), "fc2_weight": (1, (f,))}
+        if self.use_bias:
+            out["fc1_bias"] = (0, blocks)
+        return out
+
     def _check(self, inp) -> None:
         check_input("LayerNormMLP", inp, self.fc1_weight, "hidden_size", self.hidden_size)
         if is_fp8_enabled():
             check_fp8_dims("LayerNormMLP", {"hidden_size": self.hidden_size,
-                                            "ffn_hidden_size": self.ffn_hidden_size})
+                                            "ffn_hidden_size / tp_size": self.size_per_partition})
 
-    def _fc1_act(self, ln_out: torch.Tensor, plan, fused) -> torch.Tensor:
-        h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan)
+    def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp) -> torch.Tensor:
+        h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp)
         if fused is None:
             return apply_activation(h, self.activation)
         fc2_input_slot, fc2_need_t = fused
@@ -113,25 +138,30 @@ class LayerNormMLP(FP8Module):
         state = fusable_state(inp)
         plans = self._fp8_plans(inp.device, is_first_microbatch)
         fc1_plan, fc2_plan = plans if plans is not None else (None, None)
+        mode = self.set_parallel_mode  # TE: without it the GEMMs are local (no collectives)
+        fc1_tp = self.tp.spec("LayerNormMLP", "column" if mode else None)
+        fc2_tp = self.tp.spec("LayerNormMLP", "row" if mode else None)
+        sp_gather = fc1_tp is not None and fc1_tp.sequence_parallel
         norm_cast = fused = None
         if state is not None and plans is not None:
             grad_on = torch.is_grad_enabled()
-            norm_cast = norm_cast_spec(self.fp8_meta, state.recipe, inp.device,
-                                       grad_on and self.fc1_weight.requires_grad)
+            norm_cast = norm_cast_spec(self, state.recipe, inp.device,
+                                       grad_on and self.fc1_weight.requires_grad and not sp_gather)
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
-                                                 self.return_layernorm_output)
+                                                 self.return_layernorm_output, fc1_tp)
         if self.checkpoint and torch.is_grad_enabled():
             replay = [fc1_plan, None if fc1_plan is None else fc1_plan.frozen()]
 
             def fc1_act(x):  # first call: the live plan; the recompute: frozen scales
-                return self._fc1_act(x, replay.pop(0) if len(replay) > 1 else replay[0], fused)
+                plan = replay.pop(0) if len(replay) > 1 else replay[0]
+                return self._fc1_act(x, plan, fused, fc1_tp)
             act_out = torch.utils.checkpoint.checkpoint(fc1_act, ln_out, use_reentrant=True)
         else:
-            act_out = self._fc1_act(ln_out, fc1_plan, fused)
+            act_out = self._fc1_act(ln_out, fc1_plan, fused, fc1_tp)
         fc2_bias = None if self.return_bias else self.fc2_bias
-        out = linear(act_out, self.fc2_weight, fc2_bias, fp8=fc2_plan)
-        result = (out, self.fc2_bias) if self.return_bias else (out,)
+        out = linear(act_out, self.fc2_weight, fc2_bias, fp8=fc2_plan, tp=fc2_tp)
+        result = (out, sp_replicated(self.fc2_bias, fc2_tp)) if self.return_bias else (out,)
         if self.return_layernorm_output:
             result = result + (ln_out_hp,)
         return result if len(result) > 1 else result[0]

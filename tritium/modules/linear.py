@@ -3,8 +3,11 @@
 Parameters: `weight` [out, in] and `bias` [out]; with `parameters_split` one weight (and bias)
 Parameter per part, named `<part>_weight` / `<part>_bias`, concatenated along dim 0 per call.
 The module checks its inputs and builds the call's FP8 plan; the math is
-`tritium.functional.linear`. Tensor parallelism (tp_size > 1, parallel_mode) is not built yet
-and says so.
+`tritium.functional.linear`. Tensor parallelism (TE's tp_group / tp_size / parallel_mode /
+sequence_parallel): the parameters are this rank's shards (column: weight [out/tp, in], bias
+[out/tp]; row: weight [out, in/tp], bias [out] replicated) and in_features / out_features are
+the local sizes, as in TE; layouts and collectives in tritium.distributed.tensor_parallel,
+docs/tensor_parallel.md. parallel_mode=None keeps the Linear whole whatever tp_size says.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .._device import default_device
+from ..distributed.tensor_parallel import TPConfig, check_parallel_mode, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.linear import MainGradTarget, linear
@@ -56,14 +60,26 @@ class Linear(FP8Module):
         for name, value in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if tp_size != 1 or parallel_mode is not None or sequence_parallel:
-            if tp_size != 1 or sequence_parallel or parallel_mode not in (None, "column", "row"):
-                raise NotImplementedError(
-                    "tensor/sequence parallel Linear is not built yet: use tp_size=1, "
-                    "sequence_parallel=False")
+        owner = type(self).__name__
+        check_parallel_mode(owner, parallel_mode)
+        self.tp = TPConfig.make(owner, tp_group, tp_size, sequence_parallel)
+        self.parallel_mode, self.sequence_parallel = parallel_mode, self.tp.sequence_parallel
+        self.tp_size = self.tp.size
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
         params_dtype = params_dtype or torch.get_default_dtype()
         if params_dtype not in HIGH_PRECISION_DTYPES:
             raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
+        full_splits = (OrderedDict([("", out_features)]) if parameters_split is None
+                       else _split_sizes(parameters_split, out_features))
+        self._tp_blocks = None  # set by an owner whose fused weight shards in blocks (MHA)
+        self._full_sizes = (in_features, full_splits)
+        tp = self.tp.size if parallel_mode is not None else 1
+        if parallel_mode == "column":  # TE: in/out_features become this rank's sizes
+            for part, rows in full_splits.items():
+                divide(owner, f"{part or 'out'}_features", rows, tp)
+            out_features //= tp
+        elif parallel_mode == "row":
+            in_features = divide(owner, "in_features", in_features, tp)
         self.in_features, self.out_features = in_features, out_features
         self._fp8_dims_ok = False
         self.use_bias, self.return_bias = bias, return_bias
@@ -71,10 +87,8 @@ class Linear(FP8Module):
         self.init_method = init_method or default_init
         device = default_device(device)
         factory = dict(dtype=params_dtype, device=device)
-        if parameters_split is None:
-            self.split_sizes = OrderedDict([("", out_features)])
-        else:
-            self.split_sizes = _split_sizes(parameters_split, out_features)
+        col = tp if parallel_mode == "column" else 1
+        self.split_sizes = OrderedDict((p, rows // col) for p, rows in full_splits.items())
         for part, rows in self.split_sizes.items():
             prefix = f"{part}_" if part else ""
             self.register_parameter(f"{prefix}weight",
@@ -95,7 +109,8 @@ class Linear(FP8Module):
 
     def reset_parameters(self) -> None:
         self._unquantize_fp8_params()
-        with torch.no_grad():
+        sharded = self.parallel_mode is not None and self.tp.size > 1
+        with torch.no_grad(), self._shard_init_rng(sharded, self.rng_tracker_name):
             for w in self._parts("weight"):
                 self.init_method(w)
             if self.use_bias:
@@ -103,6 +118,23 @@ class Linear(FP8Module):
                     b.zero_()
         self._quantize_fp8_params()
         self._clear_weight_caches()
+
+    def _tp_layout(self) -> dict:
+        """{param name: (sharded dim, full block sizes)} (tritium.distributed.tensor_parallel)."""
+        if self.tp.size == 1 or self.parallel_mode is None:
+            return {}
+        in_full, splits = self._full_sizes
+        out = {}
+        for part, rows in splits.items():
+            prefix = f"{part}_" if part else ""
+            if self.parallel_mode == "row":
+                out[f"{prefix}weight"] = (1, (in_full,))
+                continue
+            blocks = self._tp_blocks or (rows,)
+            out[f"{prefix}weight"] = (0, blocks)
+            if self.use_bias:
+                out[f"{prefix}bias"] = (0, blocks)
+        return out
 
     def _check_input(self, inp, weight: torch.Tensor) -> None:
         check_input("Linear", inp, weight, "in_features", self.in_features)
@@ -132,9 +164,15 @@ class Linear(FP8Module):
                                        "tensor shaped like the weight) set before forward")
                 main_grad.append(MainGradTarget(w, row, row + rows))
                 row += rows
-        out = linear(inp, weight, None if self.return_bias else bias, fp8=plan, main_grad=main_grad)
-        return (out, bias) if self.return_bias else out
+        tp = self.tp.spec(type(self).__name__, self.parallel_mode)
+        out = linear(inp, weight, None if self.return_bias else bias, fp8=plan,
+                     main_grad=main_grad, tp=tp)
+        if not self.return_bias:
+            return out
+        return out, (sp_replicated(bias, tp) if self.parallel_mode == "row" else bias)
 
     def extra_repr(self) -> str:
+        tp = (f", parallel_mode={self.parallel_mode}, tp_size={self.tp.size}, "
+              f"sequence_parallel={self.sequence_parallel}" if self.tp.size > 1 else "")
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.use_bias}")
+                f"bias={self.use_bias}{tp}")

@@ -19,16 +19,25 @@ QKV layout. fuse_qkv_params=True keeps one `weight`; else TE's parameters_split 
 rotary_pos_emb (forward): freqs [s, 1, 1, rot_dim] from RotaryPositionEmbedding, or a pair
 (q_freqs, k_freqs), applied to q and k after the split.
 
-Not built: tensor parallelism (tp_size > 1), inference KV caches, qk norms, alibi.
+Tensor parallelism (tp_size > 1 with set_parallel_mode=True, TE's arguments): the
+heads and the KV groups are split over the TP group (each divisible by tp_size), the QKV (and
+query / key_value) projections are column-parallel and `proj` row-parallel; the core attention
+runs on this rank's heads. Under sequence parallelism hidden_states is this rank's dim-0 rows;
+the QKV GEMM all-gathers them, proj reduce-scatters. With get_rng_state_tracker, attention
+dropout runs inside the tracker's fork (a different mask per TP rank: different heads).
+
+Not built: inference KV caches, qk norms, alibi.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Union
 
 import torch
 import torch.utils.checkpoint
 
 from .._device import default_device
+from ..distributed.tensor_parallel import TPConfig, divide
 from ..attention import DotProductAttention, apply_rotary_pos_emb
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
@@ -56,9 +65,14 @@ class MultiheadAttention(torch.nn.Module):
         super().__init__()
         if unsupported:
             raise TypeError(f"MultiheadAttention got unsupported arguments {sorted(unsupported)}")
-        if tp_size != 1 or set_parallel_mode or sequence_parallel:
-            raise NotImplementedError("tensor/sequence parallel MultiheadAttention is not built "
-                                      "yet: use tp_size=1, set_parallel_mode=False")
+        self.tp = TPConfig.make("MultiheadAttention", tp_group, tp_size, sequence_parallel)
+        self.tp_size, self.sequence_parallel = self.tp.size, self.tp.sequence_parallel
+        if self.tp.size > 1 and not set_parallel_mode:
+            raise ValueError("MultiheadAttention: tp_size > 1 needs set_parallel_mode=True (QKV "
+                             "column-parallel, proj row-parallel; pass it to "
+                             "MultiheadAttention or TransformerLayer)")
+        self.set_parallel_mode = set_parallel_mode
+        self.get_rng_state_tracker = get_rng_state_tracker
         if attention_type not in ATTENTION_TYPES:
             raise ValueError(f"attention_type must be one of {ATTENTION_TYPES}, got "
                              f"{attention_type!r}")
@@ -73,6 +87,12 @@ class MultiheadAttention(torch.nn.Module):
         if groups < 1 or num_attention_heads % groups:
             raise ValueError(f"num_attention_heads={num_attention_heads} must be a multiple of "
                              f"num_gqa_groups={groups}")
+        tp = self.tp.size
+        self.num_attention_heads_per_partition = divide("MultiheadAttention",
+                                                        "num_attention_heads",
+                                                        num_attention_heads, tp)
+        self.num_gqa_groups_per_partition = divide("MultiheadAttention", "num_gqa_groups",
+                                                   groups, tp)
         self.hidden_size, self.num_attention_heads = hidden_size, num_attention_heads
         self.hidden_size_per_attention_head, self.num_gqa_groups = kv_channels, groups
         self.attention_type, self.input_layernorm = attention_type, input_layernorm
@@ -82,8 +102,11 @@ class MultiheadAttention(torch.nn.Module):
         self.qkv_weight_interleaved = qkv_weight_interleaved and fuse_qkv_params
         q_size, kv_size = num_attention_heads * kv_channels, groups * kv_channels
         device = default_device(device)
+        tp_args = dict(tp_group=self.tp.group, tp_size=tp, sequence_parallel=sequence_parallel)
         common = dict(bias=bias, params_dtype=params_dtype, device=device,
-                      init_method=init_method, fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                      init_method=init_method, fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                      parallel_mode="column" if set_parallel_mode else None,
+                      get_rng_state_tracker=get_rng_state_tracker, **tp_args)
         norm = dict(eps=layernorm_epsilon, normalization=normalization,
                     zero_centered_gamma=zero_centered_gamma,
                     return_layernorm_output=return_layernorm_output)
@@ -102,15 +125,36 @@ class MultiheadAttention(torch.nn.Module):
                 self.query_layer = Linear(hidden_size, q_size, **common)
             split = None if fuse_qkv_params else {"key": kv_size, "value": kv_size}
             self.key_value = Linear(hidden_size, 2 * kv_size, parameters_split=split, **common)
+        if fuse_qkv_params and not self.qkv_weight_interleaved:
+            # [all q | all k | all v]: each part sharded on its own (interleaved rows are
+            # grouped by KV group, so a contiguous chunk is already a whole set of groups)
+            fused = self._qkv_layer() if attention_type == "self" else self.key_value
+            fused._tp_blocks = ((q_size, kv_size, kv_size) if attention_type == "self"
+                                else (kv_size, kv_size))
         self.core_attention = DotProductAttention(
-            num_attention_heads, kv_channels, num_gqa_groups=groups,
+            self.num_attention_heads_per_partition, kv_channels,
+            num_gqa_groups=self.num_gqa_groups_per_partition,
             attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
             attention_type=attention_type)
         self.proj = Linear(q_size, hidden_size, bias=bias, return_bias=return_bias,
                            params_dtype=params_dtype, device=device,
                            init_method=output_layer_init_method or init_method,
-                           fuse_wgrad_accumulation=fuse_wgrad_accumulation)
+                           fuse_wgrad_accumulation=fuse_wgrad_accumulation,
+                           parallel_mode="row" if set_parallel_mode else None,
+                           get_rng_state_tracker=get_rng_state_tracker, **tp_args)
+
+    def _qkv_layer(self):
+        return self.layernorm_qkv if self.input_layernorm else self.qkv
+
+    def _linears(self):
+        return [m for m in self.children() if isinstance(m, Linear)]
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """TE's method: the TP group of every projection (its size must be tp_size)."""
+        self.tp.set_group("MultiheadAttention", tp_group)
+        for m in self._linears():
+            m.set_tensor_parallel_group(tp_group)
 
     # --- projections -----------------------------------------------------------------------
     def _project(self, layer, x, is_first_microbatch):
@@ -121,7 +165,8 @@ class MultiheadAttention(torch.nn.Module):
         return out, None
 
     def _split_qkv(self, mixed: torch.Tensor):
-        h, g, d = self.num_attention_heads, self.num_gqa_groups, self.hidden_size_per_attention_head
+        h, g = self.num_attention_heads_per_partition, self.num_gqa_groups_per_partition
+        d = self.hidden_size_per_attention_head
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
             grouped = mixed.view(*lead, g, h // g + 2, d)
@@ -131,7 +176,7 @@ class MultiheadAttention(torch.nn.Module):
         return q.view(*lead, h, d), k.view(*lead, g, d), v.view(*lead, g, d)
 
     def _split_kv(self, mixed: torch.Tensor):
-        g, d = self.num_gqa_groups, self.hidden_size_per_attention_head
+        g, d = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
         lead = mixed.shape[:-1]
         if self.qkv_weight_interleaved:
             k, v = mixed.view(*lead, g, 2, d).unbind(-2)
@@ -160,7 +205,7 @@ class MultiheadAttention(torch.nn.Module):
                                  "source)")
             layer = self.layernorm_query if self.input_layernorm else self.query_layer
             q_out, ln_out = self._project(layer, hidden_states, is_first_microbatch)
-            q = q_out.view(*q_out.shape[:-1], self.num_attention_heads,
+            q = q_out.view(*q_out.shape[:-1], self.num_attention_heads_per_partition,
                            self.hidden_size_per_attention_head)
             k, v = self._split_kv(self.key_value(encoder_output,
                                                  is_first_microbatch=is_first_microbatch))
@@ -182,12 +227,17 @@ class MultiheadAttention(torch.nn.Module):
                            window_size=window_size if window_size is not None else self.window_size,
                            core_attention_bias_type=core_attention_bias_type,
                            core_attention_bias=core_attention_bias)
-        if checkpoint_core_attention and torch.is_grad_enabled():
-            context = torch.utils.checkpoint.checkpoint(
-                lambda q_, k_, v_: self.core_attention(q_, k_, v_, **attn_kwargs), q, k, v,
-                use_reentrant=False)
-        else:
-            context = self.core_attention(q, k, v, **attn_kwargs)
+        # dropout on this rank's heads: under TP a different mask per rank (the tracker's state)
+        tracker = self.get_rng_state_tracker
+        rng = (tracker().fork() if tracker is not None and self.training
+               and self.core_attention.attention_dropout > 0 else contextlib.nullcontext())
+        with rng:
+            if checkpoint_core_attention and torch.is_grad_enabled():
+                context = torch.utils.checkpoint.checkpoint(
+                    lambda q_, k_, v_: self.core_attention(q_, k_, v_, **attn_kwargs), q, k, v,
+                    use_reentrant=False)
+            else:
+                context = self.core_attention(q, k, v, **attn_kwargs)
         out = self.proj(context, is_first_microbatch=is_first_microbatch)
         result = out if isinstance(out, tuple) else (out,)
         if self.return_layernorm_output:

@@ -20,6 +20,7 @@ import torch
 
 from .._device import default_device
 from ..fp8.formats import HIGH_PRECISION_DTYPES
+from ..distributed.tensor_parallel import sp_replicated
 from ..functional.norm import layer_norm, rms_norm
 
 
@@ -61,6 +62,7 @@ class _Norm(torch.nn.Module):
                                 if has_bias else None)
         for p in self.parameters():
             p.sequence_parallel = self.sequence_parallel
+        self._sp_spec = None  # set by TransformerLayer: all-reduce the grads over its TP group
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -101,7 +103,9 @@ class LayerNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         self._check_input(inp)
-        return layer_norm(inp, self.weight, self.bias, self.eps, self.zero_centered_gamma)
+        return layer_norm(inp, sp_replicated(self.weight, self._sp_spec),
+                          sp_replicated(self.bias, self._sp_spec), self.eps,
+                          self.zero_centered_gamma)
 
 
 class RMSNorm(_Norm):
@@ -116,7 +120,8 @@ class RMSNorm(_Norm):
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         self._check_input(inp)
-        return rms_norm(inp, self.weight, self.eps, self.zero_centered_gamma)
+        return rms_norm(inp, sp_replicated(self.weight, self._sp_spec), self.eps,
+                        self.zero_centered_gamma)
 
 
 __all__ = ["LayerNorm", "RMSNorm"]

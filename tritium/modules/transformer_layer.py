@@ -13,17 +13,26 @@ causal, fuse_qkv_params=False, qkv_weight_interleaved=True); docs/porting.md lis
 Llama port overrides (RMSNorm, swiglu, bias=False, dropouts 0, GQA, RoPE through
 `rotary_pos_emb`, and fuse_qkv_params=True with qkv_weight_interleaved=False for copy-free q/k/v).
 
+Tensor parallelism: tp_group / tp_size / sequence_parallel / set_parallel_mode /
+get_rng_state_tracker go to both sub-blocks, as in TE (tp_size > 1 needs set_parallel_mode=True:
+QKV and fc1 column-parallel, proj and fc2 row-parallel).
+Under sequence parallelism hidden_states and the output are this rank's dim-0 rows (the
+sequence for sbhd); the residual adds and hidden dropout run on them (dropout in the RNG
+tracker's fork when one is given: other tokens, another mask).
+
 Not built: decoder layers (layer_type="decoder", cross-attention inside the block), drop_path,
-tensor/sequence parallelism, inference KV caches.
+inference KV caches.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
 
 from .._device import default_device
+from ..distributed.tensor_parallel import TPConfig
 from .layernorm_mlp import LayerNormMLP
 from .multihead_attention import MultiheadAttention
 from .norm import LayerNorm, RMSNorm
@@ -60,6 +69,11 @@ class TransformerLayer(torch.nn.Module):
             raise ValueError("parallel_attention_mlp cannot be combined with output_layernorm or "
                              "apply_residual_connection_post_layernorm (TE forbids it too)")
         device = default_device(device)
+        self.tp = TPConfig.make("TransformerLayer", tp_group, tp_size, sequence_parallel)
+        self.sequence_parallel = self.tp.sequence_parallel
+        self.get_rng_state_tracker = get_rng_state_tracker
+        tp_args = dict(tp_group=self.tp.group, tp_size=self.tp.size,
+                       sequence_parallel=sequence_parallel)
         self.hidden_dropout = float(hidden_dropout)
         self.output_layernorm = output_layernorm
         self.parallel_attention_mlp = parallel_attention_mlp
@@ -71,7 +85,8 @@ class TransformerLayer(torch.nn.Module):
             attention_dropout=attention_dropout, layernorm_epsilon=layernorm_epsilon,
             init_method=init_method, output_layer_init_method=output_layer_init_method,
             layer_number=layer_number, attn_mask_type=self_attn_mask_type,
-            window_size=window_size, tp_size=tp_size, num_gqa_groups=num_gqa_groups,
+            window_size=window_size, num_gqa_groups=num_gqa_groups, **tp_args,
+            set_parallel_mode=set_parallel_mode, get_rng_state_tracker=get_rng_state_tracker,
             fuse_wgrad_accumulation=fuse_wgrad_accumulation, params_dtype=params_dtype,
             return_bias=bias, return_layernorm_output=apply_residual_connection_post_layernorm,
             input_layernorm=not output_layernorm, attention_type="self",
@@ -83,12 +98,25 @@ class TransformerLayer(torch.nn.Module):
             normalization=normalization, activation=activation, return_bias=bias,
             return_layernorm_output=apply_residual_connection_post_layernorm,
             zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
-            init_method=init_method, output_layer_init_method=output_layer_init_method)
+            init_method=init_method, output_layer_init_method=output_layer_init_method,
+            set_parallel_mode=set_parallel_mode, get_rng_state_tracker=get_rng_state_tracker,
+            **tp_args)
         if output_layernorm:
             norm_cls = LayerNorm if normalization == "LayerNorm" else RMSNorm
             self.layernorm = norm_cls(hidden_size, eps=layernorm_epsilon,
                                       zero_centered_gamma=zero_centered_gamma,
                                       params_dtype=params_dtype, device=device)
+
+    def _sp_norm_spec(self):
+        """The output norm runs on this rank's rows under SP: its grads are all-reduced."""
+        if self.output_layernorm and self.sequence_parallel:
+            self.layernorm._sp_spec = self.tp.spec("TransformerLayer", "row")
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """The TP group of the attention and the MLP (its size must be tp_size)."""
+        self.tp.set_group("TransformerLayer", tp_group)
+        self.self_attention.set_tensor_parallel_group(tp_group)
+        self.layernorm_mlp.set_tensor_parallel_group(tp_group)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
                                    cp_comm_type: str = "p2p") -> None:
@@ -100,7 +128,11 @@ class TransformerLayer(torch.nn.Module):
         if bias is not None:
             out = out + bias
         if self.hidden_dropout and self.training:
-            out = F.dropout(out, p=self.hidden_dropout, training=True)
+            # under sequence parallelism each rank holds other tokens: its own mask (tracker)
+            tracker = self.get_rng_state_tracker
+            fork = self.sequence_parallel and tracker is not None
+            with tracker().fork() if fork else contextlib.nullcontext():
+                out = F.dropout(out, p=self.hidden_dropout, training=True)
         return residual + out
 
     @staticmethod
@@ -125,6 +157,7 @@ class TransformerLayer(torch.nn.Module):
             raise NotImplementedError("encoder_output, inference_params and alibi_slopes are not "
                                       "built yet (encoder layers without KV caches only)")
         with_bias = self.layernorm_mlp.use_bias
+        self._sp_norm_spec()
         attn = self.self_attention(
             hidden_states, attention_mask=attention_mask,
             attn_mask_type=self_attn_mask_type or self.self_attn_mask_type,

@@ -1,0 +1,156 @@
+"""A Llama-3-8B TransformerLayer at TP=2 with sequence parallelism: FP8 vs bf16 (NCCL).
+
+Shape: hidden 4096, 32 heads, 8 KV groups (head dim 128), ffn 14336 SwiGLU, RMSNorm, no bias,
+causal, RoPE, sbhd, B2 x S4096; each rank holds S/2 rows of the input and half the heads and
+the ffn. Variants (one run, same layer weights): "bf16 tp2 sp" (the baseline: the layer in
+bf16), "fp8 delayed tp2 sp" (fp8_autocast, DelayedScaling HYBRID, history 16, "max", amaxes
+reduced over the TP group: the column GEMMs' inputs all-gathered in FP8) and "fp8 current tp2
+sp" (Float8CurrentScaling). Target (issue 18): fp8 delayed >= 1.4x bf16.
+Timing: a fixed number of fwd+bwd steps on every rank (both ranks must run the same
+collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S / step time
+(the two GPUs together). Peak memory per GPU (max over ranks).
+
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py          # 2 GPUs, NCCL; JSON via harness
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --tiny   # CPU dry run on gloo (tiny
+    python benchmarks/bench_tp.py --tiny                        # shapes; prints, writes nothing)
+Without torchrun it spawns the 2 processes itself.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from harness import finish, print_table  # noqa: E402
+
+FULL = dict(B=2, S=4096, H=4096, HEADS=32, GROUPS=8, FFN=14336, warmup=3, iters=10)
+TINY = dict(B=2, S=32, H=64, HEADS=4, GROUPS=2, FFN=128, warmup=1, iters=2)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _step_times(step, cfg, cuda: bool) -> list[float]:
+    for _ in range(cfg["warmup"]):
+        step()
+    times = []
+    for _ in range(cfg["iters"]):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            torch.cuda.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def run(rank: int, world: int, tiny: bool) -> None:
+    import tritium as te
+    from tritium import recipe
+    cfg = TINY if tiny else FULL
+    cuda = not tiny
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    group = dist.group.WORLD
+    b, s, h, d = cfg["B"], cfg["S"], cfg["H"], cfg["H"] // cfg["HEADS"]
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234 + rank)
+    torch.manual_seed(0)
+    layer = te.TransformerLayer(
+        h, cfg["FFN"], cfg["HEADS"], num_gqa_groups=cfg["GROUPS"], hidden_dropout=0.0,
+        attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", bias=False,
+        fuse_qkv_params=True, qkv_weight_interleaved=False, attn_input_format="sbhd",
+        tp_group=group, sequence_parallel=True, set_parallel_mode=True,
+        get_rng_state_tracker=lambda: tracker, params_dtype=dtype, device=dev)
+    freqs = te.RotaryPositionEmbedding(d)(s).to(dev)
+    x = torch.randn(s // world, b, h, device=dev, dtype=dtype, requires_grad=True)
+    dy = torch.randn(s // world, b, h, device=dev, dtype=dtype)
+    delayed = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                    amax_compute_algo="max")
+    variants = [("bf16 tp2 sp", None), ("fp8 delayed tp2 sp", delayed),
+                ("fp8 current tp2 sp", recipe.Float8CurrentScaling())]
+    case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp"
+    rows = []
+    for name, rcp in variants:
+        def step():
+            x.grad = None
+            for p in layer.parameters():
+                p.grad = None
+            with te.fp8_autocast(enabled=rcp is not None, fp8_recipe=rcp, fp8_group=group):
+                out = layer(x, rotary_pos_emb=freqs)
+            out.backward(dy)
+        row = {"case": case, "variant": name}
+        try:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            ms = statistics.median(_step_times(step, cfg, cuda))
+            peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0
+            stats = torch.tensor([ms, peak], dtype=torch.float64, device=dev)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=group)
+            ms, peak = stats.tolist()
+            row.update(ms=round(ms, 4), ktok_per_s=round(b * s / ms, 1),
+                       peak_mb_per_gpu=round(peak, 1))
+        except Exception as exc:  # a failing variant becomes a row, the others still run
+            row["error"] = repr(exc)[:400]
+        rows.append(row)
+        if rank == 0:
+            print(row, flush=True)
+    if rank == 0:
+        if tiny:  # finish() would write a result file: the dry run only prints
+            base = rows[0].get("ms")
+            for r in rows:
+                if base and "ms" in r:
+                    r["speedup_vs_bf16 tp2 sp"] = round(base / r["ms"], 3)
+            print_table("tp (dry run, CPU gloo, tiny shapes)", rows, baseline="bf16 tp2 sp")
+        else:
+            finish("tp", rows, baseline="bf16 tp2 sp")
+    dist.barrier(group=group)
+
+
+def _spawned(rank: int, world: int, port: int, tiny: bool) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _main_in_group(rank, world, tiny)
+
+
+def _main_in_group(rank: int, world: int, tiny: bool) -> None:
+    dist.init_process_group("gloo" if tiny else "nccl", rank=rank, world_size=world)
+    try:
+        run(rank, world, tiny)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tiny", action="store_true",
+                    help="tiny shapes on CPU over gloo: checks the script, times nothing real")
+    args = ap.parse_args()
+    if not args.tiny and torch.cuda.device_count() < 2:
+        print("bench_tp needs 2 GPUs (or --tiny for a CPU dry run)")
+        return
+    if "RANK" in os.environ:  # under torchrun
+        _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.tiny)
+        return
+    mp.spawn(_spawned, args=(2, _free_port(), args.tiny), nprocs=2, join=True)
+
+
+if __name__ == "__main__":
+    main()
