@@ -14,6 +14,14 @@ from .graphs import make_graphed_callables
 from .attention import DotProductAttention, RotaryPositionEmbedding, apply_rotary_pos_emb
 from .modules import (LayerNorm, LayerNormLinear, LayerNormMLP, Linear, MultiheadAttention,
                       RMSNorm, TransformerLayer)
+from . import quantization, utils
+from .fp8.formats import DType
+from .fp8.global_state import (FP8GlobalStateManager, get_cudnn_version, get_default_recipe,
+                               get_device_compute_capability, is_bf16_available, is_fp8_available,
+                               is_fp8_block_scaling_available, is_mxfp8_available,
+                               is_nvfp4_available)
+from .fp8.quantized_tensor import QuantizedTensor
+from .fp8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
 
 __version__ = "0.1.0"
 
@@ -22,4 +30,9 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "LayerNormLinear", "LayerNormMLP", "DotProductAttention", "RotaryPositionEmbedding",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables",
+           "quantization", "utils", "DType", "FP8GlobalStateManager", "get_cudnn_version",
+           "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
+           "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
+           "is_nvfp4_available", "QuantizedTensor", "Quantizer", "Float8Quantizer",
+           "Float8CurrentScalingQuantizer",
            "__version__"]

@@ -49,6 +49,11 @@ def fp8_params_config() -> Optional[tuple[DelayedScaling, bool]]:
     return _state.stack[-1] if _state.stack and _state.stack[-1] is not None else None
 
 
+def reset() -> None:
+    """Forget every open fp8_model_init of this thread (FP8GlobalStateManager.reset())."""
+    _state.stack.clear()
+
+
 @contextlib.contextmanager
 def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
                    preserve_high_precision_init_val: bool = False):
