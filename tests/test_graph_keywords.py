@@ -74,7 +74,8 @@ def test_order_with_uneven_chunks(emulated, monkeypatch):
                                  _num_layers_per_chunk=[2, 1], num_warmup_iters=1)
     assert len(fns) == 3
     assert steps == [("fwd", 0), ("fwd", 1), ("fwd", 2), ("bwd", 2), ("bwd", 1), ("bwd", 0)]
-    for bad, match in (([1, -1, -1, 1], "before its forward"), ([1, 1, 1, -1, 2, -2, -1, -1], "chunk 1 runs"),
+    for bad, match in (([1, -1, -1, 1], "before its forward"),
+                       ([1, 1, 1, -1, 2, -2, -1, -1], "chunk 1 runs"),
                        ([1, 2, 2, -2, -1, -2], "2 x chunks")):
         with pytest.raises(ValueError, match=match):
             make_graphed_callables(mods, _samples(3), _order=bad, _num_layers_per_chunk=[2, 1])

@@ -88,7 +88,8 @@ def fp8_recipe_support() -> tuple[bool, str]:
     return True, "emulated: no CUDA device, FP8 GEMMs are emulated in fp32 on the CPU"
 
 
-def block_recipe_support(recipe_class: str, what: str, native_cc: tuple[int, int]) -> tuple[bool, str]:
+def block_recipe_support(recipe_class: str, what: str,
+                         native_cc: tuple[int, int]) -> tuple[bool, str]:
     """A block-scaled recipe: available once tritium implements `recipe_class`."""
     from .fp8.recipe import _RECIPE_CLASSES  # fp8 imports this module: import late
     if recipe_class not in _RECIPE_CLASSES:

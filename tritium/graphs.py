@@ -40,7 +40,7 @@ FP8 params (modules built under fp8_model_init): their fp8 data feeds the GEMMs 
 the optimizer rewrites it in place (data, scale_inv, transpose), so the graph reads the new
 weights at every replay with no cast; their grads are plain tensors like any other.
 
-TE's pipeline keywords (semantics of TE / Megatron's interleaved schedule, `tritium/_graph_order.py`):
+TE's pipeline keywords (TE / Megatron's interleaved schedule; see `tritium/_graph_order.py`):
   * `_order`: the order of the forward (+c) and backward (-c) passes of model chunks c = 1..C
     over the microbatches, e.g. [1, 2, 1, 2, -2, -1, -2, -1] for 2 chunks x 2 microbatches.
     `modules` are all layers, chunk after chunk (`_num_layers_per_chunk`, default equal

@@ -24,7 +24,8 @@ def init_method_normal(sigma: float) -> Callable[[torch.Tensor], torch.Tensor]:
     return init_
 
 
-def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def scaled_init_method_normal(sigma: float,
+                              num_layers: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """normal(0, sigma / sqrt(2 * num_layers)): for the layers that write into the residual."""
     if not isinstance(num_layers, int) or num_layers < 1:
         raise ValueError(f"scaled_init_method_normal: num_layers must be an int >= 1, got "
@@ -32,7 +33,8 @@ def scaled_init_method_normal(sigma: float, num_layers: int) -> Callable[[torch.
     return init_method_normal(sigma / math.sqrt(2.0 * num_layers))
 
 
-def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def attention_mask_func(attention_scores: torch.Tensor,
+                        attention_mask: torch.Tensor) -> torch.Tensor:
     """Masked positions (True in the mask) of the scores become -10000.0, in place."""
     attention_scores.masked_fill_(attention_mask, -10000.0)
     return attention_scores

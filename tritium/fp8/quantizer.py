@@ -65,7 +65,8 @@ class Quantizer:
             return self.update_quantized(tensor, out)
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize()
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.dim() < 1:
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or \
+                tensor.dim() < 1:
             raise TypeError(f"{type(self).__name__}.quantize: tensor must be a floating-point "
                             "tensor with at least one dim")
         x2d = tensor.detach().reshape(-1, tensor.shape[-1])

@@ -10,8 +10,9 @@ the tensor's own amax just before the cast.
 joins when it is defined, so a recipe class added later (`Float8BlockScaling`,
 `MXFP8BlockScaling`, in this file or another) makes its predicate true with no edit here;
 `_PREDICATES` maps each predicate to the class names it accepts. `MMParams` / `QParams` are TE's
-GEMM and quantization parameter records; `Float8CurrentScaling` carries them with TE's values. Recipes convert to and from plain dicts so that they
-travel inside checkpoints that `torch.load(weights_only=True)` accepts (callables excepted: a
+GEMM and quantization parameter records; `Float8CurrentScaling` carries them with TE's values.
+
+Recipes convert to and from plain dicts so that they travel inside checkpoints that `torch.load(weights_only=True)` accepts (callables excepted: a
 recipe with a callable is saved by name only and must be given again when loading).
 """
 from __future__ import annotations
@@ -38,7 +39,7 @@ _RECIPE_CLASSES: dict[str, type] = {}
 
 
 class Recipe:
-    """Base class of every recipe (TE's `recipe.Recipe`): the type predicates TE code branches on."""
+    """Base of every recipe (TE's `recipe.Recipe`): the type predicates TE code branches on."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -203,7 +203,8 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     """
     if state_scales is not None:
         return _adam_step_scaled(params, grads, exp_avgs, exp_avg_sqs, masters, fp8_meta,
-                                 remainders, hp, state_scales, adam_w_mode=adam_w_mode, weight_decay=weight_decay)
+                                 remainders, hp, state_scales, adam_w_mode=adam_w_mode,
+                                 weight_decay=weight_decay)
     lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd = (hp[i:i + 1] for i in range(NUM_HP))
     for i, p in enumerate(params):
         if p.numel() == 0:
