@@ -184,3 +184,19 @@ def test_empty_param_group_has_a_step_entry(randn):
     opt2 = FusedAdam([{"params": [torch.nn.Parameter(p.detach().clone())]}, {"params": []}])
     opt2.load_state_dict(te_style)
     assert [g["step"] for g in opt2.param_groups] == [2, 0]
+
+
+def test_resume_into_other_state_dtypes(randn):
+    """A state dict saved with fp16 moments loads into FP8 moments (new factors, no overflow)."""
+    p = torch.nn.Parameter(randn(64).to(torch.bfloat16))
+    a = FusedAdam([p], lr=1e-2, exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.float16)
+    p.grad = randn(64).to(torch.bfloat16)
+    a.step()
+    sd = a.state_dict()
+    q = torch.nn.Parameter(p.detach().clone())
+    b = FusedAdam([q], lr=1e-2, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    b.load_state_dict(sd)
+    for row, name in enumerate(("exp_avg", "exp_avg_sq")):
+        want = sd["state"][0][name]
+        _within_format(b.get_unscaled_state(q, name), want, E4M3,
+                       b.state[q]["state_scales"][row, 0])

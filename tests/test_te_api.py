@@ -34,20 +34,21 @@ def test_recipe_predicates(r, true):
 
 def test_predicates_follow_a_recipe_class_added_later():
     """A recipe class named as TE names it makes its predicate true with no other edit (how
-    Float8BlockScaling / MXFP8BlockScaling join)."""
+    Float8BlockScaling / MXFP8BlockScaling join); the capability query follows the class."""
     from tritium.fp8 import recipe as rmod
     saved = dict(rmod._RECIPE_CLASSES)
     try:
-        cls = type("MXFP8BlockScaling", (Recipe,), {})
-        r = cls()
-        assert r.mxfp8() and not r.delayed() and not r.float8_block_scaling()
-        assert te.is_mxfp8_available()  # the capability query sees the class too
+        for name, predicate in (("MXFP8BlockScaling", "mxfp8"), ("CustomRecipe", "custom")):
+            rmod._RECIPE_CLASSES.pop(name, None)
+            r = type(name, (Recipe,), {})()
+            assert getattr(r, predicate)() and not r.delayed() and not r.float8_block_scaling()
+        assert te.is_mxfp8_available()
+        rmod._RECIPE_CLASSES.pop("MXFP8BlockScaling")
+        ok, reason = te.is_mxfp8_available(return_reason=True)
+        assert not ok and "MXFP8BlockScaling" in reason
     finally:
         rmod._RECIPE_CLASSES.clear()
         rmod._RECIPE_CLASSES.update(saved)
-    assert not te.is_mxfp8_available()
-    ok, reason = te.is_mxfp8_available(return_reason=True)
-    assert not ok and "MXFP8BlockScaling" in reason
 
 
 def test_mmparams_qparams_and_current_scaling_fields():

@@ -221,10 +221,13 @@ class FusedAdam(MultiTensorOptimizer):
             t, value = state.get(name), conv.get(name)
             if t is None or value is None or not ref_adam.is_scaled(t.dtype):
                 continue
-            if saved_table is not None:  # the saved factors: the stored values come back exactly
-                ref_adam.scaled_store(t.view(-1), value.reshape(-1),
-                                      state["state_scales"][row, ref_adam.COL_Q])
-            else:
+            table = state["state_scales"]
+            rng = torch.full((), ref_adam.SCALED_RANGE[t.dtype], device=table.device)
+            if saved_table is not None and torch.equal(
+                    table[row, ref_adam.COL_AMAX] / rng, table[row, ref_adam.COL_D]):
+                # factors saved for this format: the stored values come back exactly
+                ref_adam.scaled_store(t.view(-1), value.reshape(-1), table[row, ref_adam.COL_Q])
+            else:  # no factors, or ones for another format: new ones from the value's amax
                 self.set_scaled_state(p, name, value)
 
     # ------------------------------------------------------------------ hyperparameters
