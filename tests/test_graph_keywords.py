@@ -237,3 +237,21 @@ def test_fp8_model_init_modules_graph(emulated):
     assert len(eager) == len(graphed)
     for i, (a, b) in enumerate(zip(eager, graphed)):
         assert torch.equal(a, b), f"tensor {i} differs"
+
+
+def test_fp8_graph_capturing_is_true_while_graphing(emulated):
+    seen = []
+
+    class Probe(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = te.Linear(H, H, device="cpu")
+
+        def forward(self, x):
+            seen.append(te.FP8GlobalStateManager.fp8_graph_capturing())
+            return self.lin(x)
+    g = make_graphed_callables(Probe(), _samples(1)[0], num_warmup_iters=2)
+    assert seen == [True, True, True]   # two warm-ups and the capture
+    assert not te.FP8GlobalStateManager.fp8_graph_capturing()
+    g(torch.randn(T, H, requires_grad=True))   # the emulated replay reruns forward: not graphing
+    assert seen[-1] is False

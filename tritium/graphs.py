@@ -722,6 +722,17 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
 
 def _graph(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, one,
            sequence=None, reuse_buffers=False):
+    # FP8GlobalStateManager.fp8_graph_capturing() is True from warm-up to the end of capture
+    _autocast_stack.graph_capturing = True
+    try:
+        return _warm_and_capture(caps, cfg, num_warmup_iters, allow_unused_input, pool,
+                                 retain_graph, one, sequence, reuse_buffers)
+    finally:
+        _autocast_stack.graph_capturing = False
+
+
+def _warm_and_capture(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, one,
+                      sequence, reuse_buffers):
     if cfg.active:
         for cap in caps:
             for m in cap.fp8_modules:  # the states exist before the snapshot and the capture

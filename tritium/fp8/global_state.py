@@ -14,7 +14,9 @@ open autocast / fp8_model_init state of the calling thread (TE's is per process;
 autocast state is per thread, as torch.autocast's). Deliberately absent (they act on TE's global
 amax buffers, which tritium does not have: each module's scaling state is registered with the
 autocast region instead): `add_fp8_tensors_to_global_buffer`, `reduce_and_update_fp8_tensors`,
-`autocast_enter` / `autocast_exit`, the recompute meta copies. They raise, naming the tritium way.
+`autocast_enter` / `autocast_exit`, the recompute meta copies, the global weight-update skip
+tensor. They raise, naming the tritium way; TE's other internal helpers (fp8_meta key names,
+buffer keys) do not exist.
 
 Capability queries (`is_fp8_available(return_reason=False)`, ...) follow TE's signatures; what
 "available" means here is in `tritium/_device.py` (a recipe tritium implements runs everywhere,
@@ -200,6 +202,11 @@ class FP8GlobalStateManager:
         "get_old_fp8_meta_tensors_for_recompute", "Recompute scales are handled by the module.")
     restore_fp8_meta_tensors = _no_global_buffers(
         "restore_fp8_meta_tensors", "Recompute scales are handled by the module.")
+    set_skip_fp8_weight_update_tensor = _no_global_buffers(
+        "set_skip_fp8_weight_update_tensor", "The weight-cast skip flag is per graphed callable: "
+        "make_graphed_callables(fp8_weight_caching=True) and is_first_microbatch= at each call.")
+    get_skip_fp8_weight_update_tensor = _no_global_buffers(
+        "get_skip_fp8_weight_update_tensor", "See make_graphed_callables(fp8_weight_caching=True).")
 
 
 def check_fp8_support() -> tuple[bool, str]:
