@@ -209,6 +209,9 @@ class FP8GlobalStateManager:
         "get_skip_fp8_weight_update_tensor", "See make_graphed_callables(fp8_weight_caching=True).")
 
 
+get_default_fp8_recipe = get_default_recipe  # TE's older name
+
+
 def check_fp8_support() -> tuple[bool, str]:
     """TE's older name (`transformer_engine.pytorch.fp8.check_fp8_support`)."""
     return is_fp8_available(return_reason=True)
@@ -217,4 +220,5 @@ def check_fp8_support() -> tuple[bool, str]:
 __all__ = ["FP8GlobalStateManager", "is_fp8_available", "is_mxfp8_available",
            "is_fp8_block_scaling_available", "is_nvfp4_available", "is_bf16_available",
            "get_device_compute_capability", "get_cudnn_version", "get_default_recipe",
+           "get_default_fp8_recipe",
            "check_fp8_support"]
