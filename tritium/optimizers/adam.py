@@ -195,7 +195,7 @@ class FusedAdam(MultiTensorOptimizer):
             super()._store_master(p, state, w)
 
     def _export_state(self, p: torch.Tensor, state: dict, name: str) -> torch.Tensor:
-        return self.get_unscaled_state(p, name).clone()
+        return self.get_unscaled_state(p, name)  # fp32 states as they are (as torch.optim)
 
     def _export_extra(self, state: dict) -> dict:
         # The factors, so that a resume stores exactly the same scaled values (a state_dict
