@@ -97,8 +97,10 @@ def test_global_state_outside_and_inside_nested_autocasts():
 def test_global_state_sees_modules_and_model_init():
     M = te.FP8GlobalStateManager
     assert not M.with_fp8_parameters()
-    with te.fp8_model_init(enabled=True, preserve_high_precision_init_val=True):
+    cs = recipe.Float8CurrentScaling()
+    with te.fp8_model_init(enabled=True, recipe=cs, preserve_high_precision_init_val=True):
         assert M.with_fp8_parameters() and M.with_high_precision_init_val()
+        assert M.get_fp8_recipe() is cs  # TE's model init sets the recipe too
         with te.fp8_model_init(enabled=False):
             assert not M.with_fp8_parameters()
     assert not M.with_fp8_parameters()

@@ -119,8 +119,13 @@ class FP8GlobalStateManager:
 
     @classmethod
     def get_fp8_recipe(cls) -> Recipe:
+        """The innermost autocast's recipe; outside any, an enabled fp8_model_init's (TE sets
+        it too); else the default recipe."""
         state = _autocast.current()
-        return state.recipe if state is not None else get_default_recipe()
+        if state is not None:
+            return state.recipe
+        config = _model_init.fp8_params_config()
+        return config[0] if config is not None else get_default_recipe()
 
     @classmethod
     def get_fp8_group(cls):
