@@ -162,6 +162,22 @@ def test_init_methods_and_attention_mask_func():
     assert out is scores and torch.equal(out, want)
 
 
+@pytest.mark.parametrize("shape", [(8,), (8, 5)])
+def test_glu_interleave_round_trip(shape):
+    gate = torch.arange(shape[0] // 2 * math.prod(shape[1:]), dtype=torch.float32)
+    w = torch.cat([gate, 1000 + gate]).reshape(shape)       # [gate; up]
+    inter = te.interleave_glu_tensor(w, 2)
+    half = shape[0] // 2
+    want = torch.cat([w[0:2], w[half:half + 2], w[2:4], w[half + 2:half + 4]])
+    assert torch.equal(inter, want)
+    assert torch.equal(te.deinterleave_glu_tensor(inter, 2), w)
+    assert torch.equal(te.utils.deinterleave_glu_tensor(te.interleave_glu_tensor(w, 1), 1), w)
+    with pytest.raises(ValueError, match="multiple of"):
+        te.interleave_glu_tensor(w, 3)
+    with pytest.raises(ValueError, match="interleave_size"):
+        te.deinterleave_glu_tensor(w, 0)
+
+
 # ---------------------------------------------------------------- quantizers
 def _fp8_ref(x, scale, fp8_dtype):
     limit = torch.finfo(fp8_dtype).max

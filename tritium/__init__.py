@@ -22,6 +22,7 @@ from .fp8.global_state import (FP8GlobalStateManager, get_cudnn_version, get_def
                                is_nvfp4_available)
 from .fp8.quantized_tensor import QuantizedTensor
 from .fp8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from .utils import deinterleave_glu_tensor, interleave_glu_tensor
 
 __version__ = "0.1.0"
 
@@ -34,5 +35,5 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
            "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
            "is_nvfp4_available", "QuantizedTensor", "Quantizer", "Float8Quantizer",
-           "Float8CurrentScalingQuantizer",
+           "Float8CurrentScalingQuantizer", "interleave_glu_tensor", "deinterleave_glu_tensor",
            "__version__"]
