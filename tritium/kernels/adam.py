@@ -29,8 +29,9 @@ Scaled states (fp16 / FP8 E4M3 moments, fp16 masters; the scheme is in `tritium.
 the table's QMETA column points at each tensor's fp32 [3, 3] factor table, and the step takes
 two launches of the same kernel: PASS=1 computes the update and only max-reduces |new value| of
 each scaled state into the table (atomic max; nothing else is written), the host turns the
-amaxes into new factors (a few tensor ops, no sync), and PASS=2 computes the same update again
-(same loads, same ops: bitwise the same values) and writes everything with the new factors.
+amaxes into new factors (a few tensor ops on all tables stacked, no sync), and PASS=2 computes
+the same update again (same loads, same ops: bitwise the same values) and writes everything
+with the new factors.
 PASS=0 is the one-launch step without scaled states.
 
 Deliberately not here: per-tensor hyperparameters (a param group is one launch), a no-op flag
@@ -420,8 +421,9 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
             _launch_adam((n_chunks,), table, chunks, hp, PASS=0, **consts)
             return
         live = [t for p, t in zip(params, state_scales) if p.numel()]
-        for t in live:
-            t[:, 2].zero_()
+        tables = torch.stack(live)               # [T, 3, 3]: a few launches for all tensors
+        tables[:, :, 2] = 0.0
+        torch._foreach_copy_(live, list(tables.unbind(0)))
         _launch_adam((n_chunks,), table, chunks, hp, PASS=1, **consts)
         key = ("ranges", m_dtype, v_dtype, w_dtype)
         ranges = None if cache is None else cache.get(key)
@@ -430,14 +432,13 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
                                   dtype=torch.float32).to(params[0].device)
             if cache is not None:
                 cache[key] = ranges
-        q = [None] * len(live)
-        for i, t in enumerate(live):  # the new factors: the twin's new_scale_factors
-            d = t[:, 2] / ranges
-            q[i] = (d, torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d)))
-            t[:, 1] = q[i][1]
+        tables = torch.stack(live)
+        d = tables[:, :, 2] / ranges             # the twin's new_scale_factors, for all tensors
+        tables[:, :, 1] = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
+        torch._foreach_copy_(live, list(tables.unbind(0)))
         _launch_adam((n_chunks,), table, chunks, hp, PASS=2, **consts)
-        for t, (d, _) in zip(live, q):
-            t[:, 0] = d
+        tables[:, :, 0] = d
+        torch._foreach_copy_(live, list(tables.unbind(0)))
 
 
 __all__ = ["adam_step", "build_tables", "block_config", "CHUNK", "BLOCK", "NUM_WARPS"]
