@@ -84,13 +84,16 @@ def test_order_with_uneven_chunks(emulated, monkeypatch):
                                _num_layers_per_chunk=[1, 1])
 
 
-def _train_pipeline(graph: bool, reuse: bool = False, steps: int = 2, device="cpu"):
+def _train_pipeline(graph: bool, reuse: bool = False, steps: int = 2, device="cpu",
+                    caching: bool = False):
     """Two chunks (one Linear each), two microbatches, the schedule of ORDER; returns what was
-    observed. Graphed: one function per (chunk, microbatch)."""
+    observed. Graphed: one function per (chunk, microbatch). `caching`: FP8 weight caching
+    (is_first_microbatch per microbatch)."""
     layers = _layers(device=device)
     if graph:
         fns = make_graphed_callables(layers, _samples(4, device), _order=ORDER, fp8_enabled=True,
-                                     fp8_recipe=RECIPE, _reuse_graph_input_output_buffers=reuse)
+                                     fp8_recipe=RECIPE, _reuse_graph_input_output_buffers=reuse,
+                                     fp8_weight_caching=caching)
     else:
         fns = (layers[0], layers[0], layers[1], layers[1])
     params = [p for m in layers for p in m.parameters()]
@@ -103,11 +106,12 @@ def _train_pipeline(graph: bool, reuse: bool = False, steps: int = 2, device="cp
         with te.fp8_autocast(enabled=True, fp8_recipe=RECIPE):
             for c in ORDER[:4]:                       # +1 +2 +1 +2: forwards
                 mb = 0 if (c == 1 and hidden[0] is None) or (c == 2 and outs[0] is None) else 1
+                kw = {"is_first_microbatch": mb == 0} if caching else {}
                 if c == 1:
-                    hidden[mb] = fns[mb](xs[mb])
+                    hidden[mb] = fns[mb](xs[mb], **kw)
                     sent[mb] = hidden[mb].detach().requires_grad_(True)
                 else:
-                    outs[mb] = fns[2 + mb](sent[mb])
+                    outs[mb] = fns[2 + mb](sent[mb], **kw)
         for mb in range(2):                           # -2 -1 per microbatch
             outs[mb].backward(torch.randn(T, H, generator=gen).to(device))
             hidden[mb].backward(sent[mb].grad)
@@ -119,9 +123,10 @@ def _train_pipeline(graph: bool, reuse: bool = False, steps: int = 2, device="cp
     return seen
 
 
-@pytest.mark.parametrize("reuse", [False, True])
-def test_order_trains_like_eager(emulated, reuse):
-    eager, graphed = _train_pipeline(False), _train_pipeline(True, reuse=reuse)
+@pytest.mark.parametrize("reuse,caching", [(False, False), (True, False), (False, True)])
+def test_order_trains_like_eager(emulated, reuse, caching):
+    eager = _train_pipeline(False, caching=caching)
+    graphed = _train_pipeline(True, reuse=reuse, caching=caching)
     assert len(eager) == len(graphed)
     for i, (a, b) in enumerate(zip(eager, graphed)):
         assert torch.equal(a, b), f"tensor {i} differs"

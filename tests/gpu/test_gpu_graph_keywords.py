@@ -19,9 +19,10 @@ def _same(a, b):
         assert torch.equal(x, y), f"tensor {i} differs"
 
 
-@pytest.mark.parametrize("reuse", [False, True])
-def test_order_trains_like_eager(reuse):
-    _same(_train_pipeline(False, device="cuda"), _train_pipeline(True, reuse=reuse, device="cuda"))
+@pytest.mark.parametrize("reuse,caching", [(False, False), (True, False), (False, True)])
+def test_order_trains_like_eager(reuse, caching):
+    _same(_train_pipeline(False, device="cuda", caching=caching),
+          _train_pipeline(True, reuse=reuse, device="cuda", caching=caching))
 
 
 def test_fp8_model_init_module_graphs_like_eager():
