@@ -26,6 +26,15 @@ from .modules.moe import MoE, MoEConfig
 from .functional.moe import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
                              fused_topk_with_score_function, moe_permute,
                              moe_permute_with_probs, moe_unpermute)
+from . import quantization, utils
+from .fp8.formats import DType
+from .fp8.global_state import (FP8GlobalStateManager, get_cudnn_version, get_default_recipe,
+                               get_device_compute_capability, is_bf16_available, is_fp8_available,
+                               is_fp8_block_scaling_available, is_mxfp8_available,
+                               is_nvfp4_available)
+from .fp8.quantized_tensor import QuantizedTensor
+from .fp8.quantizer import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
+from .utils import deinterleave_glu_tensor, interleave_glu_tensor
 
 __version__ = "0.1.0"
 
@@ -35,6 +44,11 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "apply_rotary_pos_emb", "MultiheadAttention", "TransformerLayer",
            "make_graphed_callables", "distributed", "checkpoint", "CudaRNGStatesTracker",
            "parallel_cross_entropy", "linear_cross_entropy", "LinearCrossEntropyLoss",
+           "quantization", "utils", "DType", "FP8GlobalStateManager", "get_cudnn_version",
+           "get_default_recipe", "get_device_compute_capability", "is_bf16_available",
+           "is_fp8_available", "is_fp8_block_scaling_available", "is_mxfp8_available",
+           "is_nvfp4_available", "QuantizedTensor", "Quantizer", "Float8Quantizer",
+           "Float8CurrentScalingQuantizer", "interleave_glu_tensor", "deinterleave_glu_tensor",
            "__version__"]
 __all__ += ["GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",
             "moe_unpermute", "fused_topk_with_score_function",

@@ -36,8 +36,34 @@ Without CUDA (sample tensors on the CPU): an eager fallback, with one warning pe
 callables run eagerly under the same fp8_autocast, with is_first_microbatch and weight caching
 through the same device flag, so CPU code paths work unchanged.
 
-Not done: `_order` (TE's pipeline-parallel interleaving), modules built under fp8_model_init
-(Float8Tensor params), non-tensor outputs.
+FP8 params (modules built under fp8_model_init): their fp8 data feeds the GEMMs directly and
+the optimizer rewrites it in place (data, scale_inv, transpose), so the graph reads the new
+weights at every replay with no cast; their grads are plain tensors like any other.
+
+TE's pipeline keywords (TE / Megatron's interleaved schedule; see `tritium/_graph_order.py`):
+  * `_order`: the order of the forward (+c) and backward (-c) passes of model chunks c = 1..C
+    over the microbatches, e.g. [1, 2, 1, 2, -2, -1, -2, -1] for 2 chunks x 2 microbatches.
+    `modules` are all layers, chunk after chunk (`_num_layers_per_chunk`, default equal
+    chunks); `sample_args` has one entry per (chunk, microbatch, layer), chunk-major. Each entry
+    gets its own graphs, captured in `_order`'s order (a chunk's forward runs its layers in
+    order, its backward in reverse), and the result is one replay function per entry (modules
+    keep their own forward, as in TE).
+  * `_reuse_graph_input_output_buffers` (with `_order` only, as TE): consecutive backward
+    captures share one set of static grad-output buffers (all layers must produce outputs of
+    one shape and dtype; checked), which the framework fills before each backward replay.
+  * `pool`: the memory pool handle for every capture (default: a new one).
+  * `capture_time_hooks`: per callable, None or a dict of "forward_pre_hooks", "forward_hooks",
+    "backward_pre_hooks", "backward_hooks" (each {id: hook}, torch's module hook signatures).
+    They run around each warm-up and capture of that callable, OUTSIDE the capture: never
+    recorded, never replayed (for framework bookkeeping such as FSDP pre/post steps). A hook
+    must return None.
+  * `clone_param_grads_on_return` (also `_clone_param_grads_on_return`; default True, TE
+    2.19): the backward replay hands autograd clones of the params' static grad buffers, so no
+    tensor hook or later reader sees a buffer that the next replay overwrites. False returns
+    the static buffers themselves (saves a copy; hooks then see the same tensor every replay).
+
+Not done: non-tensor outputs; TE's `_num_layers_per_chunk` with uneven chunks is supported,
+its input/output-buffer aliasing between consecutive layers (newer TE) is not.
 """
 from __future__ import annotations
 
@@ -50,6 +76,7 @@ from typing import Any, Optional
 import torch
 from torch.utils import _pytree as pytree
 
+from . import _graph_order
 from .fp8.autocast import AutocastState, FP8Region, current as current_autocast, fp8_autocast
 from .fp8.autocast import _is_process_group, _state as _autocast_stack
 from .fp8.recipe import DelayedScaling, Float8CurrentScaling
@@ -269,11 +296,6 @@ def _check_module(m: torch.nn.Module, where: str) -> None:
                              f"{'training' if m.training else 'eval'}); call .train() or "
                              ".eval() on the whole module first")
     for name, p in m.named_parameters():
-        if isinstance(p, Float8Tensor):
-            raise NotImplementedError(
-                f"{where}: parameter {name!r} is an FP8 Float8Tensor (fp8_model_init); graphing "
-                "modules with FP8 params is not supported yet: build them without "
-                "fp8_model_init, or use fp8_weight_caching=True for cached FP8 weights")
         if p._backward_hooks:
             raise ValueError(f"{where}: parameter {name!r} has tensor hooks (register_hook); "
                              "a graph would run them once, at capture. Remove them first")
@@ -316,6 +338,9 @@ def _fp8_modules(c) -> list:
 class _Callable:
     """Everything one graphed callable replays with (static buffers, graphs, FP8 bookkeeping)."""
 
+    hooks: Optional[dict] = None     # capture_time_hooks of its callable
+    clone_grads: bool = True         # clone_param_grads_on_return
+
     def __init__(self, func, args, kwargs, cfg: _FP8Config, index: int):
         self.func, self.cfg, self.index = func, cfg, index
         self.where = f"callable {index} ({type(func).__name__})"
@@ -339,6 +364,14 @@ class _Callable:
     def call(self, leaves=None):
         args, kwargs = pytree.tree_unflatten(self.leaves if leaves is None else leaves, self.spec)
         return self.func(*args, **kwargs)
+
+    def run_hooks(self, kind: str, *args) -> None:
+        """capture_time_hooks of `kind` (outside any capture); each must return None."""
+        for key, hook in (self.hooks or {}).get(kind, {}).items():
+            if hook(self.func, *args) is not None:
+                raise ValueError(f"capture_time_hooks: {kind}[{key!r}] of {self.where} returned a "
+                                 "value; capture-time hooks may not replace arguments, outputs or "
+                                 "grads (return None)")
 
     def set_flag(self, is_first_microbatch) -> None:
         if self.flag is not None:
@@ -409,7 +442,12 @@ class _Graphed(torch.autograd.Function):
         # The static grads themselves, never a detached alias: autograd may take a returned
         # tensor it holds the only reference to as `param.grad` (AccumulateGrad "steals" it),
         # and the next replay would overwrite that .grad. `cap.grad_refs` holds a second
-        # reference, so autograd always adds (or copies) instead.
+        # reference, so autograd always adds (or copies) instead. clone_param_grads_on_return
+        # hands out clones of the params' grads (tensor hooks never see a static buffer).
+        if cap.clone_grads:
+            n = len(cap.inputs)
+            return (None, None) + cap.grad_inputs[:n] + tuple(
+                None if g is None else g.clone() for g in cap.grad_inputs[n:])
         return (None, None) + cap.grad_inputs
 
 
@@ -462,16 +500,18 @@ def _eager(cap: _Callable, forward, args, kwargs, is_first_microbatch):
         return forward(*args, **kwargs)
 
 
-def _wrap(cap: _Callable, graphed: bool):
+def _wrap(cap: _Callable, graphed: bool, replace_forward: bool = True):
     """The callable handed back: a function, or the module with its forward replaced (a module
-    in the other train/eval mode than captured runs its own forward, eagerly)."""
+    in the other train/eval mode than captured runs its own forward, eagerly). With `_order`
+    a module has several graphs: each comes back as a function and the module keeps its
+    forward."""
     orig = cap.orig_forward
 
     def call(*args, is_first_microbatch=None, **kwargs):
         if graphed and (not cap.is_module or cap.func.training == cap.training):
             return _replay(cap, args, kwargs, is_first_microbatch)
         return _eager(cap, orig, args, kwargs, is_first_microbatch)
-    if not cap.is_module:
+    if not cap.is_module or not replace_forward:
         return call
     cap.func.forward = call
     setattr(cap.func, _GRAPHED, True)
@@ -483,8 +523,12 @@ def _warmup(caps, num_warmup_iters: int, allow_unused_input: bool) -> None:
     for cap in caps:
         for _ in range(num_warmup_iters):
             cap.set_flag(True)
+            args = pytree.tree_unflatten(cap.leaves, cap.spec)[0]
+            cap.run_hooks("forward_pre_hooks", args)
             with _captured_autocast(cap.cfg):
-                outs = pytree.tree_leaves(cap.call())
+                out = cap.call()
+            cap.run_hooks("forward_hooks", args, out)
+            outs = pytree.tree_leaves(out)
             for i, o in enumerate(outs):
                 if not isinstance(o, torch.Tensor):
                     raise TypeError(f"make_graphed_callables: {cap.where} returned a "
@@ -493,9 +537,12 @@ def _warmup(caps, num_warmup_iters: int, allow_unused_input: bool) -> None:
             need = [o for o in outs if o.requires_grad]
             wrt = [t for t in cap.surface if t.requires_grad]
             if not need or not wrt:
+                del out
                 continue
-            grads = torch.autograd.grad(need, wrt, [torch.ones_like(o) for o in need],
-                                        allow_unused=True)
+            grad_out = tuple(torch.ones_like(o) for o in need)
+            cap.run_hooks("backward_pre_hooks", grad_out)
+            grads = torch.autograd.grad(need, wrt, grad_out, allow_unused=True)
+            cap.run_hooks("backward_hooks", tuple(grads[:len(cap.inputs)]), grad_out)
             _check_unused(cap, wrt, grads, allow_unused_input)
             cap.has_grad = {id(t) for t, g in zip(wrt, grads) if g is not None}
             del outs, need, grads
@@ -514,52 +561,107 @@ def _check_unused(cap, wrt, grads, allow_unused_input) -> None:
                          "requires_grad=False")
 
 
-def _capture(caps, pool, retain_graph: bool) -> None:
-    for cap in caps:  # forwards in order ...
-        cap.fwd_graph = _cuda.new_graph()
-        with _captured_autocast(cap.cfg) as region:
-            with _cuda.capture(cap.fwd_graph, pool):
-                out = cap.call()
-        cap.registrations = region.calls
-        leaves, cap.out_spec = pytree.tree_flatten(out)
-        cap.outputs = tuple(leaves)
-    for cap in reversed(caps):  # ... then backwards in reverse, as they replay
-        cap.bwd_graph = _cuda.new_graph()
+def _capture(caps, pool, retain_graph: bool, sequence=None, reuse_buffers: bool = False) -> None:
+    """Capture every forward and backward into one pool, in `sequence` (("fwd" | "bwd", cap)
+    steps; default: the forwards in order, then the backwards in reverse, as they replay)."""
+    if sequence is None:
+        sequence = [("fwd", c) for c in caps] + [("bwd", c) for c in reversed(caps)]
+    shared = None
+    for step, cap in sequence:
+        if step == "fwd":
+            _capture_forward(cap, pool)
+        else:
+            shared = _capture_backward(cap, pool, retain_graph, shared if reuse_buffers else None)
+
+
+def _capture_forward(cap, pool) -> None:
+    cap.fwd_graph = _cuda.new_graph()
+    args = pytree.tree_unflatten(cap.leaves, cap.spec)[0]
+    cap.run_hooks("forward_pre_hooks", args)
+    with _captured_autocast(cap.cfg) as region:
+        with _cuda.capture(cap.fwd_graph, pool):
+            out = cap.call()
+    cap.run_hooks("forward_hooks", args, out)
+    cap.registrations = region.calls
+    leaves, cap.out_spec = pytree.tree_flatten(out)
+    cap.outputs = tuple(leaves)
+
+
+def _capture_backward(cap, pool, retain_graph: bool, shared: Optional[tuple]) -> tuple:
+    """Capture cap's backward; returns its static grad-output buffers (shared by the next
+    capture with _reuse_graph_input_output_buffers, after a shape check)."""
+    cap.bwd_graph = _cuda.new_graph()
+    want = [(o.shape, o.dtype) if o.requires_grad else None for o in cap.outputs]
+    if shared is not None:
+        have = [None if g is None else (g.shape, g.dtype) for g in shared]
+        if have != want:
+            raise ValueError(f"make_graphed_callables(_reuse_graph_input_output_buffers=True): "
+                             f"{cap.where} has outputs {want}, the previous backward {have}; "
+                             "reuse needs every callable's outputs in one shape and dtype")
+        cap.grad_outputs = shared
+    else:
         cap.grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None
                                  for o in cap.outputs)
-        need = [o for o in cap.outputs if o.requires_grad]
-        wrt = [t for t in cap.surface if t.requires_grad]
-        grads = [None] * len(wrt)
-        if need and wrt:
-            with _cuda.capture(cap.bwd_graph, pool):
-                grads = torch.autograd.grad(need, wrt, [g for g in cap.grad_outputs
-                                                        if g is not None],
-                                            allow_unused=True, retain_graph=retain_graph)
-        it = iter(grads)
-        cap.grad_inputs = tuple(next(it) if t.requires_grad else None for t in cap.surface)
-        cap.grad_refs = [g for g in cap.grad_inputs if g is not None]
+    need = [o for o in cap.outputs if o.requires_grad]
+    wrt = [t for t in cap.surface if t.requires_grad]
+    grads = [None] * len(wrt)
+    grad_out = tuple(g for g in cap.grad_outputs if g is not None)
+    cap.run_hooks("backward_pre_hooks", grad_out)
+    if need and wrt:
+        with _cuda.capture(cap.bwd_graph, pool):
+            grads = torch.autograd.grad(need, wrt, grad_out, allow_unused=True,
+                                        retain_graph=retain_graph)
+    it = iter(grads)
+    cap.grad_inputs = tuple(next(it) if t.requires_grad else None for t in cap.surface)
+    cap.grad_refs = [g for g in cap.grad_inputs if g is not None]
+    cap.run_hooks("backward_hooks", cap.grad_inputs[:len(cap.inputs)], grad_out)
+    return cap.grad_outputs
 
 
 def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
                            allow_unused_input: bool = False, sample_kwargs=None,
                            fp8_enabled: bool = False, fp8_calibrating: bool = False,
                            fp8_recipe=None, fp8_group=None, fp8_weight_caching: bool = False,
-                           _order=None, pool=None, retain_graph_in_backward: bool = False,
-                           **te_names):
+                           _order=None, _num_layers_per_chunk=None, pool=None,
+                           retain_graph_in_backward: bool = False,
+                           _reuse_graph_input_output_buffers: bool = False,
+                           clone_param_grads_on_return: Optional[bool] = None,
+                           capture_time_hooks=None, **te_names):
     """CUDA-graph `modules` (one callable, or a tuple of them with a tuple of sample_args
     tuples) for training with FP8; see the module docstring for the contract."""
+    clone = te_names.pop("_clone_param_grads_on_return", None)
+    if clone is not None and clone_param_grads_on_return is not None and \
+            bool(clone) != bool(clone_param_grads_on_return):
+        raise TypeError("make_graphed_callables: clone_param_grads_on_return and "
+                        "_clone_param_grads_on_return name the same setting; pass one of them")
+    clone = True if clone is None and clone_param_grads_on_return is None else \
+        bool(clone_param_grads_on_return if clone is None else clone)
     cfg = _config(fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group, fp8_weight_caching,
                   te_names)
-    if _order is not None:
-        raise NotImplementedError("make_graphed_callables(_order=...) (pipeline-parallel "
-                                  "interleaving) is not supported yet: graph without _order")
+    if _reuse_graph_input_output_buffers and _order is None:
+        raise ValueError("make_graphed_callables(_reuse_graph_input_output_buffers=True) needs "
+                         "_order (TE: buffer reuse follows the pipeline schedule)")
+    if _num_layers_per_chunk is not None and _order is None:
+        raise ValueError("make_graphed_callables: _num_layers_per_chunk needs _order")
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError("make_graphed_callables: num_warmup_iters must be an int >= 1 (kernels "
                          f"must compile before capture), got {num_warmup_iters!r}")
-    callables, args_per, kwargs_per, one = _as_tuples(modules, sample_args, sample_kwargs)
+    if _order is not None:
+        if not isinstance(modules, (tuple, list)):
+            modules = (modules,)
+        layout = _graph_order.Layout(_order, _num_layers_per_chunk, len(modules))
+        callables, args_per, kwargs_per, one = _as_tuples(
+            layout.per_entry(tuple(modules)), sample_args, sample_kwargs)
+        hooks = _graph_order.hooks_per_callable(capture_time_hooks, len(modules))
+        hooks = layout.per_entry(tuple(hooks))
+        modules_once = tuple(modules)
+    else:
+        callables, args_per, kwargs_per, one = _as_tuples(modules, sample_args, sample_kwargs)
+        hooks = _graph_order.hooks_per_callable(capture_time_hooks, len(callables))
+        modules_once, layout = callables, None
     _check_global_hooks()
     seen = set()
-    for i, c in enumerate(callables):
+    for i, c in enumerate(modules_once):
         if not callable(c):
             raise TypeError(f"make_graphed_callables: callable {i} is a {type(c).__name__}")
         if id(c) in seen:
@@ -575,6 +677,8 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         kw.pop("is_first_microbatch", None)  # a replay argument, handled by the device flag
     caps = [_Callable(c, a, k, cfg, i)
             for i, (c, a, k) in enumerate(zip(callables, args_per, kwargs_per))]
+    for cap, h in zip(caps, hooks):
+        cap.hooks, cap.clone_grads = h, clone
     devices = _devices(callables, [c.leaves for c in caps])
     if len(devices) > 1:
         raise ValueError(f"make_graphed_callables: sample args and params are on several "
@@ -593,17 +697,20 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
             raise RuntimeError("make_graphed_callables(fp8_weight_caching=True) needs the Triton "
                                "cast kernel on CUDA (it reads the skip flag on the device); "
                                "unset TRITIUM_FORCE_REF")
-        for cap in caps:
+        for cap in _graph_order.first_per_callable(caps):
             cap.install_flag()
+        for cap in caps:
+            cap.flag = cap.caches()[0].skip if cap.caches() else None
     if not on_cuda:
         warnings.warn("tritium.make_graphed_callables: no CUDA tensors, so no CUDA graphs: the "
                       "callables run eagerly (same arguments, FP8 settings and weight caching)",
                       stacklevel=2)
-        out = [_wrap(cap, False) for cap in caps]
+        out = [_wrap(cap, False, layout is None) for cap in caps]
         return out[0] if one else tuple(out)
+    sequence = None if layout is None else layout.capture_sequence(caps)
     try:
         return _graph(caps, cfg, num_warmup_iters, allow_unused_input, pool,
-                      retain_graph_in_backward, one)
+                      retain_graph_in_backward, one, sequence, _reuse_graph_input_output_buffers)
     except BaseException:
         for cap in caps:  # leave the modules as they were: no flag, eager weight caching
             if cap.flag is not None:
@@ -613,7 +720,19 @@ def make_graphed_callables(modules, sample_args, num_warmup_iters: int = 3,
         raise
 
 
-def _graph(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, one):
+def _graph(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, one,
+           sequence=None, reuse_buffers=False):
+    # FP8GlobalStateManager.fp8_graph_capturing() is True from warm-up to the end of capture
+    _autocast_stack.graph_capturing = True
+    try:
+        return _warm_and_capture(caps, cfg, num_warmup_iters, allow_unused_input, pool,
+                                 retain_graph, one, sequence, reuse_buffers)
+    finally:
+        _autocast_stack.graph_capturing = False
+
+
+def _warm_and_capture(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, one,
+                      sequence, reuse_buffers):
     if cfg.active:
         for cap in caps:
             for m in cap.fp8_modules:  # the states exist before the snapshot and the capture
@@ -634,12 +753,13 @@ def _graph(caps, cfg, num_warmup_iters, allow_unused_input, pool, retain_graph, 
                 p.grad = torch.zeros_like(p)
         cap.metas = [(m, m.fp8_meta.fwd, m.fp8_meta.bwd) for m in cap.fp8_modules]
     with torch.enable_grad():
-        _capture(caps, _cuda.pool() if pool is None else pool, retain_graph)
+        _capture(caps, _cuda.pool() if pool is None else pool, retain_graph,
+                 sequence=sequence, reuse_buffers=reuse_buffers)
     _cuda.synchronize()
     for cap in caps:
         cap.keep = [c.entry for m in cap.fp8_modules for c in m._weight_caches if c.entry]
         cap.set_flag(True)
-    out = [_wrap(cap, True) for cap in caps]
+    out = [_wrap(cap, True, sequence is None) for cap in caps]
     return out[0] if one else tuple(out)
 
 

@@ -271,3 +271,72 @@ def test_fused_sgd_kernel_equals_ref(gen, setenv):
         assert_same_bits(a._data if isinstance(a, Float8Tensor) else a.detach(),
                          b._data if isinstance(b, Float8Tensor) else b.detach(), "param")
         assert_same_bits(kopt.state[a]["momentum_buffer"], ropt.state[b]["momentum_buffer"], "buf")
+
+
+# ----------------------------------------------------------------------------- scaled states
+SCALED_CASES = [
+    # kind, exp_avg storage, exp_avg_sq storage, master storage (None: as the kind has it)
+    ("fp32", torch.float16, E4M3, None),
+    ("bf16+master", E4M3, E4M3, torch.float16),
+    ("bf16+master", torch.bfloat16, torch.float16, torch.float16),
+    ("e4m3", E4M3, torch.float32, torch.float16),
+    ("rem", torch.float16, E4M3, None),
+    ("fp16+master", torch.float32, torch.float32, torch.float16),
+]
+
+
+def _scale_states(lists, mdt, vdt, wdt):
+    """Turn a group's moments (and masters) into scaled storage + their factor tables."""
+    tables = []
+    for i in range(len(lists[0])):
+        table = torch.zeros(3, 3)
+        for col, dt, row in ((2, mdt, 0), (3, vdt, 1), (4, wdt, 2)):
+            if lists[col] is None or dt is None:
+                continue
+            x = lists[col][i]
+            if radam.is_scaled(dt):
+                stored = torch.empty(x.shape, dtype=dt)
+                radam.quantize_state(stored, table, row, x)
+                lists[col][i] = stored
+            else:
+                lists[col][i] = x.to(dt)
+        tables.append(table)
+    return lists + [tables]
+
+
+@pytest.mark.parametrize("case", SCALED_CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("capturable", [False, True])
+def test_adam_kernel_scaled_states_equal_ref(gen, case, capturable):
+    kind, mdt, vdt, wdt = case
+    lists = _scale_states(_group(gen, kind, torch.bfloat16, torch.float32), mdt, vdt, wdt)
+    twin, before = _clone(lists), _clone(lists)
+    hp = _adam_hp(capturable)
+    kw = dict(adam_w_mode=True, weight_decay=True)
+    kadam.adam_step(*lists[:7], hp, cache={}, state_scales=lists[7], **kw)
+    radam.adam_step(*twin[:7], hp, state_scales=twin[7], **kw)
+    _assert_lists_equal(lists, twin, NAMES + ["state_scales"])
+    for col in (2, 3):  # the moments moved and, where scaled, got new factors
+        assert not torch.equal(lists[col][-1].float(), before[col][-1].float())
+    for i, (dt, row) in enumerate(((mdt, 0), (vdt, 1))):
+        if radam.is_scaled(dt):
+            assert not torch.equal(lists[7][-1][row, 0], before[7][-1][row, 0])
+
+
+@pytest.mark.parametrize("config", [
+    dict(master_weight_dtype=torch.float16, exp_avg_dtype=torch.uint8,
+         exp_avg_sq_dtype=torch.float16),
+    dict(exp_avg_dtype=torch.float16, exp_avg_sq_dtype=torch.uint8, store_param_remainders=True),
+])
+def test_fused_adam_scaled_states_kernel_equals_ref(gen, setenv, config):
+    base = _model(gen)
+    grads = [[torch.randn(p.shape, generator=gen) for p in base] for _ in range(3)]
+
+    def make(ps):
+        return FusedAdam(ps, lr=1e-2, weight_decay=0.1, master_weights=True, **config)
+    kp, rp = _copy(base), _copy(base)
+    kopt = _run(make, kp, grads)
+    setenv("TRITIUM_FORCE_REF", "1")
+    ropt = _run(make, rp, grads)
+    assert_same_optimizer_results(kp, kopt, rp, ropt)
+    for a, b in zip(kp, rp):
+        assert_same_bits(kopt.state[a]["state_scales"], ropt.state[b]["state_scales"], "scales")

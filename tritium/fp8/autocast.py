@@ -7,6 +7,10 @@ one collective and updates every forward scale. The backward states update after
 of the region's first FP8 module (which in a sequential model runs last), through
 `FP8Region.backward_done()`, called from that module's autograd Function.
 
+This thread-local stack is THE autocast state: `tritium.fp8.global_state.FP8GlobalStateManager`
+(TE's view of it) reads it and keeps no copy; `snapshot()` / `restore()` save and put back the
+whole stack (TE's get/set_autocast_state, used around activation recompute).
+
 Calibration (`enabled=False, calibrating=True`) runs in high precision but records amaxes and
 updates scales the same way, so FP8 can be switched on later with good scales.
 """
@@ -31,6 +35,8 @@ class FP8Region:
         self.bwd: dict[int, tuple[ScalingState, object, bool]] = {}
         self._bwd_updated = False
         self._first: Optional[int] = None
+        # TE's FP8GlobalStateManager.is_first_fp8_module(): True once per outermost autocast.
+        self.first_module_query = True
 
     def register(self, fwd: Optional[ScalingState], bwd: Optional[ScalingState], recipe: Recipe,
                  group, again: bool = False) -> bool:
@@ -79,6 +85,7 @@ class _ThreadState(threading.local):
 
     def __init__(self):
         self.stack: list[AutocastState] = []
+        self.graph_capturing = False  # set by make_graphed_callables while it captures
 
 
 _state = _ThreadState()
@@ -88,6 +95,24 @@ def current() -> Optional[AutocastState]:
     """The innermost active autocast state, or None outside any fp8_autocast."""
     stack = _state.stack
     return stack[-1] if stack else None
+
+
+def snapshot() -> tuple:
+    """The whole autocast state of this thread, to hand back to `restore`."""
+    return (tuple(_state.stack), _state.graph_capturing)
+
+
+def restore(saved: tuple) -> None:
+    """Put back a `snapshot()` (the stack entries, not copies: regions stay shared)."""
+    stack, capturing = saved
+    _state.stack[:] = list(stack)
+    _state.graph_capturing = bool(capturing)
+
+
+def reset() -> None:
+    """Forget every open autocast of this thread (TE's FP8GlobalStateManager.reset())."""
+    _state.stack.clear()
+    _state.graph_capturing = False
 
 
 def is_fp8_enabled() -> bool:
@@ -115,11 +140,13 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
     stack = _state.stack
     outermost = not stack
     region = FP8Region() if outermost else stack[-1].region
-    stack.append(AutocastState(bool(enabled), bool(calibrating), fp8_recipe, fp8_group, region))
+    entry = AutocastState(bool(enabled), bool(calibrating), fp8_recipe, fp8_group, region)
+    stack.append(entry)
     try:
         yield
     finally:
-        stack.pop()
+        if stack and stack[-1] is entry:  # not after FP8GlobalStateManager.reset()
+            stack.pop()
     if outermost and torch.is_grad_enabled():
         region.forward_done()
 

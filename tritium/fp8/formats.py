@@ -38,3 +38,36 @@ def fp8_max(dtype: torch.dtype) -> float:
     if dtype not in FP8_MAX:
         raise TypeError(f"fp8 dtype must be one of {FP8_DTYPES}, got {dtype}")
     return FP8_MAX[dtype]
+
+
+class DType(enum.IntEnum):
+    """TE's `DType` (`transformer_engine.pytorch.DType` / `tex.DType`), for code that passes
+    `fp8_dtype=tex.DType.kFloat8E4M3` to a quantizer. tritium's own APIs take torch dtypes;
+    `to_torch_dtype` maps these names onto them (FP4 / E8M0 members have no tritium use)."""
+
+    kByte = 0
+    kInt32 = 2
+    kFloat32 = 4
+    kFloat16 = 5
+    kBFloat16 = 6
+    kFloat8E4M3 = 7
+    kFloat8E5M2 = 8
+
+    def to_torch_dtype(self) -> torch.dtype:
+        return _DTYPE_TO_TORCH[self]
+
+
+_DTYPE_TO_TORCH = {DType.kByte: torch.uint8, DType.kInt32: torch.int32,
+                   DType.kFloat32: torch.float32, DType.kFloat16: torch.float16,
+                   DType.kBFloat16: torch.bfloat16, DType.kFloat8E4M3: E4M3,
+                   DType.kFloat8E5M2: E5M2}
+
+
+def fp8_dtype_arg(value, where: str) -> torch.dtype:
+    """A torch fp8 dtype from a torch fp8 dtype or a DType fp8 member; clear error otherwise."""
+    if isinstance(value, DType):
+        value = value.to_torch_dtype()
+    if value not in FP8_DTYPES:
+        raise TypeError(f"{where}: fp8_dtype must be torch.float8_e4m3fn / torch.float8_e5m2 "
+                        f"(or DType.kFloat8E4M3 / DType.kFloat8E5M2), got {value!r}")
+    return value

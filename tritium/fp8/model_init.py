@@ -22,9 +22,14 @@ Decisions where TE is silent or differs:
     `preserve_high_precision_init_val` to seed master weights. We keep the option (it stores the
     high-precision init on the CPU, read by `p.get_high_precision_init_val()` and dropped by
     `p.clear_high_precision_init_val()`), but it is rarely needed.
-  * Only delayed scaling is supported for FP8 params (their scale lives in the module's state);
-    other recipes raise. FP8 params can run under any fp8_autocast recipe: the fp8 data carries
-    its own scale_inv.
+  * Delayed scaling: the param's scale lives in the module's state (above). Current scaling
+    (Float8CurrentScaling): each FP8 param owns its scale (`p._scale`, fp32 [1], not tied to
+    any module state; `p._amax` None) and is marked `p._current_scaling = (amax_epsilon,
+    power_2_scale)`. Its first scale comes from the initial weight's amax; after every
+    optimizer step (and set_master_param) the optimizer recomputes the scale from the new
+    master's amax and rewrites the fp8 data with it, so the data is always "current" (see
+    `tritium/optimizers/_common.py`). Other recipes raise. FP8 params run under any
+    fp8_autocast recipe: the fp8 data carries its own scale_inv.
   * parameters_split is not supported with FP8 params yet (clear error).
 """
 from __future__ import annotations
@@ -33,20 +38,25 @@ import contextlib
 import threading
 from typing import Optional
 
-from .recipe import DelayedScaling, Recipe
+from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
 
 
 class _ModelInitState(threading.local):
     def __init__(self):
-        self.stack: list[tuple[DelayedScaling, bool]] = []
+        self.stack: list[tuple[Recipe, bool]] = []
 
 
 _state = _ModelInitState()
 
 
-def fp8_params_config() -> Optional[tuple[DelayedScaling, bool]]:
+def fp8_params_config() -> Optional[tuple[Recipe, bool]]:
     """(recipe, preserve_high_precision_init_val) of the innermost enabled fp8_model_init."""
     return _state.stack[-1] if _state.stack and _state.stack[-1] is not None else None
+
+
+def reset() -> None:
+    """Forget every open fp8_model_init of this thread (FP8GlobalStateManager.reset())."""
+    _state.stack.clear()
 
 
 @contextlib.contextmanager
@@ -55,10 +65,10 @@ def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """Modules built inside hold their GEMM weights as FP8 Float8Tensor params only."""
     if recipe is None:
         recipe = DelayedScaling()
-    if enabled and not isinstance(recipe, DelayedScaling):
+    if enabled and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise NotImplementedError(
-            f"fp8_model_init(recipe={type(recipe).__name__}) is not supported: FP8 params take "
-            "their scale from the module's delayed-scaling state; pass recipe.DelayedScaling()")
+            f"fp8_model_init(recipe={type(recipe).__name__}) is not supported: FP8 params are "
+            "per-tensor scaled; pass recipe.DelayedScaling() or recipe.Float8CurrentScaling()")
     _state.stack.append((recipe, bool(preserve_high_precision_init_val)) if enabled else None)
     try:
         yield

@@ -2,8 +2,17 @@
 
 A recipe says how scales are chosen; it holds no state. `DelayedScaling` derives each tensor's
 scale from a history of past amaxes (see `fp8/scaling.py`); `Float8CurrentScaling` derives it from
-the tensor's own amax just before the cast. Recipes convert to and from plain dicts so that they
-travel inside checkpoints that `torch.load(weights_only=True)` accepts (callables excepted: a
+the tensor's own amax just before the cast.
+
+`Recipe` is the base class (TE's `recipe.Recipe`) with TE's type predicates (`delayed()`,
+`float8_current_scaling()`, `float8_per_tensor_scaling()`, `float8_block_scaling()`, `mxfp8()`,
+`nvfp4()`, `custom()`). They test the class BY NAME through a registry that every subclass
+joins when it is defined, so a recipe class added later (`Float8BlockScaling`,
+`MXFP8BlockScaling`, in this file or another) makes its predicate true with no edit here;
+`_PREDICATES` maps each predicate to the class names it accepts. `MMParams` / `QParams` are TE's
+GEMM and quantization parameter records; `Float8CurrentScaling` carries them with TE's values.
+
+Recipes convert to and from plain dicts so that they travel inside checkpoints that `torch.load(weights_only=True)` accepts (callables excepted: a
 recipe with a callable is saved by name only and must be given again when loading).
 """
 from __future__ import annotations
@@ -14,6 +23,83 @@ from typing import Any, Callable, Optional, Union
 from .formats import FP32_MAX, Format
 
 AmaxAlgo = Union[str, Callable]
+
+# Predicate -> the recipe class names it is true for (TE's semantics: per-tensor = delayed or
+# current scaling). A new recipe class only needs its name here if it is not listed yet.
+_PREDICATES = {
+    "delayed": ("DelayedScaling",),
+    "float8_current_scaling": ("Float8CurrentScaling",),
+    "float8_per_tensor_scaling": ("DelayedScaling", "Float8CurrentScaling"),
+    "float8_block_scaling": ("Float8BlockScaling",),
+    "mxfp8": ("MXFP8BlockScaling",),
+    "nvfp4": ("NVFP4BlockScaling",),
+    "custom": ("CustomRecipe",),
+}
+_RECIPE_CLASSES: dict[str, type] = {}
+
+
+class Recipe:
+    """Base of every recipe (TE's `recipe.Recipe`): the type predicates TE code branches on."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        _RECIPE_CLASSES.setdefault(cls.__name__, cls)
+
+    def _is(self, predicate: str) -> bool:
+        return any(isinstance(self, _RECIPE_CLASSES[name]) for name in _PREDICATES[predicate]
+                   if name in _RECIPE_CLASSES)
+
+    def delayed(self) -> bool:
+        """Delayed scaling (scales from the amax history)."""
+        return self._is("delayed")
+
+    def float8_current_scaling(self) -> bool:
+        """Per-tensor current scaling."""
+        return self._is("float8_current_scaling")
+
+    def float8_per_tensor_scaling(self) -> bool:
+        """One scale per tensor: delayed or current scaling."""
+        return self._is("float8_per_tensor_scaling")
+
+    def float8_block_scaling(self) -> bool:
+        """FP8 block scaling (1x128 / 128x128 tiles)."""
+        return self._is("float8_block_scaling")
+
+    def mxfp8(self) -> bool:
+        """MXFP8 block scaling (32-element blocks, E8M0 scales)."""
+        return self._is("mxfp8")
+
+    def nvfp4(self) -> bool:
+        """NVFP4 block scaling (Blackwell only; no tritium class)."""
+        return self._is("nvfp4")
+
+    def custom(self) -> bool:
+        """A user-defined quantizer-factory recipe (no tritium class)."""
+        return self._is("custom")
+
+
+@dataclasses.dataclass(frozen=True)
+class MMParams:
+    """GEMM parameters (TE's `recipe.MMParams`): use_split_accumulator=False allows the fast
+    (less precise) FP8 accumulation (torch._scaled_mm's use_fast_accum)."""
+
+    use_split_accumulator: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class QParams:
+    """Quantization parameters (TE's `recipe.QParams`): power-of-2 scales, minimum amax."""
+
+    power_2_scale: bool = False
+    amax_epsilon: float = 0.0
+
+
+def _check_attention_flags(recipe) -> None:
+    if recipe.fp8_dpa or recipe.fp8_mha:
+        raise NotImplementedError(
+            f"{type(recipe).__name__}(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha}): FP8 "
+            "attention is not implemented in tritium (attention runs in bf16/fp16 through "
+            "cuDNN/flash; see docs/porting.md); leave fp8_dpa and fp8_mha False")
 
 
 def _check_format(value) -> Format:
@@ -28,7 +114,7 @@ def _check_format(value) -> Format:
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(Recipe):
     """Scale from the amax history: scale = (fp8_max / amax) / 2**margin.
 
     amax_compute_algo: "max" (max over the whole history), "most_recent" (row 0), or a callable
@@ -45,6 +131,9 @@ class DelayedScaling:
     reduce_amax: bool = True
     # Accepted for TE compatibility; tritium computes wgrad in FP8 like fprop and dgrad.
     override_linear_precision: tuple = (False, False, False)
+    # TE's FP8 attention flags: accepted when False (FP8 attention is not implemented).
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
@@ -64,13 +153,11 @@ class DelayedScaling:
             raise ValueError("scaling_factor_compute_algo must be None or a callable")
         if tuple(self.override_linear_precision) != (False, False, False):
             raise ValueError("override_linear_precision is not supported: all three GEMMs run in FP8")
+        _check_attention_flags(self)
 
     @property
     def uses_callables(self) -> bool:
         return callable(self.amax_compute_algo) or self.scaling_factor_compute_algo is not None
-
-    def delayed(self) -> bool:
-        return True
 
     def to_dict(self) -> dict:
         algo = self.amax_compute_algo
@@ -82,17 +169,30 @@ class DelayedScaling:
                 "reduce_amax": self.reduce_amax}
 
 
+_FPROP, _SPLIT = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
+
+
 @dataclasses.dataclass(frozen=True)
-class Float8CurrentScaling:
+class Float8CurrentScaling(Recipe):
     """Scale from the tensor's own amax, computed just before the cast (no history).
 
     scale = fp8_max / max(amax, amax_epsilon); amax 0, inf or NaN gives scale 1; an infinite
     scale becomes fp32 max; power_2_scale rounds the scale down to a power of two.
+
+    TE's per-GEMM fields are kept with TE's values (fprop fast accumulation, dgrad and wgrad
+    split accumulation), which are what tritium's GEMMs do; other values raise. TE's
+    `fp8_quant_fwd_inp` / `_fwd_weight` / `_bwd_grad` read back as `QParams` of this recipe's
+    power_2_scale and amax_epsilon (one setting for all three roles in tritium).
     """
 
     fp8_format: Format = Format.HYBRID
     amax_epsilon: float = 0.0
     power_2_scale: bool = False
+    fp8_gemm_fprop: MMParams = _FPROP
+    fp8_gemm_dgrad: MMParams = _SPLIT
+    fp8_gemm_wgrad: MMParams = _SPLIT
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
@@ -104,20 +204,29 @@ class Float8CurrentScaling:
                              f"{self.amax_epsilon!r}")
         if not isinstance(self.power_2_scale, bool):
             raise ValueError(f"power_2_scale must be a bool, got {self.power_2_scale!r}")
+        for name, want in (("fp8_gemm_fprop", _FPROP), ("fp8_gemm_dgrad", _SPLIT),
+                           ("fp8_gemm_wgrad", _SPLIT)):
+            if getattr(self, name) != want:
+                raise NotImplementedError(
+                    f"Float8CurrentScaling({name}={getattr(self, name)}): tritium's FP8 GEMMs use "
+                    "fast accumulation in fprop and split accumulation in dgrad/wgrad (TE's "
+                    f"defaults); only {name}={want} is supported")
+        _check_attention_flags(self)
+
+    @property
+    def fp8_quant_fwd_inp(self) -> QParams:
+        return QParams(self.power_2_scale, float(self.amax_epsilon))
+
+    fp8_quant_fwd_weight = fp8_quant_fwd_inp
+    fp8_quant_bwd_grad = fp8_quant_fwd_inp
 
     # Nothing to reduce or update: each cast computes its own scale.
     reduce_amax = False
     uses_callables = False
 
-    def delayed(self) -> bool:
-        return False
-
     def to_dict(self) -> dict:
         return {"type": "Float8CurrentScaling", "fp8_format": self.fp8_format.name,
                 "amax_epsilon": float(self.amax_epsilon), "power_2_scale": self.power_2_scale}
-
-
-Recipe = Union[DelayedScaling, Float8CurrentScaling]
 
 
 def recipe_from_dict(values: dict[str, Any]) -> Recipe:
@@ -129,7 +238,8 @@ def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     kind = values.pop("type", None)
     known = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling}
     if kind in known:
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(known[kind])})
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(known[kind])
+                                        if f.type not in ("MMParams", MMParams)})
         if unknown:
             raise ValueError(f"{kind} recipe in checkpoint has unknown fields {unknown}")
     if kind == "DelayedScaling":
@@ -143,4 +253,5 @@ def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     raise ValueError(f"unknown recipe type {kind!r} in checkpoint")
 
 
-__all__ = ["Format", "DelayedScaling", "Float8CurrentScaling", "Recipe", "recipe_from_dict"]
+__all__ = ["Format", "Recipe", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling",
+           "recipe_from_dict"]

@@ -8,6 +8,11 @@ dequantized values (so `x + 1`, `x.sum()`, `x @ w` simply work, in the nominal d
 it implements (detach, clone, copy_ into it, views that keep the data) stay in FP8. In-place
 ops (`x.mul_(2)`) run on the dequantized values and requantize into x with x's scale.
 
+TE 2.x API: `Float8Tensor` derives from `QuantizedTensor`; one made by a quantizer
+(`tritium/fp8/quantizer.py`) keeps it in `_quantizer`, so `quantize_(src)` and `copy_` into it
+requantize the way that quantizer does (current scaling recomputes the scale);
+`update_usage(rowwise_usage=, columnwise_usage=)` makes or drops the fp8 transpose.
+
 Checkpoints: the class is registered with `torch.serialization.add_safe_globals`, so a state
 dict holding Float8Tensors (FP8 params from fp8_model_init) loads with
 `torch.load(weights_only=True)` in any process that imported tritium; what it unpickles is
@@ -22,6 +27,7 @@ from torch.utils._pytree import tree_map
 
 from .cast import cast_transpose, dequantize as _dequantize
 from .formats import FP8_DTYPES
+from .quantized_tensor import QuantizedTensor
 
 aten = torch.ops.aten
 
@@ -31,7 +37,7 @@ def _writes_self(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
-class Float8Tensor(torch.Tensor):
+class Float8Tensor(QuantizedTensor):
     _data: torch.Tensor
     _scale_inv: torch.Tensor
     _fp8_dtype: torch.dtype
@@ -74,6 +80,18 @@ class Float8Tensor(torch.Tensor):
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return _dequantize(self._data, self._scale_inv, dtype or self.dtype)
 
+    def update_usage(self, rowwise_usage: Optional[bool] = None,
+                     columnwise_usage: Optional[bool] = None) -> None:
+        """TE's usage switch: columnwise = the fp8 transpose (made from the data, or dropped).
+        The row-wise data is always kept (it is what the tensor is)."""
+        if rowwise_usage is False:
+            raise NotImplementedError("Float8Tensor.update_usage(rowwise_usage=False): tritium's "
+                                      "Float8Tensor always holds its row-wise fp8 data")
+        if columnwise_usage is True and self._transpose is None:
+            self._transpose = self._data.reshape(-1, self._data.shape[-1]).t().contiguous()
+        elif columnwise_usage is False:
+            self._transpose = None
+
     def __repr__(self, *, tensor_contents=None):
         return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
                 f"nominal_dtype={self.dtype}, data={self.dequantize()})")
@@ -89,8 +107,11 @@ class Float8Tensor(torch.Tensor):
                             inner.get("_transpose"), inner.get("_scale"))
 
     def _same_meta(self, data, transpose=None) -> "Float8Tensor":
-        return Float8Tensor(data, self._scale_inv, self._fp8_dtype, self.dtype, transpose,
-                            self._scale)
+        out = Float8Tensor(data, self._scale_inv, self._fp8_dtype, self.dtype, transpose,
+                           self._scale)
+        if self._quantizer is not None:
+            out._quantizer = self._quantizer
+        return out
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -117,6 +138,9 @@ class Float8Tensor(torch.Tensor):
     @staticmethod
     def _copy_into(dst: "Float8Tensor", src: torch.Tensor) -> "Float8Tensor":
         """dst.copy_(src): take src's fp8 bits as they are, or quantize src with dst's scale."""
+        if dst._quantizer is not None and not (isinstance(src, Float8Tensor)
+                                               and src._fp8_dtype == dst._fp8_dtype):
+            return dst._quantizer.update_quantized(src, dst)
         if isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype:
             dst._data.copy_(src._data)
             dst._scale_inv.copy_(src._scale_inv)

@@ -25,8 +25,17 @@ size changes (grads reallocated by zero_grad(set_to_none=True) rebuild the small
 the chunk list only depends on sizes). Uploads go through pinned memory without a host sync, so
 a rebuild is also legal inside CUDA graph capture (the pinned buffer is kept alive).
 
-Deliberately not here: fp16 moments (they would need scaling), per-tensor hyperparameters (a
-param group is one launch), a no-op flag for skipped steps (amp's inf checks).
+Scaled states (fp16 / FP8 E4M3 moments, fp16 masters; the scheme is in `tritium.ref.adam`):
+the table's QMETA column points at each tensor's fp32 [3, 3] factor table, and the step takes
+two launches of the same kernel: PASS=1 computes the update and only max-reduces |new value| of
+each scaled state into the table (atomic max; nothing else is written), the host turns the
+amaxes into new factors (a few tensor ops on all tables stacked, no sync), and PASS=2 computes
+the same update again (same loads, same ops: bitwise the same values) and writes everything
+with the new factors.
+PASS=0 is the one-launch step without scaled states.
+
+Deliberately not here: per-tensor hyperparameters (a param group is one launch), a no-op flag
+for skipped steps (amp's inf checks).
 """
 from __future__ import annotations
 
@@ -54,10 +63,15 @@ TL_DTYPE = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float1
             torch.int16: tl.int16}
 
 # Columns of the per-tensor table.
-NUMEL, G, P, M, V, MASTER, SCALE, SCALE_INV, AMAX = range(9)
-NCOL = 9
+NUMEL, G, P, M, V, MASTER, SCALE, SCALE_INV, AMAX, QMETA = range(10)
+NCOL = 10
 _NUMEL, _G, _P, _M, _V, _MASTER = (tl.constexpr(c) for c in (NUMEL, G, P, M, V, MASTER))
 _SCALE, _SCALE_INV, _AMAX, _NCOL = (tl.constexpr(c) for c in (SCALE, SCALE_INV, AMAX, NCOL))
+_QMETA = tl.constexpr(QMETA)
+# Scaled states: rows of the [3, 3] factor table (see tritium.ref.adam), columns d, q, amax.
+ROW_M, ROW_V, ROW_W = 0, 1, 2
+SCALED_RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0,
+                torch.float8_e4m3fn: FP8_MAX[torch.float8_e4m3fn]}
 
 
 # ---------------------------------------------------------------- shared device helpers
@@ -171,21 +185,66 @@ def _fp8_scale_inv(row, start, FP8_MAX: tl.constexpr):
                      tl.math.div_rn(1.0, scale))
 
 
+# ---------------------------------------------------------------- scaled states
+@triton.jit
+def _factor(row, R: tl.constexpr, COL: tl.constexpr):
+    """Entry (R, COL) of this tensor's [3, 3] factor table."""
+    return tl.load(tl.load(row + _QMETA).to(tl.pointer_type(tl.float32)) + R * 3 + COL)
+
+
+@triton.jit
+def _ld_state(ptr, offs, mask, row, R: tl.constexpr, SCALED: tl.constexpr, EVEN: tl.constexpr):
+    # No `other=` for masked lanes (an fp8 `other` does not cast in the interpreter); they are
+    # never stored, and the amax reduction masks them.
+    if EVEN:
+        x = tl.load(ptr + offs).to(tl.float32)
+    else:
+        x = tl.load(ptr + offs, mask=mask).to(tl.float32)
+    if SCALED:
+        x = x * _factor(row, R, 0)
+    return x
+
+
+@triton.jit
+def _st_state(ptr, offs, x, mask, row, R: tl.constexpr, DTYPE: tl.constexpr,
+              SCALED: tl.constexpr, CLAMP: tl.constexpr, PASS: tl.constexpr, EVEN: tl.constexpr):
+    """PASS 1: max-reduce |x| into the table (scaled states only); else store (scaled by q)."""
+    if PASS == 1:
+        if SCALED:
+            amax_ptr = tl.load(row + _QMETA).to(tl.pointer_type(tl.float32)) + R * 3 + 2
+            tl.atomic_max(amax_ptr, _abs_max_nan(tl.where(mask, x, 0.0)))
+    else:
+        if SCALED:
+            y = x * _factor(row, R, 1)
+            if CLAMP > 0:
+                y = tl.clamp(y, -CLAMP, CLAMP, propagate_nan=tl.PropagateNan.ALL)
+            _st(ptr, offs, y.to(DTYPE, fp_downcast_rounding="rtne"), mask, EVEN)
+        else:
+            _st(ptr, offs, x.to(DTYPE), mask, EVEN)
+
+
 # ---------------------------------------------------------------- the Adam kernel
 @triton.jit
 def _adam_block(row, start, left, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
                 P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
                 V_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, REMAINDER: tl.constexpr,
                 FP8_MAX: tl.constexpr, DECAY_GRAD: tl.constexpr, DECAY_UPDATE: tl.constexpr,
-                ALIGNED: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr):
+                ALIGNED: tl.constexpr, BLOCK: tl.constexpr, EVEN: tl.constexpr,
+                PASS: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+                W_DTYPE: tl.constexpr, W_SCALED: tl.constexpr, M_CLAMP: tl.constexpr,
+                V_CLAMP: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     mask = offs < left
     m_ptr = _ptr(row, _M, start, M_DTYPE, ALIGNED)
     v_ptr = _ptr(row, _V, start, V_DTYPE, ALIGNED)
     g = _ld(_ptr(row, _G, start, G_DTYPE, ALIGNED), offs, mask, EVEN).to(tl.float32)
-    m = _ld(m_ptr, offs, mask, EVEN).to(tl.float32)
-    v = _ld(v_ptr, offs, mask, EVEN).to(tl.float32)
-    w = _load_weight(row, start, offs, mask, P_DTYPE, HAS_MASTER, REMAINDER, ALIGNED, EVEN)
+    m = _ld_state(m_ptr, offs, mask, row, ROW_M, M_SCALED, EVEN)
+    v = _ld_state(v_ptr, offs, mask, row, ROW_V, V_SCALED, EVEN)
+    if W_SCALED:
+        w_ptr = _ptr(row, _MASTER, start, W_DTYPE, ALIGNED)
+        w = _ld_state(w_ptr, offs, mask, row, ROW_W, True, EVEN)
+    else:
+        w = _load_weight(row, start, offs, mask, P_DTYPE, HAS_MASTER, REMAINDER, ALIGNED, EVEN)
     if DECAY_GRAD:
         g = g + w * wd
     m = m * b1 + g * omb1
@@ -195,10 +254,16 @@ def _adam_block(row, start, left, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
     if DECAY_UPDATE:
         u = u + w * wd
     w = w - u * lr
-    _st(m_ptr, offs, m.to(M_DTYPE), mask, EVEN)
-    _st(v_ptr, offs, v.to(V_DTYPE), mask, EVEN)
-    _store_weight(row, start, offs, mask, w, P_DTYPE, HAS_MASTER, REMAINDER, FP8_MAX, ALIGNED,
-                  EVEN)
+    _st_state(m_ptr, offs, m, mask, row, ROW_M, M_DTYPE, M_SCALED, M_CLAMP, PASS, EVEN)
+    _st_state(v_ptr, offs, v, mask, row, ROW_V, V_DTYPE, V_SCALED, V_CLAMP, PASS, EVEN)
+    if W_SCALED:
+        _st_state(w_ptr, offs, w, mask, row, ROW_W, W_DTYPE, True, 0.0, PASS, EVEN)
+        if PASS != 1:  # the param from the fp32 weight (not from the rounded master)
+            _store_weight(row, start, offs, mask, w, P_DTYPE, False, False, FP8_MAX, ALIGNED,
+                          EVEN)
+    elif PASS != 1:
+        _store_weight(row, start, offs, mask, w, P_DTYPE, HAS_MASTER, REMAINDER, FP8_MAX,
+                      ALIGNED, EVEN)
 
 
 @triton.jit
@@ -206,7 +271,10 @@ def _adam_kernel(table_ptr, chunks_ptr, hp_ptr,
                  P_DTYPE: tl.constexpr, G_DTYPE: tl.constexpr, M_DTYPE: tl.constexpr,
                  V_DTYPE: tl.constexpr, HAS_MASTER: tl.constexpr, REMAINDER: tl.constexpr,
                  FP8_MAX: tl.constexpr, DECAY_GRAD: tl.constexpr, DECAY_UPDATE: tl.constexpr,
-                 ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+                 PASS: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+                 W_DTYPE: tl.constexpr, W_SCALED: tl.constexpr, M_CLAMP: tl.constexpr,
+                 V_CLAMP: tl.constexpr):
     row, start, left = _chunk(table_ptr, chunks_ptr, CHUNK)
     lr = tl.load(hp_ptr + 0)
     bc1 = tl.load(hp_ptr + 1)
@@ -221,12 +289,15 @@ def _adam_kernel(table_ptr, chunks_ptr, hp_ptr,
         if left - i >= BLOCK:
             _adam_block(row, start + i, left - i, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
                         P_DTYPE, G_DTYPE, M_DTYPE, V_DTYPE, HAS_MASTER, REMAINDER, FP8_MAX,
-                        DECAY_GRAD, DECAY_UPDATE, ALIGNED, BLOCK, True)
+                        DECAY_GRAD, DECAY_UPDATE, ALIGNED, BLOCK, True, PASS, M_SCALED,
+                        V_SCALED, W_DTYPE, W_SCALED, M_CLAMP, V_CLAMP)
         elif left - i > 0:
             _adam_block(row, start + i, left - i, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
                         P_DTYPE, G_DTYPE, M_DTYPE, V_DTYPE, HAS_MASTER, REMAINDER, FP8_MAX,
-                        DECAY_GRAD, DECAY_UPDATE, ALIGNED, BLOCK, False)
-    _fp8_scale_inv(row, start, FP8_MAX)
+                        DECAY_GRAD, DECAY_UPDATE, ALIGNED, BLOCK, False, PASS, M_SCALED,
+                        V_SCALED, W_DTYPE, W_SCALED, M_CLAMP, V_CLAMP)
+    if PASS != 1:
+        _fp8_scale_inv(row, start, FP8_MAX)
 
 
 _launch_adam = Launcher(_adam_kernel)
@@ -253,7 +324,8 @@ def _addr(t: Optional[torch.Tensor]) -> int:
 def build_tables(cache: Optional[dict], block: int, params: Sequence[torch.Tensor],
                  grads: Sequence[torch.Tensor], col_m: Optional[Sequence[torch.Tensor]],
                  col_v: Optional[Sequence[torch.Tensor]],
-                 col_master: Optional[Sequence[torch.Tensor]], fp8_meta: Optional[Sequence]):
+                 col_master: Optional[Sequence[torch.Tensor]], fp8_meta: Optional[Sequence],
+                 qmeta: Optional[Sequence[torch.Tensor]] = None):
     """-> (table, chunks, number of chunks, all addresses 16-byte aligned) or None if empty.
 
     Tensors with no elements are left out. Every tensor must be contiguous (checked)."""
@@ -271,7 +343,8 @@ def build_tables(cache: Optional[dict], block: int, params: Sequence[torch.Tenso
             if t is not None and (not t.is_contiguous() or t.numel() != n):
                 raise ValueError(f"tensor {i} of a multi-tensor step: every tensor must be "
                                  f"contiguous with {n} elements, got shape {tuple(t.shape)}")
-        flat += [n, *map(_addr, ts), _addr(scale), _addr(scale_inv), _addr(amax)]
+        flat += [n, *map(_addr, ts), _addr(scale), _addr(scale_inv), _addr(amax),
+                 _addr(None if qmeta is None else qmeta[i])]
         numels.append(n)
     if not numels:
         return None
@@ -311,30 +384,61 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
               masters: Optional[Sequence[torch.Tensor]], fp8_meta: Optional[Sequence],
               remainders: Optional[Sequence[torch.Tensor]], hp: torch.Tensor, *,
-              adam_w_mode: bool, weight_decay: bool, cache: Optional[dict] = None) -> None:
+              adam_w_mode: bool, weight_decay: bool, cache: Optional[dict] = None,
+              state_scales: Optional[Sequence[torch.Tensor]] = None) -> None:
     """See `tritium.ref.adam.adam_step`."""
     if not params:
         return
     chunk, block, warps = block_config(not params[0].is_cuda)
     tables = build_tables(cache, chunk, params, grads, exp_avgs, exp_avg_sqs,
-                          remainders if remainders is not None else masters, fp8_meta)
+                          remainders if remainders is not None else masters, fp8_meta,
+                          state_scales)
     if tables is None:
         return
     table, chunks, n_chunks, aligned = tables
     p_dtype = _one({p.dtype for p in params}, "param")
+    m_dtype = _one({m.dtype for m in exp_avgs}, "exp_avg")
+    v_dtype = _one({v.dtype for v in exp_avg_sqs}, "exp_avg_sq")
+    w_dtype = torch.float32 if masters is None else _one({w.dtype for w in masters}, "master")
     is_fp8 = fp8_meta is not None
+    scaled = [dt in SCALED_RANGE for dt in (m_dtype, v_dtype, w_dtype)]
+    if any(scaled) and state_scales is None:
+        raise ValueError("adam_step: fp16 / fp8 moments or fp16 masters need state_scales")
+    consts = dict(
+        P_DTYPE=TL_DTYPE[torch.int16 if remainders is not None else p_dtype],
+        G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
+        M_DTYPE=TL_DTYPE[m_dtype], V_DTYPE=TL_DTYPE[v_dtype],
+        HAS_MASTER=masters is not None, REMAINDER=remainders is not None,
+        FP8_MAX=FP8_MAX[p_dtype] if is_fp8 else 0.0,
+        DECAY_GRAD=bool(weight_decay and not adam_w_mode),
+        DECAY_UPDATE=bool(weight_decay and adam_w_mode),
+        ALIGNED=aligned, CHUNK=chunk, BLOCK=block, M_SCALED=scaled[0], V_SCALED=scaled[1],
+        W_DTYPE=TL_DTYPE[w_dtype], W_SCALED=scaled[2],
+        M_CLAMP=FP8_MAX.get(m_dtype, 0.0), V_CLAMP=FP8_MAX.get(v_dtype, 0.0),
+        num_warps=warps, enable_fp_fusion=False)
     with on_device(params[0]):
-        _launch_adam(
-            (n_chunks,), table, chunks, hp,
-            P_DTYPE=TL_DTYPE[torch.int16 if remainders is not None else p_dtype],
-            G_DTYPE=TL_DTYPE[_one({g.dtype for g in grads}, "grad")],
-            M_DTYPE=TL_DTYPE[_one({m.dtype for m in exp_avgs}, "exp_avg")],
-            V_DTYPE=TL_DTYPE[_one({v.dtype for v in exp_avg_sqs}, "exp_avg_sq")],
-            HAS_MASTER=masters is not None, REMAINDER=remainders is not None,
-            FP8_MAX=FP8_MAX[p_dtype] if is_fp8 else 0.0,
-            DECAY_GRAD=bool(weight_decay and not adam_w_mode),
-            DECAY_UPDATE=bool(weight_decay and adam_w_mode),
-            ALIGNED=aligned, CHUNK=chunk, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+        if not any(scaled):
+            _launch_adam((n_chunks,), table, chunks, hp, PASS=0, **consts)
+            return
+        live = [t for p, t in zip(params, state_scales) if p.numel()]
+        tables = torch.stack(live)               # [T, 3, 3]: a few launches for all tensors
+        tables[:, :, 2] = 0.0
+        torch._foreach_copy_(live, list(tables.unbind(0)))
+        _launch_adam((n_chunks,), table, chunks, hp, PASS=1, **consts)
+        key = ("ranges", m_dtype, v_dtype, w_dtype)
+        ranges = None if cache is None else cache.get(key)
+        if ranges is None:  # made once per table cache (no upload inside a graph capture)
+            ranges = torch.tensor([SCALED_RANGE.get(dt, 1.0) for dt in (m_dtype, v_dtype, w_dtype)],
+                                  dtype=torch.float32).to(params[0].device)
+            if cache is not None:
+                cache[key] = ranges
+        tables = torch.stack(live)
+        d = tables[:, :, 2] / ranges             # the twin's new_scale_factors, for all tensors
+        tables[:, :, 1] = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
+        torch._foreach_copy_(live, list(tables.unbind(0)))
+        _launch_adam((n_chunks,), table, chunks, hp, PASS=2, **consts)
+        tables[:, :, 0] = d
+        torch._foreach_copy_(live, list(tables.unbind(0)))
 
 
 __all__ = ["adam_step", "build_tables", "block_config", "CHUNK", "BLOCK", "NUM_WARPS"]

@@ -24,9 +24,11 @@ from ..fp8 import recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import HIGH_PRECISION_DTYPES, fp8_max
 from ..fp8.model_init import fp8_params_config
+from ..fp8.recipe import DelayedScaling, Float8CurrentScaling
 from ..fp8.scaling import FP8Meta
 from ..fp8.tensor import Float8Tensor
 from ..functional.linear import FP8Plan, WeightCache
+from ..ref.cast import current_scale
 from ..ref.scaling import compute_scale
 
 
@@ -89,6 +91,8 @@ class FP8Module(torch.nn.Module):
         recipe = self._fp8_param_recipe
         if recipe is None:
             return
+        if isinstance(recipe, Float8CurrentScaling):
+            return self._quantize_current_scaled_params(recipe)
         for name, slot in self._fp8_weight_slots.items():
             p = self._parameters[name]
             self.fp8_meta.prepare(recipe, p.device)
@@ -108,10 +112,29 @@ class FP8Module(torch.nn.Module):
             self._parameters[name] = param
         self._link_fp8_params()
 
+    def _quantize_current_scaled_params(self, recipe: Float8CurrentScaling) -> None:
+        """Under current scaling each FP8 weight owns its scale, taken from its own amax."""
+        dtype = recipe.fp8_format.forward_dtype
+        current = (float(recipe.amax_epsilon), recipe.power_2_scale)
+        for name in self._fp8_weight_slots:
+            p = self._parameters[name]
+            value = p.detach()
+            with torch.no_grad():
+                scale = current_scale(value.abs().amax().float().reshape(1), dtype, *current)
+            q = Float8Tensor.quantize(value, scale, dtype, with_transpose=True)
+            param = torch.nn.Parameter(q, requires_grad=p.requires_grad)
+            param._current_scaling = current
+            if self._preserve_init_val:
+                param._high_precision_init_val = value.to("cpu", copy=True)
+            self._parameters[name] = param
+
     def _link_fp8_params(self) -> None:
         """Point each FP8 weight's `_scale` / `_amax` at its slot in the current state (the
-        state's tensors are replaced when a recipe changes the history length or format)."""
+        state's tensors are replaced when a recipe changes the history length or format).
+        Current-scaled FP8 weights own their scale: nothing to link."""
         state = self.fp8_meta.fwd
+        if not isinstance(self._fp8_param_recipe, DelayedScaling):
+            return
         if state is None or state.amax_history is self._linked_history:
             return
         for name, slot in self._fp8_weight_slots.items():

@@ -33,6 +33,7 @@ import torch
 from .. import _device
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
+from ..ref import cast as ref_cast
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -213,9 +214,23 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     self._init_state(p, kind, state)
             self._run_group(gi, group, items)
             for p, _, kind in items:
-                if kind == "fp8" and getattr(p, "_transpose", None) is not None:
-                    p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+                if kind == "fp8":
+                    self._refresh_fp8(p)
         return loss
+
+    def _refresh_fp8(self, p: Float8Tensor) -> None:
+        """After p's master changed: a current-scaled FP8 param (fp8_model_init under
+        Float8CurrentScaling) takes its scale from the new master's amax and is rewritten with
+        it; then the fp8 transpose follows the data."""
+        current = getattr(p, "_current_scaling", None)
+        if current is not None:
+            master = self.get_master_param(p).reshape(-1)
+            amax = master.abs().amax().reshape(1) if master.numel() else torch.zeros_like(p._scale)
+            p._scale.copy_(ref_cast.current_scale(amax, p._fp8_dtype, *current))
+            ref_adam.store_weight(storage(p).view(-1), None, None, (p._scale, p._scale_inv, None),
+                                  master)
+        if getattr(p, "_transpose", None) is not None:
+            p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
 
     def _buckets(self, items: list[tuple], extra_key=None) -> dict:
         """{(device, storage dtype, grad dtype, kind class, extra): [(p, g, kind)]}."""
@@ -259,13 +274,18 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if not state:
             self._init_state(p, kind, state)
         w = value.detach().to(device=storage(p).device, dtype=torch.float32).reshape(-1).clone()
-        master = state.get("master_param")
         rem = state.get("master_remainder")
-        ref_adam.store_weight(storage(p).view(-1), None if master is None else master.view(-1),
-                              None if rem is None else rem.view(-1),
+        self._store_master(p, state, w)
+        ref_adam.store_weight(storage(p).view(-1), None, None if rem is None else rem.view(-1),
                               fp8_meta(p) if kind == "fp8" else None, w)
-        if kind == "fp8" and getattr(p, "_transpose", None) is not None:
-            p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+        if kind == "fp8":
+            self._refresh_fp8(p)
+
+    def _store_master(self, p: torch.Tensor, state: dict, w: torch.Tensor) -> None:
+        """Write the fp32 weight `w` (flat) into p's stored master, where it has one."""
+        master = state.get("master_param")
+        if master is not None:
+            master.view(-1).copy_(w)
 
     def _find_kind(self, p: torch.Tensor) -> str:
         for group in self.param_groups:
@@ -300,10 +320,12 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 st = self.state.get(p)
                 if not st or index[id(p)] in state:
                     continue
-                out = {name: st[name].float() for name in self._state_names if name in st}
+                out = {name: self._export_state(p, st, name) for name in self._state_names
+                       if name in st}
                 master = self.get_master_param(p)
                 if master is not None:
                     out["master_param"] = master
+                out.update(self._export_extra(st))
                 state[index[id(p)]] = out
         return {"state": state, "param_groups": groups}
 
@@ -366,6 +388,14 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     _required_state: tuple[str, ...] = ()
 
+    def _export_extra(self, state: dict) -> dict:
+        """Extra tensors a subclass saves beside the unscaled states (none here)."""
+        return {}
+
+    def _export_state(self, p: torch.Tensor, state: dict, name: str) -> torch.Tensor:
+        """A state tensor as unscaled fp32 (FusedAdam overrides it for scaled states)."""
+        return state[name].float()
+
     def _load_group(self, group: dict, saved: dict) -> None:
         for k, v in saved.items():
             if k == "params":
@@ -393,11 +423,12 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 continue
             value = conv.get(name, template.get(name))
             dtype = template[name].dtype if name in template else torch.float32
+            shape = template[name].shape if name in template else p.shape
             live = state.get(name)
-            if isinstance(live, torch.Tensor) and live.shape == p.shape and live.dtype == dtype:
+            if isinstance(live, torch.Tensor) and live.shape == shape and live.dtype == dtype:
                 live.copy_(value)
             else:
-                state[name] = value.to(dtype).reshape(p.shape).clone()
+                state[name] = value.to(dtype).reshape(shape).clone()
         if "master_remainder" in template:
             rem = state.get("master_remainder")
             if not isinstance(rem, torch.Tensor) or rem.shape != p.shape:

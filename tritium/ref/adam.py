@@ -29,6 +29,18 @@ Weights (`load_weight` / `store_weight`, also used by `tritium.ref.sgd`):
   * bf16 remainders: the master is not stored; its low 16 bits are (int16 state), and
     `split_remainder` / `join_remainder` define the exact round trip (see there).
 Empty tensors are skipped (nothing written, not even scale_inv).
+
+Scaled states (FusedAdam's fp16 / FP8 moments and fp16 masters; TE's scheme, per tensor): a
+state stored in fp16 or FP8 E4M3 keeps an fp32 dequantization factor d and its value is
+stored * d (one fp32 multiply). After the update the factor is recomputed from the NEW values:
+    amax = max |new value| over the tensor (NaN propagates)
+    d = amax / RANGE      (RANGE: fp16 max / 2 = 32752 for fp16, 448 for E4M3; IEEE division)
+    q = 1 / d if d > 0 else 0
+    stored = fp16(new * q)  or  e4m3(clamp(new * q, -448, 448))      (RTNE)
+so each tensor uses its format's range fully whatever its magnitude (fp16 keeps a factor 2 of
+headroom). `state_scales` holds, per tensor, an fp32 [3, 3] table: rows exp_avg, exp_avg_sq,
+master (SCALED_ROWS), columns d, q, amax. bf16 states are plain casts (no factor), as in TE.
+The kernel needs two passes for this (amax, then write); the twin computes the same values once.
 """
 from __future__ import annotations
 
@@ -43,6 +55,51 @@ LR, BC1, BC2, B1, OMB1, B2, OMB2, EPS, WD = range(9)
 NUM_HP = 9
 
 Fp8Meta = tuple  # (scale [1] fp32, scale_inv [1] fp32, amax [1] fp32 or None)
+
+# Scaled states: the [3, 3] table's rows and columns, and each scaled dtype's range.
+ROW_EXP_AVG, ROW_EXP_AVG_SQ, ROW_MASTER = range(3)
+COL_D, COL_Q, COL_AMAX = range(3)
+SCALED_RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0,
+                torch.float8_e4m3fn: FP8_MAX[torch.float8_e4m3fn]}
+
+
+def is_scaled(dtype: torch.dtype) -> bool:
+    return dtype in SCALED_RANGE
+
+
+def new_scale_factors(table: torch.Tensor, ranges: torch.Tensor) -> None:
+    """Columns d and q of a [3, 3] table from its amax column (`ranges`: fp32 [3], each row's
+    RANGE; 1 for rows that are not scaled). The kernel's launcher runs the same ops."""
+    d = table[:, COL_AMAX] / ranges
+    table[:, COL_Q] = torch.where(d > 0, torch.ones_like(d) / d, torch.zeros_like(d))
+    table[:, COL_D] = d
+
+
+def scaled_store(stored: torch.Tensor, x: torch.Tensor, q: torch.Tensor) -> None:
+    """stored = format(x * q) (the E4M3 product clamped to +-448 first)."""
+    y = x * q
+    if stored.dtype == torch.float8_e4m3fn:
+        y = y.clamp(-FP8_MAX[stored.dtype], FP8_MAX[stored.dtype])
+    stored.copy_(y.to(stored.dtype))
+
+
+def scaled_load(stored: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    return stored.to(torch.float32) * d
+
+
+def quantize_state(stored: torch.Tensor, table: torch.Tensor, row: int, x: torch.Tensor) -> None:
+    """Store fp32 `x` into the scaled state `stored` with a factor from x's own amax (writes
+    row `row` of `table`); used to create and load scaled states outside a step."""
+    x = x.reshape(-1).to(torch.float32)
+    one = table[row:row + 1]
+    one[:, COL_AMAX] = _abs_max(x) if x.numel() else 0.0
+    new_scale_factors(one, torch.full((1,), SCALED_RANGE[stored.dtype], device=table.device))
+    scaled_store(stored.view(-1), x, table[row, COL_Q])
+
+
+def state_ranges(m_dtype, v_dtype, master_dtype, device) -> torch.Tensor:
+    return torch.tensor([SCALED_RANGE.get(dt, 1.0) for dt in (m_dtype, v_dtype, master_dtype)],
+                        dtype=torch.float32, device=device)
 
 
 def split_remainder(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +189,8 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
               exp_avgs: Sequence[torch.Tensor], exp_avg_sqs: Sequence[torch.Tensor],
               masters: Optional[Sequence[torch.Tensor]], fp8_meta: Optional[Sequence[Fp8Meta]],
               remainders: Optional[Sequence[torch.Tensor]], hp: torch.Tensor, *,
-              adam_w_mode: bool, weight_decay: bool, cache: Optional[dict] = None) -> None:
+              adam_w_mode: bool, weight_decay: bool, cache: Optional[dict] = None,
+              state_scales: Optional[Sequence[torch.Tensor]] = None) -> None:
     """One Adam step over a group of tensors, in place (see the module docstring).
 
     params: the model's storage (fp32/bf16/fp16 params, or the fp8 `_data` of FP8 params);
@@ -140,7 +198,13 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
     None; fp8_meta: per tensor (scale, scale_inv, amax or None), or None; remainders: int16 or
     None; hp: fp32 [NUM_HP] on the params' device; weight_decay: whether wd is applied at all
     (hp[WD] holds its value). `cache` is the kernel's table cache (unused here).
+    Scaled states (fp16 / E4M3 moments, fp16 masters): `state_scales` gives each tensor's
+    fp32 [3, 3] table (see the module docstring); masters may then be fp16.
     """
+    if state_scales is not None:
+        return _adam_step_scaled(params, grads, exp_avgs, exp_avg_sqs, masters, fp8_meta,
+                                 remainders, hp, state_scales, adam_w_mode=adam_w_mode,
+                                 weight_decay=weight_decay)
     lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd = (hp[i:i + 1] for i in range(NUM_HP))
     for i, p in enumerate(params):
         if p.numel() == 0:
@@ -171,6 +235,57 @@ def adam_step(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor],
         store_weight(p, master, rem, _opt(fp8_meta, i), w)
 
 
+def _adam_step_scaled(params, grads, exp_avgs, exp_avg_sqs, masters, fp8_meta, remainders, hp,
+                      state_scales, *, adam_w_mode: bool, weight_decay: bool) -> None:
+    """adam_step with scaled states: the same fp32 math, written out op by op."""
+    lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd = (hp[i:i + 1] for i in range(NUM_HP))
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        table = state_scales[i]
+        p, master, rem, m_state, v_state = _flat(p, _opt(masters, i), _opt(remainders, i),
+                                                 exp_avgs[i], exp_avg_sqs[i])
+        rows = [(m_state, ROW_EXP_AVG), (v_state, ROW_EXP_AVG_SQ)]
+        w_scaled = master is not None and is_scaled(master.dtype)
+        if w_scaled:
+            rows.append((master, ROW_MASTER))
+
+        def load(t, row):
+            return (scaled_load(t, table[row, COL_D]) if is_scaled(t.dtype)
+                    else t.to(torch.float32, copy=True))
+        w = load(master, ROW_MASTER) if w_scaled else load_weight(p, master, rem)
+        g = grads[i].reshape(-1).to(torch.float32)
+        if weight_decay and not adam_w_mode:
+            g = g + w * wd
+        m = load(m_state, ROW_EXP_AVG) * b1 + g * omb1
+        v = load(v_state, ROW_EXP_AVG_SQ) * b2 + (g * g) * omb2
+        denom = sqrt_rn(v / bc2) + eps
+        u = (m / bc1) / denom
+        if weight_decay and adam_w_mode:
+            u = u + w * wd
+        w = w - u * lr
+        new = {ROW_EXP_AVG: m, ROW_EXP_AVG_SQ: v, ROW_MASTER: w}
+        ranges = state_ranges(m_state.dtype, v_state.dtype,
+                              master.dtype if master is not None else torch.float32, p.device)
+        table[:, COL_AMAX] = 0.0
+        for t, row in rows:
+            if is_scaled(t.dtype):
+                table[row, COL_AMAX] = _abs_max(new[row])
+        new_scale_factors(table, ranges)
+        for t, row in rows:
+            if is_scaled(t.dtype):
+                scaled_store(t, new[row], table[row, COL_Q])
+            else:
+                t.copy_(new[row])
+        store_weight(p, None if w_scaled else master, rem, _opt(fp8_meta, i), w)
+
+
+def _abs_max(x: torch.Tensor) -> torch.Tensor:
+    """max |x|, NaN if any element is NaN (as the kernel's reduction)."""
+    a = x.abs()
+    return torch.where(torch.isnan(a).any(), torch.full_like(a[0], float("nan")), a.amax())
+
+
 def weight_in_place(p, master, rem) -> torch.Tensor:
     """The fp32 weight to update: the master or fp32 param itself, else a fresh copy."""
     if rem is None and master is not None:
@@ -180,5 +295,6 @@ def weight_in_place(p, master, rem) -> torch.Tensor:
     return load_weight(p, master, rem)
 
 
-__all__ = ["NUM_HP", "adam_step", "sqrt_rn", "load_weight", "weight_in_place", "store_weight",
-           "split_remainder", "join_remainder"]
+__all__ = ["NUM_HP", "adam_step", "quantize_state", "scaled_load", "scaled_store", "is_scaled",
+           "SCALED_RANGE", "new_scale_factors", "state_ranges", "sqrt_rn", "load_weight",
+           "weight_in_place", "store_weight", "split_remainder", "join_remainder"]
