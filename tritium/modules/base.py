@@ -114,6 +114,7 @@ class FP8Module(torch.nn.Module):
             return
         for name, slot in self._fp8_weight_slots.items():
             p = self._parameters[name]
+            p = getattr(p, "_local_tensor", p)   # FSDP2's DTensor: its local fp8 shard
             if isinstance(p, Float8Tensor):
                 p._scale, p._amax = state.scale_slot(slot), state.amax_slot(slot)
         self._linked_history = state.amax_history

@@ -17,6 +17,9 @@ master or not, remainders or not) within a param group. The kernel runs where
 `tritium._device.use_triton` says (CUDA; CPU under TRITON_INTERPRET=1), the PyTorch twin
 otherwise.
 
+DTensor params (FSDP2, tensor parallelism) are stepped on their local shards, with state kept
+as DTensors like the param: see `_dtensor.py`.
+
 state_dict: the same layout as torch.optim (`state` keyed by the param's index over all groups,
 `param_groups` with `params` as index lists), every state tensor unscaled fp32 (bf16 moments
 upcast, the master rebuilt from param + remainder), the group step a Python int and lr a float.
@@ -33,6 +36,8 @@ import torch
 from .. import _device
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
+from ._dtensor import (check_dtensor_param, is_dtensor, like_param, local, local_grad,
+                       to_param_layout)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -40,6 +45,7 @@ _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: 
 
 def param_kind(p: torch.Tensor, where: str) -> str:
     """'fp32', 'bf16', 'fp16' or 'fp8'; a clear TypeError for anything else."""
+    p = local(p)
     if isinstance(p, Float8Tensor):
         return "fp8"
     kind = _KIND_OF_DTYPE.get(p.dtype)
@@ -50,11 +56,14 @@ def param_kind(p: torch.Tensor, where: str) -> str:
 
 
 def storage(p: torch.Tensor) -> torch.Tensor:
-    """The tensor the kernels write: the fp8 `_data` of an FP8 param, else the param's data."""
+    """The tensor the kernels write: the fp8 `_data` of an FP8 param, else the param's data
+    (of the local shard for a DTensor param)."""
+    p = local(p)
     return p._data if isinstance(p, Float8Tensor) else p.detach()
 
 
 def fp8_meta(p: torch.Tensor):
+    p = local(p)
     return p._scale, p._scale_inv, getattr(p, "_amax", None)
 
 
@@ -84,8 +93,24 @@ def check_group_kinds(kinds: list[str], group_index: int, master_weights: bool) 
                          "cast)")
 
 
+def state_tensor(p: torch.Tensor, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+    """A new state tensor for p (its local shard's shape; a DTensor like p for DTensor p)."""
+    s = storage(p)
+    t = (torch.zeros if zero else torch.empty)(local(p).shape, dtype=dtype, device=s.device)
+    return like_param(p, t)
+
+
+def refresh_transpose(p: torch.Tensor) -> None:
+    """An FP8 param's fp8 transpose (when it keeps one) after its data was written."""
+    p = local(p)
+    if getattr(p, "_transpose", None) is not None:
+        p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+
+
 def check_param(p: torch.Tensor, where: str) -> str:
+    check_dtensor_param(p, where)
     kind = param_kind(p, where)
+    p = local(p)
     if kind == "fp8":
         check_fp8_param(p, where)
     elif not p.is_contiguous():
@@ -100,6 +125,7 @@ def get_grad(p: torch.Tensor, use_decoupled_grad: bool, where: str) -> Optional[
     if g is None:
         return None
     attr = "p.decoupled_grad" if use_decoupled_grad else "p.grad"
+    g, p = local_grad(p, g, attr, where), local(p)
     if g.is_sparse or g.layout != torch.strided:
         raise RuntimeError(f"{where}: {attr} is sparse ({g.layout}); fused optimizers take dense "
                            "grads only: use torch.optim.SparseAdam / Adam for sparse embeddings")
@@ -163,12 +189,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _initial_master(self, p: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
         if not self._has_master(kind):
             return None
+        q = local(p)
         if kind == "fp8":  # the high-precision init kept by fp8_model_init, else the fp8 value
-            init = p.get_high_precision_init_val()
-            if init is not None and tuple(init.shape) == tuple(p.shape):
-                return init.to(p.device, torch.float32, copy=True).contiguous()
-            return p.dequantize(torch.float32).contiguous()
-        return p.detach().to(torch.float32, copy=True)
+            init = q.get_high_precision_init_val()
+            if init is not None and tuple(init.shape) == tuple(q.shape):
+                return like_param(p, init.to(q.device, torch.float32, copy=True).contiguous())
+            return like_param(p, q.dequantize(torch.float32).contiguous())
+        return like_param(p, q.detach().to(torch.float32, copy=True))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self.use_decoupled_grad:
@@ -213,8 +240,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     self._init_state(p, kind, state)
             self._run_group(gi, group, items)
             for p, _, kind in items:
-                if kind == "fp8" and getattr(p, "_transpose", None) is not None:
-                    p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+                if kind == "fp8":
+                    refresh_transpose(p)
         return loss
 
     def _buckets(self, items: list[tuple], extra_key=None) -> dict:
@@ -238,7 +265,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if not state:
             return None
         if "master_remainder" in state:
-            return ref_adam.join_remainder(storage(p).view(torch.int16), state["master_remainder"])
+            return like_param(p, ref_adam.join_remainder(storage(p).view(torch.int16),
+                                                         local(state["master_remainder"])))
         return state.get("master_param")
 
     @torch.no_grad()
@@ -255,17 +283,18 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if tuple(value.shape) != tuple(p.shape) or not value.is_floating_point():
             raise ValueError(f"set_master_param: value must be a float tensor of shape "
                              f"{tuple(p.shape)}, got {value.dtype}{tuple(value.shape)}")
+        if is_dtensor(p):
+            value = local(to_param_layout(p, value))
         state = self.state[p]
         if not state:
             self._init_state(p, kind, state)
         w = value.detach().to(device=storage(p).device, dtype=torch.float32).reshape(-1).clone()
-        master = state.get("master_param")
-        rem = state.get("master_remainder")
+        master, rem = local(state.get("master_param")), local(state.get("master_remainder"))
         ref_adam.store_weight(storage(p).view(-1), None if master is None else master.view(-1),
                               None if rem is None else rem.view(-1),
                               fp8_meta(p) if kind == "fp8" else None, w)
-        if kind == "fp8" and getattr(p, "_transpose", None) is not None:
-            p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+        if kind == "fp8":
+            refresh_transpose(p)
 
     def _find_kind(self, p: torch.Tensor) -> str:
         for group in self.param_groups:
@@ -361,7 +390,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"load_state_dict: {where}: '{name}' has shape "
                                  f"{tuple(t.shape)} but the param has shape {tuple(p.shape)}; "
                                  "the state_dict belongs to another model or param order")
-            out[name] = t.to(device=storage(p).device, dtype=torch.float32)
+            out[name] = to_param_layout(p, t.to(device=storage(p).device, dtype=torch.float32))
         return out
 
     _required_state: tuple[str, ...] = ()
@@ -406,8 +435,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             if master is None:
                 rem.zero_()  # master = the param's value
             else:  # the param's bits and the remainder together hold the saved master
-                ref_adam.store_weight(storage(p).view(-1), None, rem.view(-1), None,
-                                      master.reshape(-1))
+                ref_adam.store_weight(storage(p).view(-1), None, local(rem).view(-1), None,
+                                      local(master).reshape(-1))
 
     # subclass hooks
     def _init_state(self, p: torch.Tensor, kind: str, state: dict) -> None:
@@ -418,4 +447,4 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["MultiTensorOptimizer", "param_kind", "storage", "fp8_meta", "get_grad",
-           "host_scalars_to", "impl_for"]
+           "host_scalars_to", "impl_for", "local", "state_tensor"]

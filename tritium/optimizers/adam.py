@@ -31,7 +31,8 @@ from __future__ import annotations
 import torch
 
 from ..ref import adam as ref_adam
-from ._common import MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, storage
+from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, local,
+                      state_tensor, storage)
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -89,13 +90,12 @@ class FusedAdam(MultiTensorOptimizer):
 
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, kind: str, state: dict) -> None:
-        s = storage(p)
-        state["exp_avg"] = torch.zeros(p.shape, dtype=self.exp_avg_dtype, device=s.device)
-        state["exp_avg_sq"] = torch.zeros(p.shape, dtype=self.exp_avg_sq_dtype, device=s.device)
+        state["exp_avg"] = state_tensor(p, self.exp_avg_dtype)
+        state["exp_avg_sq"] = state_tensor(p, self.exp_avg_sq_dtype)
         state["master_param"] = self._initial_master(p, kind)
         if self._uses_remainder(kind):
             # The param's bf16 value is exact in fp32: the master starts with a zero remainder.
-            state["master_remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=s.device)
+            state["master_remainder"] = state_tensor(p, torch.int16)
 
     # ------------------------------------------------------------------ hyperparameters
     def _hp(self, gi: int, group: dict, device: torch.device) -> torch.Tensor:
@@ -142,7 +142,7 @@ class FusedAdam(MultiTensorOptimizer):
             device, _, _, is_fp8, has_master, remainder, _ = key
             if device not in hps:
                 hps[device] = self._hp(gi, group, device)
-            states = [self.state[p] for p, _, _ in bucket]
+            states = [{k: local(v) for k, v in self.state[p].items()} for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "adam", ref_adam)
             impl.adam_step(
                 [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
