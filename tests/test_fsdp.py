@@ -244,7 +244,10 @@ def _check_dcp_same_size(rank, world, ckpt, out_file):
     assert torch.equal(after, resumed), (after, resumed)
     for (name, p), q in zip(model.named_parameters(), fresh.parameters()):
         assert torch.equal(_full(p), _full(q)), name
-        assert torch.equal(_full(opt.get_master_param(p)), _full(opt2.get_master_param(q))), name
+        m1, m2 = opt.get_master_param(p), opt2.get_master_param(q)
+        assert (m1 is None) == (m2 is None) and (m1 is None or torch.equal(_full(m1), _full(m2)))
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(_full(opt.state[p][key]), _full(opt2.state[q][key])), (name, key)
     for a, b in zip(model.modules(), fresh.modules()):
         if hasattr(a, "fp8_meta") and a.fp8_meta.fwd is not None:
             assert torch.equal(a.fp8_meta.fwd.scale, b.fp8_meta.fwd.scale)

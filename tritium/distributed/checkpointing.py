@@ -20,8 +20,10 @@ Why a wrapper (thin on purpose; torch does the work):
   * High-precision weights wrapped for FP8 all-gather (tritium.distributed.fsdp) are saved as
     the plain tensors they wrap.
   * FP8 metadata (module extra_state: scales and amax histories as tensors, the recipe as plain
-    values) goes through DCP like the rest: tensors are saved once (identical on every rank when
-    amaxes are reduced) and the plain values as DCP's small objects. DCP needs a template of the
+    values) goes through DCP like the rest: tensors are saved once (identical on every rank:
+    the amaxes still pending in row 0, such as the weight-shard amaxes the optimizer records,
+    are reduced first, in one all-reduce over the amax group) and the plain values as DCP's
+    small objects. DCP needs a template of the
     same structure to load into, so a module that has not run under FP8 yet is prepared with
     `fp8_recipe` (the recipe the checkpoint was trained with) before loading; without it, a clear
     error names the module.
@@ -40,6 +42,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
 from torch.distributed.tensor import DTensor
 
 from ..fp8.tensor import Float8Tensor
+from .amax import reduce_amax_rows
 
 
 def _plain_local(t: torch.Tensor) -> Optional[torch.Tensor]:
@@ -76,14 +79,25 @@ def _prepare_fp8_meta(model: torch.nn.Module, fp8_recipe) -> None:
             m.fp8_meta.prepare(fp8_recipe, device)
 
 
-def get_state_dict(model: torch.nn.Module, optimizers=(), *, fp8_recipe=None,
+def _reduce_pending_amaxes(model: torch.nn.Module, amax_group) -> None:
+    """Row 0 of the amax histories holds amaxes not reduced yet (e.g. the weight shard amaxes
+    the optimizer just recorded); DCP saves one copy of a replicated tensor, so reduce them
+    now, in one all-reduce (MAX): the next update would reduce them the same way."""
+    histories = [st.amax_history for _, m in _fp8_modules(model)
+                 for st in (m.fp8_meta.fwd, m.fp8_meta.bwd) if st is not None]
+    reduce_amax_rows(histories, amax_group)
+
+
+def get_state_dict(model: torch.nn.Module, optimizers=(), *, fp8_recipe=None, amax_group=None,
                    options: Optional[StateDictOptions] = None) -> dict:
     """{"model": model state, "optim": optimizer state}, ready for `dcp.save` / `dcp.load`.
 
     For loading, call it on the freshly built (sharded) model and optimizer: the dict is the
     template DCP loads into. `fp8_recipe` prepares the FP8 state of modules that have not run
-    under FP8 yet (pass the recipe the checkpoint was trained with)."""
+    under FP8 yet (pass the recipe the checkpoint was trained with). `amax_group`: the
+    fp8_group of training (default: the default group); pending amaxes are reduced over it."""
     _prepare_fp8_meta(model, fp8_recipe)
+    _reduce_pending_amaxes(model, amax_group)
     model_sd, optim_sd = _torch_get_state_dict(model, optimizers, options=options)
     return {"model": {k: _savable(v) for k, v in model_sd.items()}, "optim": optim_sd}
 
@@ -124,9 +138,11 @@ def _check_fp8_templates(model: torch.nn.Module, checkpoint_id) -> None:
                              "state can be loaded")
 
 
-def save(checkpoint_id, model: torch.nn.Module, optimizers=(), **kwargs) -> None:
+def save(checkpoint_id, model: torch.nn.Module, optimizers=(), *, amax_group=None,
+         **kwargs) -> None:
     """dcp.save of get_state_dict(model, optimizers) (every rank calls it)."""
-    dcp.save(get_state_dict(model, optimizers), checkpoint_id=checkpoint_id, **kwargs)
+    dcp.save(get_state_dict(model, optimizers, amax_group=amax_group),
+             checkpoint_id=checkpoint_id, **kwargs)
 
 
 def load(checkpoint_id, model: torch.nn.Module, optimizers=(), *, fp8_recipe=None,
