@@ -426,3 +426,100 @@ def test_fsdp_four_ranks_and_resume_from_two(two_ranks):
 
 def test_resume_from_two_ranks_on_one(two_ranks):
     _spawn(_worker1, 1, two_ranks[0], two_ranks[1])
+
+
+# --------------------------------------------------------------------------- in-process
+class _Mesh:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self, dim=None):
+        return self.n
+
+
+def _gather(shards, world, outer_size):
+    inputs, metas = zip(*(s.fsdp_pre_all_gather(_Mesh(world), outer_size, None, None, None)
+                          for s in shards))
+    assert len({t[0].shape for t in inputs}) == 1      # every shard padded to FSDP's rows
+    assert all(t[0].dtype == torch.uint8 for t in inputs)
+    gathered = (torch.cat([t[0] for t in inputs]),)
+    return gathered, metas[0]
+
+
+def test_fp8_all_gather_uneven_shards(randn):
+    """48 rows over 5 ranks (10, 10, 10, 10, 8): shards made by FSDP's chunk stay FP8, the
+    gather pads the short one and drops the padding, the transpose is made from the result,
+    and a later gather into the same output (out=) refreshes it."""
+    from tritium.fp8.tensor import Float8Tensor
+    w = randn(48, 32)
+    scale = torch.tensor([448.0]) / w.abs().max()
+    full = Float8Tensor.quantize(w, scale, torch.float8_e4m3fn, with_transpose=True)
+    shards = torch.chunk(full, 5, dim=0)
+    assert all(isinstance(s, Float8Tensor) and s._transpose is None for s in shards)
+    assert [s.shape[0] for s in shards] == [10, 10, 10, 10, 8]
+    gathered, meta = _gather(shards, 5, full.shape)
+    out, inner = shards[0].fsdp_post_all_gather(gathered, meta, torch.bfloat16)
+    assert isinstance(out, Float8Tensor) and out.shape == full.shape and out.dtype == torch.bfloat16
+    assert torch.equal(out._data.view(torch.uint8), full._data.view(torch.uint8))
+    assert torch.equal(out._transpose.view(torch.uint8), full._data.t().contiguous().view(torch.uint8))
+    assert torch.equal(out._scale_inv, full._scale_inv)
+    new = Float8Tensor.quantize(randn(48, 32), scale, torch.float8_e4m3fn)
+    gathered[0].copy_(torch.cat([s.fsdp_pre_all_gather(_Mesh(5), full.shape)[0][0]
+                                 for s in torch.chunk(new, 5, dim=0)]))
+    assert shards[0].fsdp_post_all_gather(gathered, meta, torch.bfloat16, out=out) is None
+    assert torch.equal(out._transpose.view(torch.uint8), new._data.t().contiguous().view(torch.uint8))
+
+
+def test_high_precision_weight_gathered_as_fp8(randn):
+    """enable_fp8_all_gather: each shard is cast with the weight's one scale (current scaling:
+    the amax of the whole weight; delayed: the module's weight scale, recording the shard amax),
+    so the gathered FP8 weight equals the single-device cast of the whole weight."""
+    import tritium as te
+    from tritium import recipe
+    from tritium.distributed import enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
+    from tritium.fp8.tensor import Float8Tensor
+    for rcp in (recipe.Float8CurrentScaling(), recipe.DelayedScaling(amax_history_len=4)):
+        lin = te.Linear(32, 48, device="cpu")
+        enable_fp8_all_gather(lin, rcp)
+        w = lin.weight
+        assert type(w).__name__ == "FP8AllGatherWeight" and w.dtype == torch.float32
+        hp = w._hp_shard.clone()
+        shards = torch.chunk(w.detach(), 5, dim=0)                  # what FSDP makes of it
+        assert all(type(s).__name__ == "FP8AllGatherWeight" for s in shards)
+        if isinstance(rcp, recipe.Float8CurrentScaling):
+            precompute_fp8_scales_for_fsdp(lin)                      # no mesh: no collective
+            scale = torch.tensor([448.0]) / hp.abs().max()
+        else:
+            lin.fp8_meta.prepare(rcp, w.device)
+            lin.fp8_meta.fwd.scale.fill_(8.0)
+            scale = torch.tensor([8.0])
+        gathered, meta = _gather(shards, 5, w.shape)
+        out, _ = shards[0].fsdp_post_all_gather(gathered, meta, torch.float32)
+        ref = Float8Tensor.quantize(hp, scale, torch.float8_e4m3fn)
+        assert isinstance(out, Float8Tensor)
+        assert torch.equal(out._data.view(torch.uint8), ref._data.view(torch.uint8))
+        assert torch.equal(out._scale_inv, ref._scale_inv)
+        if isinstance(rcp, recipe.DelayedScaling):                  # every shard's amax recorded
+            assert torch.equal(lin.fp8_meta.fwd.amax_history[0, 1:2], hp.abs().max().reshape(1))
+        with torch.no_grad():
+            w.mul_(2)                                                # in place on the wrapped tensor
+        assert torch.equal(w._hp_shard, 2 * hp)
+
+
+def test_optimizer_steps_wrapped_weight(randn):
+    """FusedAdam on a model whose weights are wrapped (no FSDP): it steps the wrapped tensor."""
+    import tritium as te
+    from tritium.distributed import enable_fp8_all_gather
+    torch.manual_seed(0)
+    plain = te.Linear(32, 16, device="cpu")
+    wrapped = te.Linear(32, 16, device="cpu")
+    wrapped.load_state_dict(plain.state_dict())
+    enable_fp8_all_gather(wrapped)
+    opts = [te.optimizers.FusedAdam(m.parameters(), lr=LR) for m in (plain, wrapped)]
+    x = randn(4, 32)
+    init = plain.weight.detach().clone()
+    for m, opt in zip((plain, wrapped), opts):
+        m(x).pow(2).sum().backward()
+        opt.step()
+    assert not torch.equal(plain.weight, init)
+    torch.testing.assert_close(wrapped.weight._hp_shard, plain.weight.detach(), rtol=0, atol=0)
