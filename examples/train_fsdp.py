@@ -80,10 +80,10 @@ def _init_weights(model, config, device, seed: int) -> None:
 
 
 def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None,
-          recompute: bool = False, convert: bool = True, seed: int = 0):
+          recompute: bool = False, convert: bool = True, prepare=None, seed: int = 0):
     """The sharded, materialized model (see the module note). fp8_all_gather: None or the recipe
-    the gathered weights are cast with. convert=False keeps HF's own layers (the bf16 and
-    torchao baselines of the benchmark)."""
+    the gathered weights are cast with. convert=False keeps HF's own layers and `prepare(model)`
+    runs on the meta model before sharding (the bf16 and torchao baselines of the benchmark)."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -97,6 +97,8 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
     if fp8_all_gather is not None:
         from tritium.distributed import enable_fp8_all_gather
         enable_fp8_all_gather(model, fp8_all_gather)
+    if prepare is not None:
+        prepare(model)
     if recompute:
         for layer in model.model.layers:
             _recompute(layer)
