@@ -328,6 +328,18 @@ def _check_errors(rank, world):
     assert torch.equal(_full(w), before) and not opt.state
     with pytest.raises(RuntimeError, match="before fully_shard"):
         enable_fp8_all_gather(model)
+    # FP8 params need the amaxes reduced over a group containing the shard group: checked
+    # before the all-gather (so on every rank, before any collective of the step)
+    import torch.distributed as dist
+    from tritium import recipe
+    groups = [dist.new_group([r]) for r in range(world)]          # every rank creates each
+    fp8 = _shard(_model("fp8", 2))
+    x = torch.randn(4, H)
+    for rcp, group, match in ((recipe.DelayedScaling(reduce_amax=False), None, "reduce_amax"),
+                              (recipe.DelayedScaling(), groups[rank], "fp8_group")):
+        with pytest.raises(ValueError, match=match):
+            with te.fp8_autocast(fp8_recipe=rcp, fp8_group=group):
+                fp8(x)
 
 
 def _check_smoke(rank, world):

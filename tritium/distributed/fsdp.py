@@ -39,7 +39,7 @@ from torch.utils._pytree import tree_map
 
 from ..fp8.cast import amax_into, cast_transpose
 from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from ..fp8.tensor import fp8_from_all_gather
+from ..fp8.tensor import check_amax_group_covers, fp8_from_all_gather
 from ..ref.cast import current_scale
 
 aten = torch.ops.aten
@@ -123,6 +123,7 @@ class FP8AllGatherWeight(torch.Tensor):
         cfg = self._config
         x2d = x.detach().reshape(-1, x.shape[-1])
         if isinstance(cfg.recipe, DelayedScaling):
+            check_amax_group_covers(mesh, "a weight cast to FP8 with its delayed scale")
             state = _weight_state(cfg, x.device)
             scale, amax = state.scale_slot(cfg.slot), state.amax_slot(cfg.slot)
         else:

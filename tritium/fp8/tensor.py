@@ -112,6 +112,7 @@ class Float8Tensor(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
                             mp_policy=None):
         """(inputs to all-gather, metadata): this shard's fp8 bytes, padded to FSDP's shard rows."""
+        check_amax_group_covers(mesh, "an FP8 param")
         data = self._data
         if outer_size is not None and data.dim() >= 1:
             rows = -(-outer_size[0] // mesh.size())
@@ -179,6 +180,37 @@ class Float8Tensor(torch.Tensor):
         if dst._transpose is not None:
             dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
         return dst
+
+
+_CHECKED_GROUPS: set = set()
+
+
+def check_amax_group_covers(mesh, what: str) -> None:
+    """Under delayed scaling the shards of a weight share one scale only if the amaxes are
+    reduced over a group containing every rank of the shard mesh: check it (host-side, no
+    collective, once per group and mesh) before FSDP's all-gather runs."""
+    from .autocast import current
+    from .recipe import DelayedScaling
+    state = current()
+    if state is None or not state.enabled or not isinstance(state.recipe, DelayedScaling):
+        return
+    if not state.recipe.reduce_amax:
+        raise ValueError(f"FSDP2 gathers {what} whose shards were cast on different ranks; under "
+                         "DelayedScaling(reduce_amax=False) each rank would keep its own scale. "
+                         "Use reduce_amax=True (the default)")
+    key = (id(state.group), id(mesh))
+    if key in _CHECKED_GROUPS:
+        return
+    import torch.distributed as dist
+    group = state.group if state.group is not None else dist.group.WORLD
+    have = set(dist.get_process_group_ranks(group))
+    need = set(mesh.mesh.flatten().tolist())
+    if not need <= have:
+        raise ValueError(f"fp8_autocast(fp8_group=...) spans ranks {sorted(have)} but FSDP2 shards "
+                         f"{what} over ranks {sorted(need)}: the amax group must contain the shard "
+                         "group so that every shard gets the same scale; pass fp8_group=None (all "
+                         "ranks) or a group containing the FSDP mesh's ranks")
+    _CHECKED_GROUPS.add(key)
 
 
 def fp8_from_all_gather(all_gather_outputs, metadata, fp8_dtype, nominal_dtype, scale=None,
