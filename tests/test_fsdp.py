@@ -164,13 +164,14 @@ def _compare(sharded, single, opt_s, opt_1, tol, what):
         if m_1 is not None:
             torch.testing.assert_close(_full(m_s), m_1, **tol, msg=lambda m: f"{what}: master "
                                        f"{name}: {m}")
-        for key in ("exp_avg", "exp_avg_sq"):
-            torch.testing.assert_close(_full(opt_s.state[p][key]), opt_1.state[q][key], **tol,
-                                       msg=lambda m: f"{what}: {key} {name}: {m}")
+        for key in ("exp_avg", "exp_avg_sq", "momentum_buffer"):
+            if key in opt_1.state[q]:
+                torch.testing.assert_close(_full(opt_s.state[p][key]), opt_1.state[q][key],
+                                           **tol, msg=lambda m: f"{what}: {key} {name}: {m}")
 
 
 def _check_training(rank, world, kind, *, rcp=None, tol=FP32, micro=1, gather=None, out=H,
-                    seed=7, eps=1e-8):
+                    seed=7, eps=1e-8, sgd=False):
     """5 steps sharded vs single device (see the module note)."""
     import tritium as te
     from tritium.distributed import enable_fp8_all_gather, precompute_fp8_scales_for_fsdp
@@ -184,8 +185,13 @@ def _check_training(rank, world, kind, *, rcp=None, tol=FP32, micro=1, gather=No
         w = sharded[0].fc1_weight
         gathered = _full(w)
         torch.testing.assert_close(gathered, single[0].fc1_weight.dequantize(), rtol=0, atol=0)
-    opt_1 = te.optimizers.FusedAdam(single.parameters(), lr=LR, eps=eps, master_weights=True)
-    opt_s = te.optimizers.FusedAdam(sharded.parameters(), lr=LR, eps=eps, master_weights=True)
+    if sgd:
+        make = lambda ps: te.optimizers.FusedSGD(ps, lr=LR * 10, momentum=0.9,  # noqa: E731
+                                                 weight_decay=0.01, master_weights=True)
+    else:
+        make = lambda ps: te.optimizers.FusedAdam(ps, lr=LR, eps=eps,  # noqa: E731
+                                                  master_weights=True)
+    opt_1, opt_s = make(single.parameters()), make(sharded.parameters())
     from tritium import recipe
     per_rank = isinstance(rcp, recipe.Float8CurrentScaling)
     l1 = _train(single, opt_1, world, None, steps=STEPS, rcp=rcp, micro=micro, out=out,
@@ -252,6 +258,18 @@ def _check_dcp_same_size(rank, world, ckpt, out_file):
         if hasattr(a, "fp8_meta") and a.fp8_meta.fwd is not None:
             assert torch.equal(a.fp8_meta.fwd.scale, b.fp8_meta.fwd.scale)
             assert torch.equal(a.fp8_meta.bwd.amax_history, b.fp8_meta.bwd.amax_history)
+    # each rank's own optimizer state_dict (DTensor state) through torch.save and
+    # torch.load(weights_only=True) into a fresh optimizer over the same sharded params
+    import io
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    opt3 = te.optimizers.FusedAdam(model.parameters(), lr=LR, master_weights=True)
+    opt3.load_state_dict(torch.load(buf, weights_only=True))
+    for p in model.parameters():
+        for key, value in opt.state[p].items():
+            assert (value is None) == (opt3.state[p][key] is None)
+            assert value is None or torch.equal(_full(value), _full(opt3.state[p][key])), key
     if rank == 0:
         torch.save(after, out_file)
 
@@ -391,6 +409,7 @@ def _worker2(rank, world, ckpt, losses_file, ratio_file):
     _check_training(rank, world, "fp32", out=38)                 # 38 rows: uneven at 4 ranks
     _check_training(rank, world, "bf16", tol=BF16, out=38, eps=1e-3)
     _check_training(rank, world, "fp8", rcp=dly)
+    _check_training(rank, world, "fp8", rcp=dly, sgd=True)
     _check_training(rank, world, "fp32", rcp=cur, micro=2)        # weight caching, cast per use
     _check_training(rank, world, "fp32", rcp=dly, micro=2)
     _check_training(rank, world, "fp32", rcp=cur, gather=cur)     # FP8 gather, precomputed
