@@ -37,7 +37,7 @@ from .. import _device
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
 from ._dtensor import (check_dtensor_param, is_dtensor, like_param, local, local_grad,
-                       to_param_layout)
+                       local_state, to_param_layout)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -447,4 +447,4 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["MultiTensorOptimizer", "param_kind", "storage", "fp8_meta", "get_grad",
-           "host_scalars_to", "impl_for", "local", "state_tensor"]
+           "host_scalars_to", "impl_for", "local", "local_state", "state_tensor"]

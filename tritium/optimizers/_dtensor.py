@@ -30,11 +30,22 @@ def is_dtensor(t) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def local(t):
     """The tensor the optimizer steps: a DTensor's local tensor (a plain tensor or a
     Float8Tensor), with tritium.distributed.fsdp's FP8-gather wrapper taken off."""
-    t = t._local_tensor if is_dtensor(t) else t
+    if type(t) in _PLAIN:     # the common case, every param every step: no further look-ups
+        return t
+    if is_dtensor(t):
+        t = t._local_tensor
     return getattr(t, "_hp_shard", t)
+
+
+def local_state(p, state: dict) -> dict:
+    """p's state as the kernels take it (local tensors), the dict itself for a plain p."""
+    return {k: local(v) for k, v in state.items()} if is_dtensor(p) else state
 
 
 def like_param(p, t: torch.Tensor):

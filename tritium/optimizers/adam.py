@@ -31,8 +31,8 @@ from __future__ import annotations
 import torch
 
 from ..ref import adam as ref_adam
-from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, local,
-                      state_tensor, storage)
+from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for,
+                      local_state, state_tensor, storage)
 
 _MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -142,7 +142,7 @@ class FusedAdam(MultiTensorOptimizer):
             device, _, _, is_fp8, has_master, remainder, _ = key
             if device not in hps:
                 hps[device] = self._hp(gi, group, device)
-            states = [{k: local(v) for k, v in self.state[p].items()} for p, _, _ in bucket]
+            states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "adam", ref_adam)
             impl.adam_step(
                 [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],

@@ -15,8 +15,8 @@ import torch
 from torch.optim.optimizer import required
 
 from ..ref import sgd as ref_sgd
-from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, local,
-                      state_tensor, storage)
+from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for,
+                      local_state, state_tensor, storage)
 
 
 class FusedSGD(MultiTensorOptimizer):
@@ -61,7 +61,7 @@ class FusedSGD(MultiTensorOptimizer):
             device, _, _, is_fp8, has_master, _, is_first = key
             if device not in hps:
                 hps[device] = host_scalars_to(hp_values, device)
-            states = [{k: local(v) for k, v in self.state[p].items()} for p, _, _ in bucket]
+            states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "sgd", ref_sgd)
             impl.sgd_step(
                 [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
