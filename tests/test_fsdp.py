@@ -361,8 +361,8 @@ def _check_errors(rank, world):
 
 
 def _check_smoke(rank, world):
-    """One FP8 step of MultiheadAttention, TransformerLayer and a converted HF Llama under
-    FSDP2 with FusedAdam: finite loss, weights changed, equal on all ranks."""
+    """One FP8 step of MultiheadAttention, TransformerLayer (also with FP8 params) and a
+    converted HF Llama under FSDP2 with FusedAdam: finite loss, weights changed."""
     import tritium as te
     from torch.distributed.fsdp import fully_shard
     from tritium import recipe
@@ -371,12 +371,18 @@ def _check_smoke(rank, world):
                                     attn_mask_type="causal", params_dtype=torch.float32),
               te.TransformerLayer(H, F, 2, hidden_dropout=0.0, attention_dropout=0.0,
                                   device="cpu")]
-    for layer in layers:
+    with te.fp8_model_init(recipe=recipe.DelayedScaling()):        # FP8 params, fused QKV
+        layers.append(te.TransformerLayer(H, F, 2, num_gqa_groups=1, hidden_dropout=0.0,
+                                          attention_dropout=0.0, normalization="RMSNorm",
+                                          activation="swiglu", bias=False,
+                                          fuse_qkv_params=True, device="cpu"))
+    recipes = [recipe.Float8CurrentScaling()] * 2 + [recipe.DelayedScaling()]
+    for layer, rcp in zip(layers, recipes):
         fully_shard(layer)
         opt = te.optimizers.FusedAdam(layer.parameters(), lr=LR, master_weights=True)
         before = [_full(p).clone() for p in layer.parameters()]
         x = torch.randn(16, 2, H, generator=torch.Generator().manual_seed(rank))
-        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        with te.fp8_autocast(fp8_recipe=rcp):
             y = layer(x)
         y = y[0] if isinstance(y, tuple) else y
         y.float().pow(2).mean().backward()
