@@ -63,7 +63,7 @@ _WRAP_OPS = {aten.detach.default, aten.alias.default, aten.view.default,
              aten._unsafe_view.default, aten.as_strided.default, aten.split.Tensor,
              aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
              aten.new_zeros.default, aten.new_empty.default, aten.empty_like.default,
-             aten.zeros_like.default, aten.clone.default, aten._to_copy.default,
+             aten.clone.default, aten._to_copy.default,
              aten.chunk.default, aten.reshape.default}
 
 

@@ -75,7 +75,7 @@ def local_grad(p, g, attr: str, where: str):
                              f"{g.placements}, the param on {p.device_mesh} with "
                              f"{p.placements}; redistribute the grad "
                              "(g.redistribute(p.device_mesh, p.placements))")
-        return g._local_tensor
+        return local(g._local_tensor)
     if is_dtensor(g):
         raise TypeError(f"{where}: {attr} is a DTensor but the param is a plain tensor; shard "
                         "the param too (fully_shard / distribute_tensor) or assign "
