@@ -101,18 +101,26 @@ def _gathered_bytes(rank, kind):
     if kind == "gather":
         enable_fp8_all_gather(model)
     _shard(model)
-    total, real = [0], dist.all_gather_single
+    total = [0]
+    # FSDP2 gathers through dist.all_gather_single (torch 2.13) or all_gather_into_tensor
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    real = {n: getattr(dist, n) for n in names}
 
-    def counting(out, inp, *a, **k):
-        total[0] += inp.numel() * inp.element_size()
-        return real(out, inp, *a, **k)
-    dist.all_gather_single = counting
+    def counting(name):
+        def call(out, inp, *a, **k):
+            total[0] += inp.numel() * inp.element_size()
+            return real[name](out, inp, *a, **k)
+        return call
+    for n in names:
+        setattr(dist, n, counting(n))
     try:
         x = torch.randn(G, H, device="cuda", dtype=torch.bfloat16)
         with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
             model(x).float().pow(2).mean().backward()
     finally:
-        dist.all_gather_single = real
+        for n in names:
+            setattr(dist, n, real[n])
+    assert total[0] > 0, "no all-gather seen"
     return total[0]
 
 
