@@ -2,17 +2,20 @@
 
 One process group per world size runs every check (spawned once, torch.multiprocessing) and
 asserts inside the workers; rank 0 leaves the results the next world size needs in tmp files.
-  * training: 5 FusedAdam steps of a sharded model equal single-device training of the same
-    model on the same global batch (every rank computes the single-device run itself): fp32
-    params at fp32 tolerance (the math differs only in summation order), bf16 params at bf16
-    tolerance (bf16 rtol, and atol = bf16 rtol of the largest total update, 5 lr: each rank's bf16 wgrad over its own rows rounds differently from the full
-    batch's; Adam's eps is raised above that rounding there, or a near-zero grad whose sign
-    the rounding flips would move its weight by a whole lr: the update must be a smooth
-    function of the grad for the comparison to mean anything), FP8 params (delayed scaling, amaxes reduced over the ranks so every rank and the
-    single device use the same scales) at fp32 tolerance on the fp32 masters, high-precision
-    weights gathered as FP8 (current scaling with precomputed scales, and delayed), and FP8
-    weight caching across micro-batches (is_first_microbatch). The gathered FP8 weight equals
-    the single-device FP8 weight bit for bit before any step (gathering is exact).
+  * training: 5 FusedAdam steps (and FusedSGD) of a sharded model equal single-device training
+    of the same model on the same global batch (every rank computes the single-device run
+    itself; each rank's loss is normalized by the global batch and gradients are summed, see
+    _shard): fp32 params at fp32 tolerance (the math differs only in summation order); bf16
+    params at bf16 rtol with atol = bf16 rtol of the largest total update (5 lr), since each
+    rank's bf16 wgrad over its own rows rounds differently from the full batch's, and with
+    Adam's eps raised above that rounding (else a near-zero grad whose sign the rounding flips
+    moves its weight by a whole lr); FP8 params (delayed scaling, amaxes reduced over the ranks
+    so every rank and the single device use the same scales) at fp32 tolerance, masters and
+    moments included; high-precision weights gathered as FP8 (current scaling with precomputed
+    scales, and delayed); FP8 weight caching across micro-batches (is_first_microbatch). Under
+    current scaling each tensor's scale is its own amax, so the single device runs each rank's
+    rows as a micro-batch of its own. The gathered FP8 weight equals the single-device FP8
+    weight bit for bit before any step (gathering is exact).
   * bytes: one fwd+bwd gathers <= 0.6x the bytes with FP8 weights as with bf16 weights.
   * DCP: a 2-rank checkpoint of FP8 params + FusedAdam (masters, moments) + FP8 metadata
     resumes bit-exactly at 2 ranks, and continues the same loss curve at 1 and 4 ranks.
