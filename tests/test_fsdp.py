@@ -501,13 +501,14 @@ def test_fp8_all_gather_uneven_shards(randn):
     out, inner = shards[0].fsdp_post_all_gather(gathered, meta, torch.bfloat16)
     assert isinstance(out, Float8Tensor) and out.shape == full.shape and out.dtype == torch.bfloat16
     assert torch.equal(out._data.view(torch.uint8), full._data.view(torch.uint8))
-    assert torch.equal(out._transpose.view(torch.uint8), full._data.t().contiguous().view(torch.uint8))
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    assert torch.equal(bits(out._transpose), bits(full._data.t()))
     assert torch.equal(out._scale_inv, full._scale_inv)
     new = Float8Tensor.quantize(randn(48, 32), scale, torch.float8_e4m3fn)
     gathered[0].copy_(torch.cat([s.fsdp_pre_all_gather(_Mesh(5), full.shape)[0][0]
                                  for s in torch.chunk(new, 5, dim=0)]))
     assert shards[0].fsdp_post_all_gather(gathered, meta, torch.bfloat16, out=out) is None
-    assert torch.equal(out._transpose.view(torch.uint8), new._data.t().contiguous().view(torch.uint8))
+    assert torch.equal(bits(out._transpose), bits(new._data.t()))
 
 
 def test_high_precision_weight_gathered_as_fp8(randn):
@@ -542,7 +543,7 @@ def test_high_precision_weight_gathered_as_fp8(randn):
         if isinstance(rcp, recipe.DelayedScaling):                  # every shard's amax recorded
             assert torch.equal(lin.fp8_meta.fwd.amax_history[0, 1:2], hp.abs().max().reshape(1))
         with torch.no_grad():
-            w.mul_(2)                                                # in place on the wrapped tensor
+            w.mul_(2)                                   # in place on the wrapped tensor
         assert torch.equal(w._hp_shard, 2 * hp)
 
 
