@@ -340,3 +340,32 @@ def test_fused_adam_scaled_states_kernel_equals_ref(gen, setenv, config):
     assert_same_optimizer_results(kp, kopt, rp, ropt)
     for a, b in zip(kp, rp):
         assert_same_bits(kopt.state[a]["state_scales"], ropt.state[b]["state_scales"], "scales")
+
+
+def test_fused_adam_kernel_on_dtensor_shards():
+    """FusedAdam's kernel steps DTensor params (fully_shard over a 1-process gloo group) on their
+    local tensors: the same bits as the kernel on plain params, state kept as DTensors."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    import tritium as te
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        plain = te.Linear(32, 48, params_dtype=torch.bfloat16, device="cpu")
+        sharded = te.Linear(32, 48, params_dtype=torch.bfloat16, device="cpu")
+        sharded.load_state_dict(plain.state_dict())
+        fully_shard(sharded)
+        opts = [FusedAdam(m.parameters(), lr=1e-2, master_weights=True) for m in (plain, sharded)]
+        for step in range(2):
+            for p, q in zip(plain.parameters(), sharded.parameters()):
+                p.grad = torch.randn(p.shape).to(torch.bfloat16)
+                q.grad = distribute_tensor(p.grad, q.device_mesh, q.placements)
+            for o in opts:
+                o.step()
+        for p, q in zip(plain.parameters(), sharded.parameters()):
+            assert isinstance(opts[1].state[q]["exp_avg"], DTensor)
+            assert_same_bits(q.full_tensor(), p.detach())
+            assert_same_bits(opts[1].get_master_param(q).full_tensor(), opts[0].get_master_param(p))
+    finally:
+        dist.destroy_process_group()

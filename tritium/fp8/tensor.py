@@ -13,6 +13,18 @@ TE 2.x API: `Float8Tensor` derives from `QuantizedTensor`; one made by a quantiz
 requantize the way that quantizer does (current scaling recomputes the scale);
 `update_usage(rowwise_usage=, columnwise_usage=)` makes or drops the fp8 transpose.
 
+FSDP2 (`torch.distributed.fsdp.fully_shard`): a Float8Tensor param is sharded as a Float8Tensor
+(split / narrow / new_zeros / copy_ along dim 0 keep the fp8 bytes; a shard keeps no transpose)
+and gathered as FP8 bytes through FSDP2's tensor-subclass extension points:
+`fsdp_pre_all_gather` hands FSDP the shard's fp8 data as uint8 (gloo takes no fp8 dtypes; the
+bytes are what NCCL moves either way), padded to FSDP's padded shard rows where the shard is
+short; `fsdp_post_all_gather` views the gathered bytes as fp8, drops the padding rows, makes the
+transpose that dgrad needs from the gathered data (it is never sent) and reuses the shard's
+scale_inv. All shards were written with the same scale (the owning module's delayed scale, equal
+on every rank because the amax reduction covers the shard group), so one scale_inv describes the
+whole weight. The unsharded tensor's nominal dtype is FSDP's param_dtype (MixedPrecisionPolicy),
+so its GEMM outputs come out in the dtype the inputs are cast to.
+
 Checkpoints: the class is registered with `torch.serialization.add_safe_globals`, so a state
 dict holding Float8Tensors (FP8 params from fp8_model_init) loads with
 `torch.load(weights_only=True)` in any process that imported tritium; what it unpickles is
@@ -106,12 +118,33 @@ class Float8Tensor(QuantizedTensor):
         return Float8Tensor(inner["_data"], inner["_scale_inv"], meta["fp8_dtype"], meta["dtype"],
                             inner.get("_transpose"), inner.get("_scale"))
 
-    def _same_meta(self, data, transpose=None) -> "Float8Tensor":
-        out = Float8Tensor(data, self._scale_inv, self._fp8_dtype, self.dtype, transpose,
-                           self._scale)
+    def _same_meta(self, data, transpose=None, scale_inv=None, dtype=None) -> "Float8Tensor":
+        out = Float8Tensor(data, self._scale_inv if scale_inv is None else scale_inv,
+                           self._fp8_dtype, dtype or self.dtype, transpose, self._scale)
+        amax = getattr(self, "_amax", None)   # the optimizer's link to the module's history
+        if amax is not None:
+            out._amax = amax
         if self._quantizer is not None:
             out._quantizer = self._quantizer
         return out
+
+    # ------------------------------------------------------------------ FSDP2 extension points
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
+                            mp_policy=None):
+        """(inputs to all-gather, metadata): this shard's fp8 bytes, padded to FSDP's shard rows."""
+        check_amax_group_covers(mesh, "an FP8 param")
+        data = self._data
+        if outer_size is not None and data.dim() >= 1:
+            rows = -(-outer_size[0] // mesh.size())
+            if data.shape[0] < rows:
+                data = torch.cat([data, data.new_zeros(rows - data.shape[0], *data.shape[1:])])
+        rows = None if outer_size is None else outer_size[0]
+        return (data.contiguous().view(torch.uint8),), (rows, self._scale_inv)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded Float8Tensor from the gathered bytes (transpose made here)."""
+        return fp8_from_all_gather(all_gather_outputs, metadata, self._fp8_dtype, param_dtype,
+                                   self._scale, getattr(self, "_amax", None), out)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -123,6 +156,19 @@ class Float8Tensor(QuantizedTensor):
             return t._same_meta(t._data.clone(), None if t._transpose is None else t._transpose.clone())
         if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return args[0]._same_meta(args[0]._data.view(args[1]))
+        if func in _DIM0_OPS and _on_dim0(func, args, kwargs):
+            # FSDP2 sharding (chunk/narrow along dim 0): fp8 views of the data, no transpose
+            t = args[0]
+            out = func(t._data, *args[1:], **kwargs)
+            if isinstance(out, (list, tuple)):
+                return [t._same_meta(o) for o in out]
+            return t._same_meta(out)
+        if func is aten.as_strided.default and _is_whole_view(args[0], *args[1:], **kwargs):
+            return args[0]._same_meta(args[0]._data, args[0]._transpose)
+        if func is aten.new_zeros.default:
+            t = args[0]
+            data = torch.zeros(args[1], dtype=t._fp8_dtype, device=t._data.device)
+            return t._same_meta(data, scale_inv=t._scale_inv.clone())
         if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
             return cls._copy_into(args[0], args[1])
 
@@ -157,6 +203,77 @@ class Float8Tensor(QuantizedTensor):
         if dst._transpose is not None:
             dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
         return dst
+
+
+_CHECKED_GROUPS: set = set()
+
+
+def check_amax_group_covers(mesh, what: str) -> None:
+    """Under delayed scaling the shards of a weight share one scale only if the amaxes are
+    reduced over a group containing every rank of the shard mesh: check it (host-side, no
+    collective, once per group and mesh) before FSDP's all-gather runs."""
+    from .autocast import current
+    from .recipe import DelayedScaling
+    state = current()
+    if state is None or not state.enabled or not isinstance(state.recipe, DelayedScaling):
+        return
+    if not state.recipe.reduce_amax:
+        raise ValueError(f"FSDP2 gathers {what} whose shards were cast on different ranks; under "
+                         "DelayedScaling(reduce_amax=False) each rank would keep its own scale. "
+                         "Use reduce_amax=True (the default)")
+    key = (id(state.group), id(mesh))
+    if key in _CHECKED_GROUPS:
+        return
+    import torch.distributed as dist
+    group = state.group if state.group is not None else dist.group.WORLD
+    have = set(dist.get_process_group_ranks(group))
+    need = set(mesh.mesh.flatten().tolist())
+    if not need <= have:
+        raise ValueError(f"fp8_autocast(fp8_group=...) spans ranks {sorted(have)} but FSDP2 shards "
+                         f"{what} over ranks {sorted(need)}: the amax group must contain the shard "
+                         "group so that every shard gets the same scale; pass fp8_group=None (all "
+                         "ranks) or a group containing the FSDP mesh's ranks")
+    _CHECKED_GROUPS.add(key)
+
+
+def fp8_from_all_gather(all_gather_outputs, metadata, fp8_dtype, nominal_dtype, scale=None,
+                        amax=None, out=None):
+    """FSDP2's post-all-gather step for FP8 bytes (shared by Float8Tensor params and
+    tritium.distributed.fsdp's high-precision weights cast before the gather): view the bytes as
+    fp8, drop FSDP's padding rows, make the transpose from the gathered data. With `out` (every
+    gather after the first) FSDP has re-allocated the buffers returned the first time: refill."""
+    (gathered,), (rows, scale_inv) = all_gather_outputs, metadata
+    data = gathered.view(fp8_dtype)
+    if rows is not None and data.shape[0] != rows:
+        data = data[:rows]
+    if out is not None:
+        if out._transpose is not None:
+            out._transpose.copy_(out._data.reshape(-1, out._data.shape[-1]).t())
+        out._scale_inv.copy_(scale_inv)
+        return None
+    transpose = data.reshape(-1, data.shape[-1]).t().contiguous() if data.dim() >= 2 else None
+    full = Float8Tensor(data, scale_inv.clone(), fp8_dtype, nominal_dtype, transpose, scale)
+    if amax is not None:
+        full._amax = amax
+    return full, tuple(t for t in (data, transpose) if t is not None)
+
+
+_DIM0_OPS = (aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor,
+             aten.narrow.default, aten.chunk.default)
+
+
+def _on_dim0(func, args, kwargs) -> bool:
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if func in (aten.slice.Tensor, aten.narrow.default):
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    return dim == 0 or dim == -args[0].dim()
+
+
+def _is_whole_view(t, size, stride, storage_offset=0) -> bool:
+    """as_strided that views all of t, contiguously (FSDP's view of the unsharded param)."""
+    d = t._data
+    return (tuple(size) == tuple(d.shape) and tuple(stride) == tuple(d.stride())
+            and not storage_offset and d.is_contiguous())
 
 
 torch.serialization.add_safe_globals([Float8Tensor])

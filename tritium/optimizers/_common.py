@@ -17,6 +17,9 @@ master or not, remainders or not) within a param group. The kernel runs where
 `tritium._device.use_triton` says (CUDA; CPU under TRITON_INTERPRET=1), the PyTorch twin
 otherwise.
 
+DTensor params (FSDP2, tensor parallelism) are stepped on their local shards, with state kept
+as DTensors like the param: see `_dtensor.py`.
+
 state_dict: the same layout as torch.optim (`state` keyed by the param's index over all groups,
 `param_groups` with `params` as index lists), every state tensor unscaled fp32 (bf16 moments
 upcast, the master rebuilt from param + remainder), the group step a Python int and lr a float.
@@ -34,6 +37,8 @@ from .. import _device
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
 from ..ref import cast as ref_cast
+from ._dtensor import (check_dtensor_param, is_dtensor, like_param, local, local_grad,
+                       local_state, to_param_layout)
 
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -41,6 +46,7 @@ _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: 
 
 def param_kind(p: torch.Tensor, where: str) -> str:
     """'fp32', 'bf16', 'fp16' or 'fp8'; a clear TypeError for anything else."""
+    p = local(p)
     if isinstance(p, Float8Tensor):
         return "fp8"
     kind = _KIND_OF_DTYPE.get(p.dtype)
@@ -51,11 +57,14 @@ def param_kind(p: torch.Tensor, where: str) -> str:
 
 
 def storage(p: torch.Tensor) -> torch.Tensor:
-    """The tensor the kernels write: the fp8 `_data` of an FP8 param, else the param's data."""
+    """The tensor the kernels write: the fp8 `_data` of an FP8 param, else the param's data
+    (of the local shard for a DTensor param)."""
+    p = local(p)
     return p._data if isinstance(p, Float8Tensor) else p.detach()
 
 
 def fp8_meta(p: torch.Tensor):
+    p = local(p)
     return p._scale, p._scale_inv, getattr(p, "_amax", None)
 
 
@@ -85,8 +94,24 @@ def check_group_kinds(kinds: list[str], group_index: int, master_weights: bool) 
                          "cast)")
 
 
+def state_tensor(p: torch.Tensor, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+    """A new state tensor for p (its local shard's shape; a DTensor like p for DTensor p)."""
+    s = storage(p)
+    t = (torch.zeros if zero else torch.empty)(local(p).shape, dtype=dtype, device=s.device)
+    return like_param(p, t)
+
+
+def refresh_transpose(p: torch.Tensor) -> None:
+    """An FP8 param's fp8 transpose (when it keeps one) after its data was written."""
+    p = local(p)
+    if getattr(p, "_transpose", None) is not None:
+        p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+
+
 def check_param(p: torch.Tensor, where: str) -> str:
+    check_dtensor_param(p, where)
     kind = param_kind(p, where)
+    p = local(p)
     if kind == "fp8":
         check_fp8_param(p, where)
     elif not p.is_contiguous():
@@ -101,6 +126,7 @@ def get_grad(p: torch.Tensor, use_decoupled_grad: bool, where: str) -> Optional[
     if g is None:
         return None
     attr = "p.decoupled_grad" if use_decoupled_grad else "p.grad"
+    g, p = local_grad(p, g, attr, where), local(p)
     if g.is_sparse or g.layout != torch.strided:
         raise RuntimeError(f"{where}: {attr} is sparse ({g.layout}); fused optimizers take dense "
                            "grads only: use torch.optim.SparseAdam / Adam for sparse embeddings")
@@ -164,12 +190,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _initial_master(self, p: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
         if not self._has_master(kind):
             return None
+        q = local(p)
         if kind == "fp8":  # the high-precision init kept by fp8_model_init, else the fp8 value
-            init = p.get_high_precision_init_val()
-            if init is not None and tuple(init.shape) == tuple(p.shape):
-                return init.to(p.device, torch.float32, copy=True).contiguous()
-            return p.dequantize(torch.float32).contiguous()
-        return p.detach().to(torch.float32, copy=True)
+            init = q.get_high_precision_init_val()
+            if init is not None and tuple(init.shape) == tuple(q.shape):
+                return like_param(p, init.to(q.device, torch.float32, copy=True).contiguous())
+            return like_param(p, q.dequantize(torch.float32).contiguous())
+        return like_param(p, q.detach().to(torch.float32, copy=True))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if not self.use_decoupled_grad:
@@ -223,14 +250,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         Float8CurrentScaling) takes its scale from the new master's amax and is rewritten with
         it; then the fp8 transpose follows the data."""
         current = getattr(p, "_current_scaling", None)
-        if current is not None:
+        if current is not None:  # never a DTensor shard (modules/base.py refuses those)
             master = self.get_master_param(p).reshape(-1)
             amax = master.abs().amax().reshape(1) if master.numel() else torch.zeros_like(p._scale)
             p._scale.copy_(ref_cast.current_scale(amax, p._fp8_dtype, *current))
             ref_adam.store_weight(storage(p).view(-1), None, None, (p._scale, p._scale_inv, None),
                                   master)
-        if getattr(p, "_transpose", None) is not None:
-            p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+        refresh_transpose(p)
 
     def _buckets(self, items: list[tuple], extra_key=None) -> dict:
         """{(device, storage dtype, grad dtype, kind class, extra): [(p, g, kind)]}."""
@@ -253,7 +279,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if not state:
             return None
         if "master_remainder" in state:
-            return ref_adam.join_remainder(storage(p).view(torch.int16), state["master_remainder"])
+            return like_param(p, ref_adam.join_remainder(storage(p).view(torch.int16),
+                                                         local(state["master_remainder"])))
         return state.get("master_param")
 
     @torch.no_grad()
@@ -270,11 +297,13 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         if tuple(value.shape) != tuple(p.shape) or not value.is_floating_point():
             raise ValueError(f"set_master_param: value must be a float tensor of shape "
                              f"{tuple(p.shape)}, got {value.dtype}{tuple(value.shape)}")
+        if is_dtensor(p):
+            value = local(to_param_layout(p, value))
         state = self.state[p]
         if not state:
             self._init_state(p, kind, state)
         w = value.detach().to(device=storage(p).device, dtype=torch.float32).reshape(-1).clone()
-        rem = state.get("master_remainder")
+        rem = local(state.get("master_remainder"))
         self._store_master(p, state, w)
         ref_adam.store_weight(storage(p).view(-1), None, None if rem is None else rem.view(-1),
                               fp8_meta(p) if kind == "fp8" else None, w)
@@ -283,7 +312,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
     def _store_master(self, p: torch.Tensor, state: dict, w: torch.Tensor) -> None:
         """Write the fp32 weight `w` (flat) into p's stored master, where it has one."""
-        master = state.get("master_param")
+        master = local(state.get("master_param"))
         if master is not None:
             master.view(-1).copy_(w)
 
@@ -383,7 +412,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"load_state_dict: {where}: '{name}' has shape "
                                  f"{tuple(t.shape)} but the param has shape {tuple(p.shape)}; "
                                  "the state_dict belongs to another model or param order")
-            out[name] = t.to(device=storage(p).device, dtype=torch.float32)
+            out[name] = to_param_layout(p, t.to(device=storage(p).device, dtype=torch.float32))
         return out
 
     _required_state: tuple[str, ...] = ()
@@ -437,8 +466,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             if master is None:
                 rem.zero_()  # master = the param's value
             else:  # the param's bits and the remainder together hold the saved master
-                ref_adam.store_weight(storage(p).view(-1), None, rem.view(-1), None,
-                                      master.reshape(-1))
+                ref_adam.store_weight(storage(p).view(-1), None, local(rem).view(-1), None,
+                                      local(master).reshape(-1))
 
     # subclass hooks
     def _init_state(self, p: torch.Tensor, kind: str, state: dict) -> None:
@@ -449,4 +478,4 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
 
 
 __all__ = ["MultiTensorOptimizer", "param_kind", "storage", "fp8_meta", "get_grad",
-           "host_scalars_to", "impl_for"]
+           "host_scalars_to", "impl_for", "local", "local_state", "state_tensor"]

@@ -47,7 +47,8 @@ from __future__ import annotations
 import torch
 
 from ..ref import adam as ref_adam
-from ._common import MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, storage
+from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, is_dtensor,
+                      local, local_state, state_tensor, storage)
 
 # The moment dtypes TE accepts -> how they are stored (torch.uint8 means FP8 E4M3 in TE).
 _MOMENT_STORAGE = {torch.float32: torch.float32, torch.bfloat16: torch.bfloat16,
@@ -108,6 +109,12 @@ class FusedAdam(MultiTensorOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if self._scaled and any(is_dtensor(p) for p in group["params"]):
+            # Each shard would get its own factors in a per-rank [3, 3] table, which DCP would
+            # save as one replicated tensor: a resume could not be exact.
+            raise ValueError("FusedAdam: fp16 / FP8 (torch.uint8) states or fp16 masters are not "
+                             "supported with DTensor (FSDP2 / TP) params yet; use float32 or "
+                             "bfloat16 moments and float32 masters")
         group.setdefault("step", 0)
         if self.capturable and group["params"]:
             dev = storage(group["params"][0]).device
@@ -118,20 +125,21 @@ class FusedAdam(MultiTensorOptimizer):
 
     # ------------------------------------------------------------------ state
     def _init_state(self, p: torch.Tensor, kind: str, state: dict) -> None:
-        s = storage(p)
-        for name in ("exp_avg", "exp_avg_sq"):
-            state[name] = torch.zeros(p.shape, dtype=self._storage[name], device=s.device)
+        state["exp_avg"] = state_tensor(p, self._storage["exp_avg"])
+        state["exp_avg_sq"] = state_tensor(p, self._storage["exp_avg_sq"])
         master = self._initial_master(p, kind)
         if self._scaled:  # all factors 0: zero moments read as 0
-            state["state_scales"] = torch.zeros(3, 3, dtype=torch.float32, device=s.device)
+            state["state_scales"] = torch.zeros(3, 3, dtype=torch.float32,
+                                                device=storage(p).device)
         if master is not None and self.master_weight_dtype != torch.float32:
-            stored = torch.empty(p.shape, dtype=self.master_weight_dtype, device=s.device)
-            ref_adam.quantize_state(stored, state["state_scales"], ref_adam.ROW_MASTER, master)
+            stored = state_tensor(p, self.master_weight_dtype, zero=False)
+            ref_adam.quantize_state(local(stored), state["state_scales"], ref_adam.ROW_MASTER,
+                                    local(master))
             master = stored
         state["master_param"] = master
         if self._uses_remainder(kind):
             # The param's bf16 value is exact in fp32: the master starts with a zero remainder.
-            state["master_remainder"] = torch.zeros(p.shape, dtype=torch.int16, device=s.device)
+            state["master_remainder"] = state_tensor(p, torch.int16)
 
     # ------------------------------------------------------------------ scaled states (TE's API)
     def _check_state_name(self, p: torch.Tensor, state_name: str) -> dict:
@@ -275,7 +283,7 @@ class FusedAdam(MultiTensorOptimizer):
             device, _, _, is_fp8, has_master, remainder, _ = key
             if device not in hps:
                 hps[device] = self._hp(gi, group, device)
-            states = [self.state[p] for p, _, _ in bucket]
+            states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "adam", ref_adam)
             impl.adam_step(
                 [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],

@@ -15,7 +15,8 @@ import torch
 from torch.optim.optimizer import required
 
 from ..ref import sgd as ref_sgd
-from ._common import MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, storage
+from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for,
+                      local_state, state_tensor, storage)
 
 
 class FusedSGD(MultiTensorOptimizer):
@@ -50,8 +51,8 @@ class FusedSGD(MultiTensorOptimizer):
             first = {id(p): "momentum_buffer" not in self.state[p] for p, _, _ in items}
             for p, _, _ in items:
                 if first[id(p)]:
-                    self.state[p]["momentum_buffer"] = torch.empty(
-                        p.shape, dtype=torch.float32, device=storage(p).device)
+                    self.state[p]["momentum_buffer"] = state_tensor(p, torch.float32,
+                                                                    zero=False)
         hp_values = [float(group["lr"]), float(group["momentum"]),
                      1.0 - float(group["dampening"]), float(group["weight_decay"])]
         hps = {}
@@ -60,7 +61,7 @@ class FusedSGD(MultiTensorOptimizer):
             device, _, _, is_fp8, has_master, _, is_first = key
             if device not in hps:
                 hps[device] = host_scalars_to(hp_values, device)
-            states = [self.state[p] for p, _, _ in bucket]
+            states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "sgd", ref_sgd)
             impl.sgd_step(
                 [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],

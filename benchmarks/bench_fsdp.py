@@ -1,0 +1,141 @@
+"""Llama-3-8B trained with FSDP2 over all GPUs: tritium FP8 with FP8 all-gather vs bf16 and torchao.
+
+    torchrun --nproc-per-node=2 benchmarks/bench_fsdp.py --batch 1          # 2 x H200
+    torchrun --nproc-per-node=2 benchmarks/bench_fsdp.py --tiny --device cpu   # dry run (gloo)
+
+Model: HF LlamaForCausalLM with Llama-3-8B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads,
+ffn 14336, vocab 128256), built on the meta device, sharded with fully_shard per decoder layer
+and at the root (MixedPrecisionPolicy bf16 params, fp32 gradient reduction), materialized shard
+by shard (examples/train_fsdp.py: build()). FusedAdam with fp32 master weights, sequence 4096,
+`--batch` sequences per GPU (the largest that fits: try 2, then 1), every decoder layer
+recomputed in backward (--no-recompute to keep activations). Data: real text (the demo's corpus,
+bytes as tokens), the same batches for every variant. Variants, one run, one after another:
+  * bf16:              the converted model (tritium TransformerLayers) in bf16: the baseline;
+  * hf-bf16:           HF's own layers in bf16 (torch SDPA), for reference;
+  * tritium-fp8-ag:    the converted model under fp8_autocast(Float8CurrentScaling), its bf16
+                       weights all-gathered as FP8 (enable_fp8_all_gather, scales precomputed in
+                       one all-reduce after each step);
+  * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
+                       enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
+                       torch.compile per decoder layer.
+Reported per variant: ms per step and tokens/s (all GPUs, after --warmup steps), peak memory per
+GPU, bytes all-gathered per step per GPU, and the loss curve (first / last, and the mean of the
+last 10 steps relative to bf16's). Rows go through benchmarks/harness.py finish().
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
+from harness import finish  # noqa: E402
+import train_fsdp as T  # noqa: E402
+
+VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "torchao-float8")
+
+
+def _torchao_prepare(model):
+    """Before fully_shard: torchao's float8 tensorwise linears with FP8 all-gather, compiled
+    per decoder layer (torchtitan's order)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda mod, fqn: "lm_head" not in fqn)
+    for layer in model.model.layers:
+        layer.compile()
+
+
+def run_variant(name: str, args, device) -> dict:
+    import tritium as te
+    from tritium import recipe
+    rcp, after, prepare, convert, gather = None, None, None, True, None
+    if name == "hf-bf16":
+        convert = False
+    elif name == "tritium-fp8-ag":
+        rcp = gather = recipe.Float8CurrentScaling()
+    elif name == "torchao-float8":
+        convert, prepare = False, _torchao_prepare
+    model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
+                       convert=convert, prepare=prepare, seed=args.seed)
+    if name == "torchao-float8":
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+        after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
+    opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
+    data = T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed)
+    log = print if args.verbose else None
+    steps = T.train(model, opt, data, rcp=rcp, after_step=after, log=log, warmup=args.warmup)
+    timed = [s for s in steps if s["tokens_per_s"]]
+    tps = timed[-1]["tokens_per_s"] if timed else None
+    world = dist.get_world_size()
+    row = {"bench": "fsdp", "variant": name, "world": world, "batch_per_gpu": args.batch,
+           "seq_len": args.seq_len, "recompute": args.recompute,
+           "tokens_per_s": None if tps is None else round(tps, 1),
+           "ms": None if tps is None else round(1e3 * args.batch * args.seq_len * world / tps, 2),
+           "peak_gib_per_gpu": None if steps[-1]["peak_gib"] is None
+           else round(max(s["peak_gib"] for s in steps), 2),
+           "all_gather_gib_per_step": round(steps[-1]["all_gather_bytes"] / 2**30, 4),
+           "losses": [round(s["loss"], 5) for s in steps]}
+    if row["ms"] is None:
+        del row["ms"]
+    del model, opt
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny config, short sequences: a dry run")
+    p.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    p.add_argument("--verbose", action="store_true", help="one progress line per step")
+    args = p.parse_args(argv)
+    args.config = "tiny" if args.tiny else "llama3-8b"
+    if args.tiny:
+        args.seq_len, args.steps, args.warmup = min(args.seq_len, 128), min(args.steps, 6), 2
+    device = T.setup(args.device)
+    rows = []
+    for name in args.variants.split(","):
+        if name not in VARIANTS:
+            p.error(f"--variants: unknown {name!r}; choose from {', '.join(VARIANTS)}")
+        try:
+            row = run_variant(name, args, device)
+        except Exception as e:  # a missing peer or an OOM: a row with the error, not a crash
+            if dist.get_rank() == 0:
+                traceback.print_exc()
+            row = {"variant": name, "error": f"{type(e).__name__}: {e}"}
+        row["case"] = f"{args.config}-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
+        rows.append(row)
+        if dist.get_rank() == 0:
+            print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+    base = next((r for r in rows if r["variant"] == "bf16" and "losses" in r), None)
+    for r in rows:
+        if base is not None and "losses" in r and "tokens_per_s" in r and r["tokens_per_s"]:
+            tail = lambda x: sum(x["losses"][-10:]) / len(x["losses"][-10:])  # noqa: E731
+            r["loss_last10_vs_bf16"] = round(tail(r) / tail(base), 4)
+            if base.get("tokens_per_s"):
+                r["tokens_per_s_vs_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
+    if dist.get_rank() == 0:
+        finish("fsdp", rows, baseline="bf16")
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

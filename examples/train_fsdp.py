@@ -1,0 +1,253 @@
+"""Train the HF Llama converted to tritium (`convert_llama`) with FSDP2 on every GPU of the machine
+(or on CPU processes over gloo), FusedAdam with fp32 master weights, optionally in FP8.
+
+    torchrun --nproc-per-node=gpu examples/train_fsdp.py                      # tiny config
+    torchrun --nproc-per-node=2 examples/train_fsdp.py --config llama3-8b --seq-len 4096 \
+        --batch 1 --fp8 current --fp8-all-gather --recompute
+    torchrun --nproc-per-node=2 examples/train_fsdp.py --device cpu --steps 5    # gloo
+
+How the model is made (docs/distributed.md, DESIGN.md section 11): the HF model is built on the
+meta device, converted (its decoder layers become tritium TransformerLayers), optionally given
+FP8 all-gather (`tritium.distributed.enable_fp8_all_gather`), sharded (`fully_shard` per decoder
+layer, then the root), and only then materialized: `to_empty` allocates each rank's shards and
+every module re-initializes its own shard (`reset_parameters`; HF's norms, embeddings and the
+rotary buffers are re-made here), so no device ever holds the whole model.
+Data: bytes of real text (the demo's corpus: Python's standard library source), a different
+stream of random windows per rank. Each step prints one progress line (loss averaged over ranks,
+tokens/s over all ranks, peak memory per device, bytes all-gathered per step per rank).
+`build()` and `train()` are also used by benchmarks/bench_fsdp.py.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+CONFIGS = {
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "llama3-8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=500000.0),
+}
+
+
+def setup(device: str = "auto"):
+    """Process group from torchrun's environment (a 1-process group without it)."""
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    os.environ.setdefault("MASTER_ADDR", "localhost")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def fp8_recipe(name: str):
+    from tritium import recipe
+    return {"none": None, "delayed": recipe.DelayedScaling(),
+            "current": recipe.Float8CurrentScaling()}[name]
+
+
+@torch.no_grad()
+def _init_weights(model, config, device, seed: int) -> None:
+    """Each rank initializes its own shards: tritium modules through reset_parameters, HF's
+    modules as HF's _init_weights does (normal(0, initializer_range), norms at 1), the rotary
+    inv_freq (a non-persistent buffer, left garbage by to_empty) made again."""
+    torch.manual_seed(seed + dist.get_rank())
+    std = config.initializer_range
+    for name, m in model.named_modules():
+        if type(m).__module__.startswith("tritium") and hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+        elif isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
+            torch.nn.init.normal_(m.weight, 0.0, std)
+        elif type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight"):
+            m.weight.fill_(1.0)
+        elif name.endswith("rotary_emb"):
+            with torch.device(device):
+                fresh = type(m)(config)
+            for key, buf in fresh.named_buffers():
+                getattr(m, key).copy_(buf)
+
+
+def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None,
+          recompute: bool = False, convert: bool = True, prepare=None, seed: int = 0):
+    """The sharded, materialized model (see the module note). fp8_all_gather: None or the recipe
+    the gathered weights are cast with. convert=False keeps HF's own layers and `prepare(model)`
+    runs on the meta model before sharding (the bf16 and torchao baselines of the benchmark)."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from tritium.integrations.hf import convert_llama
+    config = transformers.LlamaConfig(**CONFIGS[config_name], tie_word_embeddings=False,
+                                      attention_dropout=0.0)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config).to(dtype)
+    if convert:
+        convert_llama(model)
+    if fp8_all_gather is not None:
+        from tritium.distributed import enable_fp8_all_gather
+        enable_fp8_all_gather(model, fp8_all_gather)
+    if prepare is not None:
+        prepare(model)
+    if recompute:
+        for layer in model.model.layers:
+            _recompute(layer)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device=device)
+    _init_weights(model, config, device, seed)
+    return model, config
+
+
+def _recompute(layer) -> None:
+    """Activation recomputation of a whole decoder layer (torch.utils.checkpoint). The recompute
+    runs in backward, outside the fp8_autocast of the forward: it re-enters the same FP8 setting
+    (fine for current scaling, whose casts depend on the values only; delayed scaling needs
+    te.distributed.checkpoint, which recomputes with the forward's frozen scales)."""
+    import importlib
+    from torch.utils.checkpoint import checkpoint
+    fp8_autocast_state = importlib.import_module("tritium.fp8.autocast")   # the module
+    forward = layer.forward
+
+    def contexts():
+        state = fp8_autocast_state.current()
+        if state is None:
+            return contextlib.nullcontext(), contextlib.nullcontext()
+        return contextlib.nullcontext(), fp8_autocast_state.fp8_autocast(
+            enabled=state.enabled, fp8_recipe=state.recipe, fp8_group=state.group)
+
+    def recomputed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    layer.forward = recomputed
+
+
+class GatherCounter:
+    """Bytes this rank receives from FSDP2's all-gathers (counted at dist.all_gather_single,
+    the collective FSDP2 calls; older torch: all_gather_into_tensor)."""
+
+    def __init__(self):
+        self.bytes = 0
+        self._saved = {}
+
+    def __enter__(self):
+        for name in ("all_gather_single", "all_gather_into_tensor"):
+            real = getattr(dist, name, None)
+            if real is None:
+                continue
+            self._saved[name] = real
+
+            def counting(output, inp, *args, _real=real, **kwargs):
+                self.bytes += output.numel() * output.element_size()
+                return _real(output, inp, *args, **kwargs)
+            setattr(dist, name, counting)
+        return self
+
+    def __exit__(self, *exc):
+        for name, real in self._saved.items():
+            setattr(dist, name, real)
+
+
+def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0):
+    """Windows of real text (bytes as tokens), a different stream per rank."""
+    from tritium.demo import load_corpus, split_corpus
+    data, _ = load_corpus()
+    train, _ = split_corpus(data, seq_len)
+    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    for _ in range(steps):
+        starts = torch.randint(0, train.numel() - seq_len - 1, (batch,), generator=g)
+        w = train[starts[:, None] + torch.arange(seq_len + 1)].to(device, torch.long)
+        yield w[:, :-1], w[:, 1:]
+
+
+def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int = 2):
+    """Train over `data`; returns per-step dicts (loss, tokens/s after warm-up, peak GiB,
+    all-gather bytes). One progress line per step on rank 0."""
+    import tritium as te
+    from tritium.distributed import precompute_fp8_scales_for_fsdp
+    world, rows = dist.get_world_size(), []
+    cuda = next(model.parameters()).device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t_start, tokens = None, 0
+    for step, (x, y) in enumerate(data):
+        if step == warmup:
+            if cuda:
+                torch.cuda.synchronize()
+            t_start, tokens = time.perf_counter(), 0
+        with GatherCounter() as gathered:
+            ctx = te.fp8_autocast(fp8_recipe=rcp) if rcp is not None else contextlib.nullcontext()
+            with ctx:
+                logits = model(input_ids=x).logits
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            del logits
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            precompute_fp8_scales_for_fsdp(model)     # no-op without current-scaling gathers
+            if after_step is not None:
+                after_step()
+        loss = loss.detach()
+        dist.all_reduce(loss)
+        tokens += x.numel() * world
+        elapsed = None if t_start is None else time.perf_counter() - t_start
+        row = {"step": step + 1, "loss": loss.item() / world,
+               "tokens_per_s": None if not elapsed else tokens / elapsed,
+               "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+               "all_gather_bytes": gathered.bytes}
+        rows.append(row)
+        if dist.get_rank() == 0 and log is not None:
+            tps = f"{row['tokens_per_s']:,.0f} tok/s" if row["tokens_per_s"] else "warm-up"
+            mem = f" | peak {row['peak_gib']:.1f} GiB" if cuda else ""
+            log(f"step {row['step']:>4} | loss {row['loss']:.4f} | {tps}{mem} | "
+                f"all-gather {gathered.bytes / 2**20:,.1f} MiB/step", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--fp8", choices=["none", "delayed", "current"], default="none")
+    p.add_argument("--fp8-all-gather", action="store_true",
+                   help="gather the bf16 weights as FP8 (enable_fp8_all_gather; needs --fp8)")
+    p.add_argument("--recompute", action="store_true", help="recompute each decoder layer")
+    p.add_argument("--device", choices=["auto", "cpu"], default="auto")
+    args = p.parse_args(argv)
+    device = setup(args.device)
+    import tritium as te
+    rcp = fp8_recipe(args.fp8)
+    if args.fp8_all_gather and rcp is None:
+        p.error("--fp8-all-gather needs --fp8 delayed or --fp8 current")
+    if args.recompute and args.fp8 == "delayed":
+        p.error("--recompute with --fp8 delayed needs the forward's frozen scales in the "
+                "recompute (te.distributed.checkpoint); use --fp8 current")
+    model, _ = build(args.config, device, fp8_all_gather=rcp if args.fp8_all_gather else None,
+                     recompute=args.recompute)
+    opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
+    if dist.get_rank() == 0:
+        n = sum(p.numel() for p in model.parameters())
+        print(f"{args.config}: {n / 1e6:,.1f}M params on {dist.get_world_size()} x {device.type}; "
+              f"fp8={args.fp8} fp8_all_gather={args.fp8_all_gather}", flush=True)
+    train(model, opt, batches(args.seq_len, args.batch, args.steps, device), rcp=rcp)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
