@@ -564,3 +564,31 @@ def test_optimizer_steps_wrapped_weight(randn):
         opt.step()
     assert not torch.equal(plain.weight, init)
     torch.testing.assert_close(wrapped.weight._hp_shard, plain.weight.detach(), rtol=0, atol=0)
+
+
+def test_refusals_of_sharded_scaled_states_and_current_scaled_fp8_weights():
+    """Two combinations that cannot be exact under sharding are refused with the fix named,
+    before any state exists: FusedAdam's fp16 / FP8 states on DTensor params (one per-rank
+    factor table, which DCP would save as replicated), and FP8 weights made under
+    Float8CurrentScaling sharded by fully_shard (each shard would take its own scale)."""
+    import tritium as te
+    from tritium import recipe
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        lin = te.Linear(32, 16, params_dtype=torch.bfloat16, device="cpu")
+        fully_shard(lin)
+        with pytest.raises(ValueError, match="not supported with DTensor"):
+            te.optimizers.FusedAdam(lin.parameters(), master_weights=True,
+                                    exp_avg_dtype=torch.uint8)
+        opt = te.optimizers.FusedAdam(lin.parameters(), master_weights=True)
+        assert not opt.state                                       # the plain one is accepted
+        with te.fp8_model_init(enabled=True, recipe=recipe.Float8CurrentScaling()):
+            fp8 = te.Linear(32, 16, device="cpu")
+        fully_shard(fp8)
+        with pytest.raises(ValueError, match="cannot be sharded"):
+            with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
+                fp8(torch.randn(4, 32))
+    finally:
+        dist.destroy_process_group()

@@ -124,6 +124,9 @@ class Float8Tensor(QuantizedTensor):
         amax = getattr(self, "_amax", None)   # the optimizer's link to the module's history
         if amax is not None:
             out._amax = amax
+        current = getattr(self, "_current_scaling", None)  # fp8_model_init(Float8CurrentScaling)
+        if current is not None:
+            out._current_scaling = current
         if self._quantizer is not None:
             out._quantizer = self._quantizer
         return out
@@ -132,6 +135,12 @@ class Float8Tensor(QuantizedTensor):
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
                             mp_policy=None):
         """(inputs to all-gather, metadata): this shard's fp8 bytes, padded to FSDP's shard rows."""
+        if getattr(self, "_current_scaling", None) is not None:
+            raise ValueError(
+                "FP8 weights made under Float8CurrentScaling cannot be sharded (FSDP2) yet: each "
+                "shard would take its own scale. Build the model under "
+                "fp8_model_init(recipe=DelayedScaling()), or keep bf16 weights and call "
+                "te.distributed.enable_fp8_all_gather(model, recipe=...)")
         check_amax_group_covers(mesh, "an FP8 param")
         data = self._data
         if outer_size is not None and data.dim() >= 1:

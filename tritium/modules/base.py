@@ -134,12 +134,6 @@ class FP8Module(torch.nn.Module):
         Current-scaled FP8 weights own their scale: nothing to link."""
         state = self.fp8_meta.fwd
         if not isinstance(self._fp8_param_recipe, DelayedScaling):
-            if any(hasattr(self._parameters[n], "_local_tensor") for n in self._fp8_weight_slots):
-                raise ValueError(
-                    f"{type(self).__name__}: FP8 weights made under Float8CurrentScaling cannot "
-                    "be sharded (FSDP2 / DTensor) yet: each shard would take its own scale. Build "
-                    "the model under fp8_model_init(recipe=DelayedScaling()), or keep bf16 weights "
-                    "and call te.distributed.enable_fp8_all_gather(model, recipe=...)")
             return
         if state is None or state.amax_history is self._linked_history:
             return

@@ -250,7 +250,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         Float8CurrentScaling) takes its scale from the new master's amax and is rewritten with
         it; then the fp8 transpose follows the data."""
         current = getattr(p, "_current_scaling", None)
-        if current is not None:  # never a DTensor shard (modules/base.py refuses those)
+        if current is not None:  # never a DTensor shard (Float8Tensor's FSDP gather refuses those)
             master = self.get_master_param(p).reshape(-1)
             amax = master.abs().amax().reshape(1) if master.numel() else torch.zeros_like(p._scale)
             p._scale.copy_(ref_cast.current_scale(amax, p._fp8_dtype, *current))
