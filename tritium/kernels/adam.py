@@ -70,6 +70,7 @@ _SCALE, _SCALE_INV, _AMAX, _NCOL = (tl.constexpr(c) for c in (SCALE, SCALE_INV, 
 _QMETA = tl.constexpr(QMETA)
 # Scaled states: rows of the [3, 3] factor table (see tritium.ref.adam), columns d, q, amax.
 ROW_M, ROW_V, ROW_W = 0, 1, 2
+_ROW_M, _ROW_V, _ROW_W = tl.constexpr(ROW_M), tl.constexpr(ROW_V), tl.constexpr(ROW_W)
 SCALED_RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0,
                 torch.float8_e4m3fn: FP8_MAX[torch.float8_e4m3fn]}
 
@@ -238,11 +239,11 @@ def _adam_block(row, start, left, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
     m_ptr = _ptr(row, _M, start, M_DTYPE, ALIGNED)
     v_ptr = _ptr(row, _V, start, V_DTYPE, ALIGNED)
     g = _ld(_ptr(row, _G, start, G_DTYPE, ALIGNED), offs, mask, EVEN).to(tl.float32)
-    m = _ld_state(m_ptr, offs, mask, row, ROW_M, M_SCALED, EVEN)
-    v = _ld_state(v_ptr, offs, mask, row, ROW_V, V_SCALED, EVEN)
+    m = _ld_state(m_ptr, offs, mask, row, _ROW_M, M_SCALED, EVEN)
+    v = _ld_state(v_ptr, offs, mask, row, _ROW_V, V_SCALED, EVEN)
     if W_SCALED:
         w_ptr = _ptr(row, _MASTER, start, W_DTYPE, ALIGNED)
-        w = _ld_state(w_ptr, offs, mask, row, ROW_W, True, EVEN)
+        w = _ld_state(w_ptr, offs, mask, row, _ROW_W, True, EVEN)
     else:
         w = _load_weight(row, start, offs, mask, P_DTYPE, HAS_MASTER, REMAINDER, ALIGNED, EVEN)
     if DECAY_GRAD:
@@ -254,10 +255,10 @@ def _adam_block(row, start, left, lr, bc1, bc2, b1, omb1, b2, omb2, eps, wd,
     if DECAY_UPDATE:
         u = u + w * wd
     w = w - u * lr
-    _st_state(m_ptr, offs, m, mask, row, ROW_M, M_DTYPE, M_SCALED, M_CLAMP, PASS, EVEN)
-    _st_state(v_ptr, offs, v, mask, row, ROW_V, V_DTYPE, V_SCALED, V_CLAMP, PASS, EVEN)
+    _st_state(m_ptr, offs, m, mask, row, _ROW_M, M_DTYPE, M_SCALED, M_CLAMP, PASS, EVEN)
+    _st_state(v_ptr, offs, v, mask, row, _ROW_V, V_DTYPE, V_SCALED, V_CLAMP, PASS, EVEN)
     if W_SCALED:
-        _st_state(w_ptr, offs, w, mask, row, ROW_W, W_DTYPE, True, 0.0, PASS, EVEN)
+        _st_state(w_ptr, offs, w, mask, row, _ROW_W, W_DTYPE, True, 0.0, PASS, EVEN)
         if PASS != 1:  # the param from the fp32 weight (not from the rounded master)
             _store_weight(row, start, offs, mask, w, P_DTYPE, False, False, FP8_MAX, ALIGNED,
                           EVEN)
