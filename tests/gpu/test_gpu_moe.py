@@ -4,8 +4,10 @@ The grouped GEMMs in precise accumulation on integer-valued operands give their 
 (every partial sum exact); with a bias and an fp32 output the compiled epilogue is one FMA, so
 there the oracle is the fp64 value rounded once (as tests/gpu/test_gpu_gemm.py explains); fast
 accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
-its twin's bits. GroupedLinear and MoE under FP8 (kernels) agree with the same modules on the
-twins (TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts.
+its twin's bits. GroupedLinear under FP8 (kernels) agrees with the same module on the twins
+(TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts; the MoE
+layer on the kernels is as close to the unquantized layer as on the twins (see its test on why
+not element by element).
 """
 from __future__ import annotations
 
@@ -135,7 +137,7 @@ def _steps(module, xs, dys, rcp, **kw):
     outs = []
     for x, dy in zip(xs, dys):
         x = x.clone().requires_grad_()
-        with te.fp8_autocast(fp8_recipe=rcp):
+        with te.fp8_autocast(enabled=rcp is not None, fp8_recipe=rcp):
             y = module(x, **kw)
         y.backward(dy)
         outs.append([y.detach().float(), x.grad.float()])
@@ -158,16 +160,36 @@ def test_grouped_linear_fp8_kernels_match_twins(rcp, setenv):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
 def test_moe_fp8_kernels_match_twins(setenv):
+    """The MoE's FP8 kernels against the twins, judged against the unquantized layer.
+
+    Not element by element: the kernels' fprop accumulates fast (the tensor cores' narrow
+    accumulator, ~1e-4 relative), the twin's exactly, so h and the activation differ in their
+    last bits; an element of the next FP8 operand that sits near a rounding boundary then
+    rounds the other way (one e5m2 step is 25%), and with current scaling a shifted amax moves
+    that group's whole grid. One such flip on a large element moves a row of the next GEMM's
+    output by a few percent: on the GPU 4 of 1M elements of y/dx were 1.4x past a 3%-of-max
+    tolerance. Emulated on the CPU (the twins with 1e-5..1e-3 relative noise on the fast-accum
+    outputs) the same flips give such outliers, and the kernel-twin difference stays at
+    0.4-1.4% in norm while FP8 itself is 7-9% away from the fp32 layer. So: per tensor, the
+    kernels' result is as close to the fp32 layer as the twins' (a wrong row, group or scale
+    would be tens of percent off), and kernels and twins agree to 3% in norm."""
     torch.manual_seed(1)
     # fp32 router logits: no ties, so the kernel and torch.topk pick the same experts
     moe = te.MoE(1024, 512, te.MoEConfig(num_experts=8, topk=2), normalization="RMSNorm",
                  device="cuda")
-    twin = copy.deepcopy(moe)
+    twin, plain = copy.deepcopy(moe), copy.deepcopy(moe)
     x = [torch.randn(1000, 1024, device="cuda")]
     dy = [torch.randn(1000, 1024, device="cuda")]
+    exact = _steps(plain, x, dy, None)
     got = _steps(moe, x, dy, recipe.Float8CurrentScaling())
     setenv("TRITIUM_FORCE_REF", "1")
     want = _steps(twin, x, dy, recipe.Float8CurrentScaling())
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2 * b.abs().max().item())
+    for a, b, r in zip(got, want, exact):
+        assert _rel(b, r) > 0.01  # FP8 really ran on both sides
+        assert _rel(a, r) <= 1.1 * _rel(b, r) + 2e-3
+        assert _rel(a, b) <= 3e-2
