@@ -46,7 +46,7 @@ def _try(stage, fn, flops=None, nbytes=None):
         return None
 
 
-def _gemm_stages(tag, m_splits, k, n, sweep):
+def _gemm_stages(tag, m_splits, k, n, sweep, gemm_check=True):
     dev = "cuda"
     g = len(m_splits)
     m = sum(m_splits)
@@ -61,34 +61,57 @@ def _gemm_stages(tag, m_splits, k, n, sweep):
     eq_offsets = make_offsets([n] * g, dev)
 
     # grouped casts (bytes: bf16 read once + fp8 data + fp8 transpose)
-    cast_x = lambda: kg.grouped_cast_transpose(x, offsets, one[:g], amax[:g], E4M3,  # noqa
-                                               write_transpose=True, m_splits=m_splits)
-    cast_w = lambda: kg.grouped_cast_transpose(w.view(g * n, k), eq_offsets, one[:g], amax[:g],  # noqa
-                                               E4M3, write_transpose=True, m_splits=[n] * g)
-    cast_dy = lambda: kg.grouped_cast_transpose(dy, offsets, one[:g], amax[:g], E5M2,  # noqa
-                                                write_transpose=True, m_splits=m_splits)
-    amax_w = lambda: kg.grouped_amax_into(w.view(g * n, k), eq_offsets, amax[:g])  # noqa
+    def cast_x():
+        return kg.grouped_cast_transpose(x, offsets, one[:g], amax[:g], E4M3,
+                                         write_transpose=True, m_splits=m_splits)
+
+    def cast_w():
+        return kg.grouped_cast_transpose(w.view(g * n, k), eq_offsets, one[:g], amax[:g], E4M3,
+                                         write_transpose=True, m_splits=[n] * g)
+
+    def cast_dy():
+        return kg.grouped_cast_transpose(dy, offsets, one[:g], amax[:g], E5M2,
+                                         write_transpose=True, m_splits=m_splits)
     _try(f"{tag} cast input e4m3 +T", cast_x, nbytes=4 * m * k)
     _try(f"{tag} cast weight e4m3 +T", cast_w, nbytes=4 * g * n * k)
     _try(f"{tag} cast grad_output e5m2 +T", cast_dy, nbytes=4 * m * n)
-    _try(f"{tag} amax weight (current scaling's extra pass)", amax_w, nbytes=2 * g * n * k)
+    _try(f"{tag} amax weight (current scaling's extra pass)",
+         lambda: kg.grouped_amax_into(w.view(g * n, k), eq_offsets, amax[:g]),
+         nbytes=2 * g * n * k)
     x8, x8_t, x_si = cast_x()
     w8, w8_t, w_si = cast_w()
     w8, w8_t = w8.view(g, n, k), w8_t.view(g, k, n)
     dy8, dy8_t, dy_si = cast_dy()
 
-    # tritium's Triton grouped GEMMs
-    fprop = lambda cfg=None: kg.grouped_fp8_gemm_tn(x8, w8, x_si, w_si, offsets,  # noqa
-                                                    torch.bfloat16, None, True,
-                                                    m_splits=m_splits, config=cfg)
-    dgrad = lambda cfg=None: kg.grouped_fp8_gemm_tn(dy8, w8_t, dy_si, w_si, offsets,  # noqa
-                                                    torch.bfloat16, None, False,
-                                                    m_splits=m_splits, config=cfg)
-    wgrad = lambda cfg=None: kg.grouped_fp8_gemm_wgrad(dy8_t, x8_t, dy_si, x_si, offsets,  # noqa
-                                                       n, k, torch.bfloat16, config=cfg)
-    _try(f"{tag} triton fprop (fast accum)", fprop, gemm_flops)
-    _try(f"{tag} triton dgrad (precise)", dgrad, gemm_flops)
-    _try(f"{tag} triton wgrad (precise)", wgrad, gemm_flops)
+    # tritium's Triton grouped GEMMs: the default configs, then their per-group TMA walk
+    def fprop(cfg=None):
+        return kg.grouped_fp8_gemm_tn(x8, w8, x_si, w_si, offsets, torch.bfloat16, None, True,
+                                      m_splits=m_splits, config=cfg)
+
+    def dgrad(cfg=None):
+        return kg.grouped_fp8_gemm_tn(dy8, w8_t, dy_si, w_si, offsets, torch.bfloat16, None,
+                                      False, m_splits=m_splits, config=cfg)
+
+    def wgrad(cfg=None):
+        return kg.grouped_fp8_gemm_wgrad(dy8_t, x8_t, dy_si, x_si, offsets, n, k,
+                                         torch.bfloat16, config=cfg)
+    gemms = {"fprop (fast accum)": (fprop, kg.CONFIGS["fast"]),
+             "dgrad (precise)": (dgrad, kg.CONFIGS["precise"]),
+             "wgrad (precise)": (wgrad, kg.CONFIGS["wgrad"])}
+    for name, (fn, cfg) in gemms.items():
+        for variant in kg.VARIANTS:
+            c = (*cfg[:6], variant)
+            _try(f"{tag} triton {name} {c}", lambda fn=fn, c=c: fn(c), gemm_flops)
+    if gemm_check:  # the TMA walks give the flat walks' values
+        for name, (fn, cfg) in gemms.items():
+            ref = fn((*cfg[:6], "flat")).float()
+            for variant in ("tma", "tma_flat"):
+                try:
+                    err = (fn((*cfg[:6], variant)).float() - ref).abs().max().item()
+                    print({"stage": f"{tag} check {name} {variant} vs flat",
+                           "max_abs_diff": err, "ref_max": ref.abs().max().item()}, flush=True)
+                except Exception as exc:
+                    print({"stage": f"{tag} check {name} {variant}", "error": repr(exc)[:300]})
 
     # bf16 torch._grouped_mm counterparts
     gmm = getattr(torch, "_grouped_mm", None)
@@ -126,17 +149,17 @@ def _gemm_stages(tag, m_splits, k, n, sweep):
 
     if sweep:
         sweeps = {
-            "fprop": (fprop, [(128, 256, 128, 8, 8, 3), (128, 256, 128, 8, 8, 4),
-                              (128, 256, 64, 8, 8, 4), (256, 128, 128, 8, 8, 3),
-                              (128, 128, 128, 8, 4, 4), (128, 256, 128, 16, 8, 3),
-                              (128, 256, 128, 4, 8, 3)]),
-            "dgrad": (dgrad, [(256, 128, 128, 8, 8, 3), (128, 256, 128, 8, 8, 3),
-                              (128, 128, 128, 8, 4, 4), (128, 128, 128, 8, 8, 4),
-                              (256, 128, 64, 8, 8, 4), (256, 128, 128, 16, 8, 3)]),
-            "wgrad": (wgrad, [(128, 128, 128, 8, 8, 3), (128, 128, 128, 8, 4, 4),
-                              (128, 128, 64, 8, 4, 5), (128, 256, 64, 8, 8, 4),
-                              (256, 128, 64, 8, 8, 4), (128, 256, 128, 8, 8, 3),
-                              (128, 128, 128, 16, 8, 4)]),
+            "fprop": (fprop, [(128, 256, 64, 8, 8, 4, "tma"), (256, 128, 128, 8, 8, 3, "tma"),
+                              (128, 128, 128, 8, 4, 4, "tma"), (128, 256, 128, 16, 8, 3, "tma"),
+                              (128, 256, 128, 4, 8, 3, "tma"), (128, 256, 128, 8, 8, 3, "flat"),
+                              (128, 128, 128, 8, 8, 4, "tma_flat")]),
+            "dgrad": (dgrad, [(128, 256, 128, 8, 8, 3, "tma"), (128, 128, 128, 8, 4, 4, "tma"),
+                              (128, 128, 128, 8, 8, 4, "tma"), (256, 128, 64, 8, 8, 4, "tma"),
+                              (256, 128, 128, 16, 8, 3, "tma")]),
+            "wgrad": (wgrad, [(128, 128, 128, 8, 4, 4, "tma"), (128, 256, 128, 8, 8, 3, "tma"),
+                              (256, 128, 128, 8, 8, 3, "tma"), (128, 256, 64, 8, 8, 4, "tma"),
+                              (128, 128, 64, 8, 4, 5, "tma"), (128, 128, 128, 16, 8, 4, "tma"),
+                              (128, 128, 128, 8, 8, 4, "tma_flat")]),
         }
         for name, (fn, cfgs) in sweeps.items():
             for cfg in cfgs:
@@ -194,6 +217,21 @@ def run_stages(experts_module_factory, sweep: bool) -> None:
     _gemm_stages("fc1", splits, h, 2 * f, sweep)
     _gemm_stages("fc2", splits, f, h, sweep)
     _activation_stages(g * rows, f)
+    module, x, dy, ctx = experts_module_factory()
+
+    def step():
+        x.grad = None
+        for p in module.parameters():
+            p.grad = None
+        with ctx():
+            out = module(x)
+        out.backward(dy)
+    saved = dict(kg.CONFIGS)
+    flops = 18 * g * rows * h * f
+    for variant in kg.VARIANTS:  # the whole experts step with each tile walk
+        kg.CONFIGS.update({key: (*cfg[:6], variant) for key, cfg in saved.items()})
+        _try(f"experts fwd+bwd fp8 delayed, GEMMs {variant}", step, flops)
+    kg.CONFIGS.update(saved)
     print("== profile: tritium GroupedLinear fp8 delayed, experts fwd+bwd (3 steps) ==",
           flush=True)
-    _profile_step(*experts_module_factory())
+    _profile_step(module, x, dy, ctx)
