@@ -40,7 +40,9 @@ def _bits(t):
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_gemm_precise_equals_twin(splits, out_dtype, variant):
+    cfg = (*kg.CONFIGS["precise"][:6], variant)
     g = torch.Generator(device="cuda").manual_seed(sum(splits))
     n, k = 784, 528
     offsets = rg.make_offsets(splits, "cuda")
@@ -48,12 +50,13 @@ def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
     b = _int_fp8((len(splits), n, k), E4M3, g)
     sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     sb = torch.rand(len(splits), device="cuda", generator=g) * 3 + 0.01
-    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits, config=cfg)
     want = rg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype)
     assert torch.equal(_bits(got), _bits(want))
     # a bias in fp32: one FMA, the fp64 value rounded once
     bias = torch.randn(len(splits), n, device="cuda", generator=g)
-    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, torch.float32, bias, m_splits=splits)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, torch.float32, bias, m_splits=splits,
+                                 config=cfg)
     r0 = 0
     for e, rows in enumerate(splits):
         prod = a[r0:r0 + rows].double() @ b[e].double().t()
@@ -63,7 +66,8 @@ def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
 
 
 @pytest.mark.parametrize("splits", [[4096] * 4, [1024, 0, 2048]])
-def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits, variant):
     """Fast accumulation keeps K in the tensor cores' narrow accumulator: per expert, the error
     against fp64 is compared with cuBLASLt's fast mode (torch._scaled_mm) on the same operands."""
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -73,7 +77,7 @@ def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
     b = (torch.randn(len(splits), n, k, device="cuda", generator=g) * 0.05).to(E4M3)
     one = torch.ones(len(splits), device="cuda")
     got = kg.grouped_fp8_gemm_tn(a, b, one, one, offsets, torch.float32, fast_accum=True,
-                                 m_splits=splits)
+                                 m_splits=splits, config=(*kg.CONFIGS["fast"][:6], variant))
     r0 = 0
     for e, rows in enumerate(splits):
         if rows:
@@ -88,7 +92,8 @@ def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
 
 
 @pytest.mark.parametrize("splits", SPLITS)
-def test_grouped_wgrad_equals_twin(splits):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_wgrad_equals_twin(splits, variant):
     g = torch.Generator(device="cuda").manual_seed(5)
     n, k = 528, 784
     offsets = rg.make_offsets(splits, "cuda")
@@ -98,7 +103,8 @@ def test_grouped_wgrad_equals_twin(splits):
     sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     sb = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     for dtype in (torch.float32, torch.bfloat16):
-        got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
+        got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype,
+                                        config=(*kg.CONFIGS["wgrad"][:6], variant))
         want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
         assert torch.equal(_bits(got), _bits(want))
 
