@@ -200,7 +200,7 @@ def _profile_step(module, x, dy, ctx):
         for _ in range(3):
             step()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25,
+    print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25,
                                     max_name_column_width=70), flush=True)
     # host syncs in the step: cudaStreamSynchronize / cudaMemcpy / cudaDeviceSynchronize calls
     syncs = {e.key: e.count // 3 for e in prof.key_averages()
