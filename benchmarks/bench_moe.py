@@ -3,6 +3,7 @@ and torchao's FP8 grouped GEMM where the installed torchao has one.
 
     python benchmarks/bench_moe.py            # GPU: Mixtral-8x7B-shaped layer (below)
     python benchmarks/bench_moe.py --tiny     # CPU smoke run (tiny shapes, emulated FP8)
+    python benchmarks/bench_moe.py --stages [--sweep]   # GPU: each FP8 stage alone (moe_stages)
 
 Shape: 8 experts, top-2, hidden 4096, ffn 14336, 8192 tokens, bf16, swiglu experts, no bias.
 Cases:
@@ -10,7 +11,9 @@ Cases:
     PyTorch: router nn.Linear, softmax top-k renormalised (Mixtral's), argsort permutation,
     experts through torch._grouped_mm (a per-expert loop where torch lacks it), index_add
     unpermute. Rows: that in bf16; te.MoE in bf16 and FP8 (delayed, current scaling); the
-    plain layer with its grouped GEMMs through torchao's FP8 rowwise grouped GEMM.
+    plain layer with its grouped GEMMs through torchao's FP8 rowwise grouped GEMM (each
+    expert's rows padded to 16 with zero rows: torchao 0.18 needs 16-row groups and does not
+    pad them itself).
   * "experts": the expert GEMMs alone (fc1, swiglu, fc2) on balanced splits (2048 rows per
     expert, multiples of 16 as torchao needs): bf16 _grouped_mm vs tritium FP8 vs torchao.
   * "routing": te.MoE's router + permute + unpermute alone (fwd+bwd); its `share_of_fp8_layer`
@@ -46,10 +49,14 @@ def torchao_grouped_mm():
         import torchao.prototype.moe_training as mt
     except Exception as exc:
         return f"torchao.prototype.moe_training not importable: {exc!r}", None
-    for name in ("_to_fp8_rowwise_then_scaled_grouped_mm", "_scaled_grouped_mm"):
-        fn = getattr(mt, name, None)
-        if fn is not None:
-            return name, (lambda a, b, offs, fn=fn: fn(a, b, offs=offs, out_dtype=torch.bfloat16))
+    fn = getattr(mt, "_to_fp8_rowwise_then_scaled_grouped_mm", None)
+    if fn is not None:
+        # torchao 0.18 asserts on its own padding (pad_token_groups_for_grouped_mm=True, the
+        # default, "is not yet supported"): the callers pad every group to 16 rows themselves
+        # (PlainMoE(align=16)) and say so
+        return ("_to_fp8_rowwise_then_scaled_grouped_mm",
+                lambda a, b, offs: fn(a, b, offs=offs, out_dtype=torch.bfloat16,
+                                      pad_token_groups_for_grouped_mm=False))
     return f"no FP8 grouped GEMM in torchao.prototype.moe_training ({dir(mt)})", None
 
 
@@ -63,9 +70,9 @@ def expert_gemm(x, w, m_splits, offs, gmm):
 class PlainMoE(torch.nn.Module):
     """The baseline: Mixtral's routing and swiglu experts in plain PyTorch."""
 
-    def __init__(self, h, f, e, k, device, dtype, gmm, share=None):
+    def __init__(self, h, f, e, k, device, dtype, gmm, share=None, align=1):
         super().__init__()
-        self.e, self.k, self.gmm = e, k, gmm
+        self.e, self.k, self.gmm, self.align = e, k, gmm, align
         if share is not None:  # the same parameters, another grouped GEMM
             self.router, self.w1, self.w2 = share.router, share.w1, share.w2
             return
@@ -83,12 +90,25 @@ class PlainMoE(torch.nn.Module):
         counts = torch.bincount(flat, minlength=self.e)
         m_splits = counts.tolist()
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        rows = x[order // self.k]
+        src = order // self.k
+        if self.align > 1:  # every expert's rows padded to `align` with zero rows (torchao)
+            m_splits = [-(-c // self.align) * self.align for c in m_splits]
+            padded = torch.tensor(m_splits, device=x.device)
+            start = torch.cumsum(counts, 0) - counts
+            pstart = torch.cumsum(padded, 0) - padded
+            dest = torch.arange(flat.numel(), device=x.device) - start[flat[order]] + \
+                pstart[flat[order]]
+            offs = torch.cumsum(padded, 0).to(torch.int32)
+            rows = x.new_zeros(sum(m_splits), x.shape[1]).index_copy(0, dest, x[src])
+        else:
+            rows = x[src]
         h = expert_gemm(rows, self.w1, m_splits, offs, self.gmm)
         gate, up = h.chunk(2, -1)
         y = expert_gemm(F.silu(gate) * up, self.w2, m_splits, offs, self.gmm)
+        if self.align > 1:
+            y = y[dest]
         y = y * top.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, order // self.k, y).view(t, -1)
+        return torch.zeros_like(x).index_add_(0, src, y).view(t, -1)
 
 
 class Experts(torch.nn.Module):
@@ -148,10 +168,34 @@ def _measure_cpu(module, x, dy, ctx=None) -> dict:
     return {"ms": round((time.perf_counter() - t0) * 1e3, 3)}
 
 
+def stages(sweep: bool) -> None:
+    if not torch.cuda.is_available():
+        print("bench_moe --stages needs a CUDA GPU")
+        return
+    from moe_stages import run_stages
+    t, h, f, e, k = 8192, 4096, 14336, 8, 2
+
+    def experts_case():
+        torch.manual_seed(0)
+        moe = te.MoE(h, f, te.MoEConfig(num_experts=e, topk=k), params_dtype=torch.bfloat16,
+                     device="cuda")
+        xe = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dye = torch.randn(t * k, h, device="cuda", dtype=torch.bfloat16)
+        delayed = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+        return (TeExperts(moe, [t * k // e] * e), xe, dye,
+                lambda: te.fp8_autocast(fp8_recipe=delayed))
+    run_stages(experts_case, sweep)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="CPU smoke run, tiny shapes")
+    parser.add_argument("--stages", action="store_true",
+                        help="GPU: time each FP8 stage of the experts alone (moe_stages.py)")
+    parser.add_argument("--sweep", action="store_true", help="with --stages: tile configs")
     args = parser.parse_args()
+    if args.stages:
+        return stages(args.sweep)
     if args.tiny:
         t, h, f, e, k, device = 64, 64, 32, 4, 2, "cpu"
         os.environ.setdefault("OUT", tempfile.mkdtemp(prefix="bench_moe_tiny_"))
@@ -187,7 +231,7 @@ def main():
                 (layer_case, "tritium MoE fp8 current", moe, fp8_c)]
     if ao is not None:
         variants.append((layer_case, f"plain, torchao {ao_name}",
-                         PlainMoE(h, f, e, k, device, dtype, ao, share=plain), None))
+                         PlainMoE(h, f, e, k, device, dtype, ao, share=plain, align=16), None))
     balanced = [t * k // e] * e
     ex_case = f"experts {e}x{t * k // e} rows H{h} F{f}"
     xe = torch.randn(t * k, h, device=device, dtype=dtype, requires_grad=True)

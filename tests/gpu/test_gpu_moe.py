@@ -4,8 +4,10 @@ The grouped GEMMs in precise accumulation on integer-valued operands give their 
 (every partial sum exact); with a bias and an fp32 output the compiled epilogue is one FMA, so
 there the oracle is the fp64 value rounded once (as tests/gpu/test_gpu_gemm.py explains); fast
 accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
-its twin's bits. GroupedLinear and MoE under FP8 (kernels) agree with the same modules on the
-twins (TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts.
+its twin's bits. GroupedLinear under FP8 (kernels) agrees with the same module on the twins
+(TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts; the MoE
+layer on the kernels is as close to the unquantized layer as on the twins (see its test on why
+not element by element).
 """
 from __future__ import annotations
 
@@ -38,7 +40,9 @@ def _bits(t):
 
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_gemm_precise_equals_twin(splits, out_dtype, variant):
+    cfg = (*kg.CONFIGS["precise"][:6], variant)
     g = torch.Generator(device="cuda").manual_seed(sum(splits))
     n, k = 784, 528
     offsets = rg.make_offsets(splits, "cuda")
@@ -46,12 +50,13 @@ def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
     b = _int_fp8((len(splits), n, k), E4M3, g)
     sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     sb = torch.rand(len(splits), device="cuda", generator=g) * 3 + 0.01
-    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits, config=cfg)
     want = rg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype)
     assert torch.equal(_bits(got), _bits(want))
     # a bias in fp32: one FMA, the fp64 value rounded once
     bias = torch.randn(len(splits), n, device="cuda", generator=g)
-    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, torch.float32, bias, m_splits=splits)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, torch.float32, bias, m_splits=splits,
+                                 config=cfg)
     r0 = 0
     for e, rows in enumerate(splits):
         prod = a[r0:r0 + rows].double() @ b[e].double().t()
@@ -61,7 +66,8 @@ def test_grouped_gemm_precise_equals_twin(splits, out_dtype):
 
 
 @pytest.mark.parametrize("splits", [[4096] * 4, [1024, 0, 2048]])
-def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits, variant):
     """Fast accumulation keeps K in the tensor cores' narrow accumulator: per expert, the error
     against fp64 is compared with cuBLASLt's fast mode (torch._scaled_mm) on the same operands."""
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -71,7 +77,7 @@ def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
     b = (torch.randn(len(splits), n, k, device="cuda", generator=g) * 0.05).to(E4M3)
     one = torch.ones(len(splits), device="cuda")
     got = kg.grouped_fp8_gemm_tn(a, b, one, one, offsets, torch.float32, fast_accum=True,
-                                 m_splits=splits)
+                                 m_splits=splits, config=(*kg.CONFIGS["fast"][:6], variant))
     r0 = 0
     for e, rows in enumerate(splits):
         if rows:
@@ -86,7 +92,8 @@ def test_grouped_gemm_fast_accum_as_accurate_as_cublas(splits):
 
 
 @pytest.mark.parametrize("splits", SPLITS)
-def test_grouped_wgrad_equals_twin(splits):
+@pytest.mark.parametrize("variant", kg.VARIANTS)
+def test_grouped_wgrad_equals_twin(splits, variant):
     g = torch.Generator(device="cuda").manual_seed(5)
     n, k = 528, 784
     offsets = rg.make_offsets(splits, "cuda")
@@ -96,7 +103,8 @@ def test_grouped_wgrad_equals_twin(splits):
     sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     sb = torch.rand(len(splits), device="cuda", generator=g) + 0.1
     for dtype in (torch.float32, torch.bfloat16):
-        got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
+        got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype,
+                                        config=(*kg.CONFIGS["wgrad"][:6], variant))
         want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
         assert torch.equal(_bits(got), _bits(want))
 
@@ -135,7 +143,7 @@ def _steps(module, xs, dys, rcp, **kw):
     outs = []
     for x, dy in zip(xs, dys):
         x = x.clone().requires_grad_()
-        with te.fp8_autocast(fp8_recipe=rcp):
+        with te.fp8_autocast(enabled=rcp is not None, fp8_recipe=rcp):
             y = module(x, **kw)
         y.backward(dy)
         outs.append([y.detach().float(), x.grad.float()])
@@ -158,16 +166,36 @@ def test_grouped_linear_fp8_kernels_match_twins(rcp, setenv):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item())
 
 
+def _rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
 def test_moe_fp8_kernels_match_twins(setenv):
+    """The MoE's FP8 kernels against the twins, judged against the unquantized layer.
+
+    Not element by element: the kernels' fprop accumulates fast (the tensor cores' narrow
+    accumulator, ~1e-4 relative), the twin's exactly, so h and the activation differ in their
+    last bits; an element of the next FP8 operand that sits near a rounding boundary then
+    rounds the other way (one e5m2 step is 25%), and with current scaling a shifted amax moves
+    that group's whole grid. One such flip on a large element moves a row of the next GEMM's
+    output by a few percent: on the GPU 4 of 1M elements of y/dx were 1.4x past a 3%-of-max
+    tolerance. Emulated on the CPU (the twins with 1e-5..1e-3 relative noise on the fast-accum
+    outputs) the same flips give such outliers, and the kernel-twin difference stays at
+    0.4-1.4% in norm while FP8 itself is 7-9% away from the fp32 layer. So: per tensor, the
+    kernels' result is as close to the fp32 layer as the twins' (a wrong row, group or scale
+    would be tens of percent off), and kernels and twins agree to 3% in norm."""
     torch.manual_seed(1)
     # fp32 router logits: no ties, so the kernel and torch.topk pick the same experts
     moe = te.MoE(1024, 512, te.MoEConfig(num_experts=8, topk=2), normalization="RMSNorm",
                  device="cuda")
-    twin = copy.deepcopy(moe)
+    twin, plain = copy.deepcopy(moe), copy.deepcopy(moe)
     x = [torch.randn(1000, 1024, device="cuda")]
     dy = [torch.randn(1000, 1024, device="cuda")]
+    exact = _steps(plain, x, dy, None)
     got = _steps(moe, x, dy, recipe.Float8CurrentScaling())
     setenv("TRITIUM_FORCE_REF", "1")
     want = _steps(twin, x, dy, recipe.Float8CurrentScaling())
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2 * b.abs().max().item())
+    for a, b, r in zip(got, want, exact):
+        assert _rel(b, r) > 0.01  # FP8 really ran on both sides
+        assert _rel(a, r) <= 1.1 * _rel(b, r) + 2e-3
+        assert _rel(a, b) <= 3e-2

@@ -1,7 +1,8 @@
 """`tritium.kernels.grouped_gemm` == `tritium.ref.grouped_gemm` under the interpreter.
 
 The GEMMs bit for bit on integer-valued fp8 operands (|v| <= 8: every partial sum exact in fp32
-in any order, see test_gemm_kernel.py), with groups of 0, odd and tile-crossing row counts; the
+in any order, see test_gemm_kernel.py), with groups of 0, odd and tile-crossing row counts, in
+both tile walks (the flat one and the per-group one with device-built TMA descriptors); the
 grouped cast bit for bit on fresh random data (data, each group's transposed block, scale_inv,
 the per-group amaxes), under delayed and current scaling.
 """
@@ -41,28 +42,33 @@ def _valid_t(data_t, offsets, k):
 @pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E4M3), (E5M2, E4M3)])
 @pytest.mark.parametrize("out_dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
 @pytest.mark.parametrize("fast_accum", [False, True])
-def test_grouped_gemm_equals_ref_bits(splits, a_dtype, b_dtype, out_dtype, bias, fast_accum, gen):
+@pytest.mark.parametrize("variant", ["flat", "tma"])
+def test_grouped_gemm_equals_ref_bits(splits, a_dtype, b_dtype, out_dtype, bias, fast_accum,
+                                      variant, gen):
     g, n, k = len(splits), 48, 32
     offsets = rg.make_offsets(splits, "cpu")
     a = _integer_fp8((sum(splits), k), a_dtype, gen)
     b = _integer_fp8((g, n, k), b_dtype, gen)
     sa, sb = torch.rand(g, generator=gen) + 0.1, torch.rand(g, generator=gen) * 3 + 0.01
     bias_t = torch.randn(g, n, generator=gen).to(out_dtype) if bias else None
-    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, bias_t, fast_accum)
+    got = kg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, bias_t, fast_accum,
+                                 config=(16, 16, 32, 2, 1, 1, variant))
     want = rg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, bias_t, fast_accum)
     assert got.abs().max() > 0
     assert_same_bits(got, want, f"{splits}")
 
 
 @pytest.mark.parametrize("splits", SPLITS)
-def test_grouped_wgrad_equals_ref_bits(splits, gen):
+@pytest.mark.parametrize("variant", ["flat", "tma"])
+def test_grouped_wgrad_equals_ref_bits(splits, variant, gen):
     g, n, k = len(splits), 32, 48
     offsets = rg.make_offsets(splits, "cpu")
     padded = int(offsets[1, -1])
     a_t = _integer_fp8((n * padded,), E5M2, gen)  # padding columns hold values: never read
     b_t = _integer_fp8((k * padded,), E4M3, gen)
     sa, sb = torch.rand(g, generator=gen) + 0.1, torch.rand(g, generator=gen) * 3 + 0.01
-    got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, torch.float32)
+    got = kg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, torch.float32,
+                                    config=(16, 16, 32, 2, 1, 1, variant))
     want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, torch.float32)
     assert got.abs().max() > 0
     assert_same_bits(got, want, f"{splits}")

@@ -258,3 +258,19 @@ def _expand_descriptors(flat: list, tma: list) -> list:
             _tensor_maps[k] = cu_map
         out[pos:pos + 1] = (cu_map, *d.shape, *d.strides)
     return out
+
+
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton an allocator (torch's caching one) for kernels that build TMA descriptors on
+    the device (`tl.make_tensor_descriptor` needs a little global scratch). Triton keeps the
+    allocator in a ContextVar, so a thread that has none (autograd's backward thread) gets it
+    set here, just before such a launch; an allocator set by the caller is kept."""
+    import triton
+    from triton.runtime import _allocation
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), _allocation.NullAllocator):
+        triton.set_allocator(_scratch)

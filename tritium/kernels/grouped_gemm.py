@@ -6,8 +6,10 @@ transpose a [K, pm_g] block of one flat buffer).
 
 * `grouped_cast_transpose`: every group's rows cast with that group's scale (per-expert scales,
   as TE's GroupedLinear has), amax max-accumulated per group, transposed blocks written in the
-  same pass, in ONE launch for all groups. Each row finds its group by counting the offsets it
-  has passed; a tile that spans a group boundary does one atomic max per group it touches.
+  same pass, in ONE launch for all groups. Row tiles are laid group by group (a group's last
+  tile stops at its end; the grid has G spare tiles, which do nothing): a tile has one group,
+  one scale, one atomic max, and its transposed rows are one 16-aligned run of the group's
+  block, so they are vector stores (a tile spanning groups would scatter bytes).
 * `grouped_fp8_gemm_tn` (fprop and dgrad): out[rows of g] = a[rows of g] @ b[g].T, scaled by the
   group's two scale_invs (+ the group's bias). One persistent launch walks all groups' tiles
   (group by group, GROUP_M-swizzled inside a group for L2 reuse); a program finds its tile's
@@ -16,10 +18,14 @@ transpose a [K, pm_g] block of one flat buffer).
   are computed and never stored); the output is stored with a row mask, so m_g needs no
   padding, and an empty group has no tiles.
 * `grouped_fp8_gemm_wgrad`: out[g] = A_g @ B_g.T with the reduction over the group's rows, from
-  the transposed blocks. Pointer loads (a TMA box cannot stop at a group boundary inside one
-  tensor): the whole K tiles unmasked along K, with rows 16-byte aligned by the padded layout,
-  so they are vector loads and the loop is cp.async-pipelined (checked in the sm_90 build); the
-  group's last partial tile is one masked step. An empty group gets zeros.
+  the transposed blocks. Pointer loads (a host-built TMA box cannot stop at a group boundary
+  inside one tensor): the whole K tiles unmasked along K, with rows 16-byte aligned by the
+  padded layout, so they are vector loads and the loop is cp.async-pipelined (checked in the
+  sm_90 build); the group's last partial tile is one masked step. An empty group gets zeros.
+* Variant "tma" of both GEMMs (config's 7th field, `CONFIGS`): the same tiles walked group by
+  group, each program building that group's TMA descriptors on the device once
+  (`tl.make_tensor_descriptor`, shapes ending at the group's end, so boxes are zero-filled /
+  stores clipped there): wgrad's operands through TMA, and TMA stores of the outputs.
 Accumulation: fprop fast (`fast_accum=True`), dgrad/wgrad precise (fp32 promotion every BLOCK_K),
 as `tritium.kernels.gemm`. Bitwise equal to the twin where all partial sums are exact.
 
@@ -34,33 +40,36 @@ import triton
 import triton.language as tl
 
 from ..fp8.formats import fp8_max
-from ._launch import Launcher, TensorDesc, next_pow2, num_sms
-from .cast import _TL_FP8, _current_scale, _scaled_fp8
-
-
-@triton.jit
-def _group_of(rows, offs_ptr, G, GP: tl.constexpr):
-    """The group of each row: how many group starts it has passed (empty groups skipped)."""
-    j = tl.arange(0, GP)
-    starts = tl.load(offs_ptr + j, mask=j <= G, other=2147483647)
-    g = tl.sum((rows[:, None] >= starts[None, :]).to(tl.int32), axis=1) - 1
-    return tl.minimum(tl.maximum(g, 0), G - 1)
+from ._launch import Launcher, TensorDesc, ensure_scratch_allocator, next_pow2, num_sms
+from .cast import _TL_FP8, _abs_max_nan, _current_scale, _scaled_fp8
 
 
 @triton.jit
 def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_stride, amax_ptr,
-                         amax_stride, scale_inv_ptr, offs_ptr, M, K, G, stride_xm,
+                         amax_stride, scale_inv_ptr, offs_ptr, K, G, stride_xm,
                          FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                          WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
                          UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr, EPS: tl.constexpr,
                          POW2: tl.constexpr, GP: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # the row tiles are laid group by group (a group's last tile stops at its end): tile
+    # pid_m is in the first group whose tiles end past it; the grid has G spare row tiles
+    j = tl.arange(0, GP)
+    starts = tl.load(offs_ptr + j, mask=j < G, other=0)
+    ends = tl.load(offs_ptr + 1 + j, mask=j < G, other=0)
+    tiles = (ends - starts + BLOCK_M - 1) // BLOCK_M
+    g = tl.sum((tl.cumsum(tiles, 0) <= pid_m).to(tl.int32))
+    first = tl.sum(tl.where(j < g, tiles, 0))
+    valid = g < G  # a spare tile past the last group: no rows
+    g = tl.minimum(g, G - 1)
+    r0 = tl.load(offs_ptr + g)
+    r1 = tl.load(offs_ptr + g + 1)
+    local = (pid_m - first) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows from the group's start
+    rm = r0 + local
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rm64 = rm.to(tl.int64)
-    row_ok = rm < M
-    g = _group_of(rm, offs_ptr, G, GP)
+    row_ok = (rm < r1) & valid
     if CURRENT:
         scale = _current_scale(tl.load(amax_ptr + g * amax_stride), FP8_MAX, EPS, POW2)
     else:
@@ -71,29 +80,21 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_stride, a
         x = x.to(tl.float32)
         if WRITE_DATA:
             tl.store(data_ptr + rm64[:, None] * K + rn[None, :],
-                     _scaled_fp8(x, scale[:, None], mask, FP8_MAX, OUT_DTYPE), mask=mask)
+                     _scaled_fp8(x, scale, mask, FP8_MAX, OUT_DTYPE), mask=mask)
         if UPDATE_AMAX:
-            row_max = tl.max(tl.abs(x), axis=1)
-            row_nan = tl.max((x != x).to(tl.int32), axis=1) > 0
-            g_lo = tl.min(tl.where(row_ok, g, G))
-            g_hi = tl.max(tl.where(row_ok, g, -1))
-            for gg in range(g_lo, g_hi + 1):
-                sel = row_ok & (g == gg)
-                m = tl.max(tl.where(sel, row_max, 0.0))
-                has_nan = tl.max((sel & row_nan).to(tl.int32)) > 0
-                tl.atomic_max(amax_ptr + gg * amax_stride, tl.where(has_nan, float("nan"), m))
+            tl.atomic_max(amax_ptr + g * amax_stride, _abs_max_nan(x), mask=valid)
     if WRITE_T:
-        # the tile read again transposed (see tritium.kernels.cast on tl.trans)
+        # the tile read again transposed (see tritium.kernels.cast on tl.trans); the group's
+        # [K, pm_g] block starts 16-aligned with 16-aligned rows, and the tile's rows are one
+        # contiguous run in it: vector stores
         mask_t = (rn[:, None] < K) & row_ok[None, :]
         xt = tl.load(x_ptr + rm64[None, :] * stride_xm + rn[:, None], mask=mask_t, other=0.0)
         xt = xt.to(tl.float32)
-        r0 = tl.load(offs_ptr + g)
-        p0 = tl.load(offs_ptr + G + 1 + g)
-        pm = tl.load(offs_ptr + G + 2 + g) - p0
-        dst = (K * p0.to(tl.int64))[None, :] + rn.to(tl.int64)[:, None] * pm[None, :] \
-            + (rm - r0)[None, :]
-        tl.store(data_t_ptr + dst, _scaled_fp8(xt, scale[None, :], mask_t, FP8_MAX, OUT_DTYPE),
-                 mask=mask_t)
+        p0 = tl.multiple_of(tl.load(offs_ptr + G + 1 + g), 16)
+        pm = tl.multiple_of(tl.load(offs_ptr + G + 2 + g) - p0, 16)
+        block = data_t_ptr + K * p0.to(tl.int64)
+        tl.store(block + rn.to(tl.int64)[:, None] * pm + local[None, :],
+                 _scaled_fp8(xt, scale, mask_t, FP8_MAX, OUT_DTYPE), mask=mask_t)
     if WRITE_DATA or WRITE_T:
         if (pid_m == 0) & (pid_n == 0):
             for gg in range(G):  # every group's scale_inv, empty groups included
@@ -199,15 +200,141 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_ptr, N
                  c.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _grouped_gemm_tma_kernel(a_desc, b_desc, out_ptr, a_si_ptr, b_si_ptr, bias_ptr, offs_ptr,
+                             N, K, G, num_programs,
+                             HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
+                             SPLIT_STORE: tl.constexpr, FLATTEN: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
+    """`_grouped_gemm_kernel`'s tiles, walked group by group: each program builds one output
+    descriptor per group ([m_g, N] from the group's first row, so a TMA store stops at the
+    group's end) and takes the group's tiles t with (tiles before + t) % programs == its id,
+    the same tiles the flat walk gives it."""
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    pid = tl.program_id(0)
+    seen = pid * 0  # the tiles of the groups before this one (int32, loop-carried)
+    for grp in range(G):
+        row0 = tl.load(offs_ptr + grp)
+        rows = tl.load(offs_ptr + grp + 1) - row0
+        tiles_m = tl.cdiv(rows, BLOCK_M)
+        count = tiles_m * tiles_n
+        sub_n: tl.constexpr = BLOCK_N // 2 if SPLIT_STORE else BLOCK_N
+        out_desc = tl.make_tensor_descriptor(out_ptr + row0.to(tl.int64) * N,
+                                             shape=[tl.maximum(rows, 1), N], strides=[N, 1],
+                                             block_shape=[BLOCK_M, sub_n])
+        scale = tl.load(a_si_ptr + grp) * tl.load(b_si_ptr + grp)
+        start = (pid + num_programs - seen % num_programs) % num_programs
+        per_group = GROUP_M * tiles_n
+        for local in tl.range(start, count, num_programs, flatten=FLATTEN):
+            first_m = (local // per_group) * GROUP_M
+            group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+            off_m = (first_m + local % group_m) * BLOCK_M
+            off_n = ((local % per_group) // group_m) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in range(k_tiles):
+                a = a_desc.load([row0 + off_m, ki * BLOCK_K])
+                b = b_desc.load([grp * N + off_n, ki * BLOCK_K])
+                if PRECISE:
+                    acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+                else:
+                    acc = tl.dot(a, b.T, acc)
+            c = acc * scale
+            if HAS_BIAS:
+                rn = off_n + tl.arange(0, BLOCK_N)
+                c += tl.load(bias_ptr + grp * N + rn, mask=rn < N,
+                             other=0.0).to(tl.float32)[None, :]
+            if SPLIT_STORE:  # two [BLOCK_M, BLOCK_N / 2] stores: half the staging memory
+                left, right = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+                out_desc.store([off_m, off_n], left.to(out_desc.dtype))
+                out_desc.store([off_m, off_n + BLOCK_N // 2], right.to(out_desc.dtype))
+            else:
+                out_desc.store([off_m, off_n], c.to(out_desc.dtype))
+        seen += count
+
+
+@triton.jit
+def _grouped_wgrad_tma_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_ptr, N, K, G,
+                              num_programs, PRECISE: tl.constexpr, SPLIT_STORE: tl.constexpr,
+                              FLATTEN: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              GROUP_M: tl.constexpr):
+    """`_grouped_wgrad_kernel` through TMA: per group, descriptors built on the device for its
+    two transposed blocks ([N, m_g] and [K, m_g], row stride pm_g: a box stops at m_g and is
+    zero-filled past it, so the last partial K tile needs no mask) and for its [N, K] output."""
+    tiles_m = tl.cdiv(N, BLOCK_M)
+    tiles_n = tl.cdiv(K, BLOCK_N)
+    per_expert = tiles_m * tiles_n
+    per_group = GROUP_M * tiles_n
+    pid = tl.program_id(0)
+    for grp in range(G):
+        rows = tl.load(offs_ptr + grp + 1) - tl.load(offs_ptr + grp)
+        p0 = tl.load(offs_ptr + G + 1 + grp)
+        stride = tl.load(offs_ptr + G + 2 + grp) - p0
+        p0 = p0.to(tl.int64)
+        a_desc = tl.make_tensor_descriptor(a_ptr + N * p0, shape=[N, tl.maximum(rows, 1)],
+                                           strides=[tl.maximum(stride, 16), 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr + K * p0, shape=[K, tl.maximum(rows, 1)],
+                                           strides=[tl.maximum(stride, 16), 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+        sub_n: tl.constexpr = BLOCK_N // 2 if SPLIT_STORE else BLOCK_N
+        out_desc = tl.make_tensor_descriptor(out_ptr + tl.cast(grp, tl.int64) * N * K,
+                                             shape=[N, K], strides=[K, 1],
+                                             block_shape=[BLOCK_M, sub_n])
+        scale = tl.load(a_si_ptr + grp) * tl.load(b_si_ptr + grp)
+        start = (pid + num_programs - (grp * per_expert) % num_programs) % num_programs
+        for local in tl.range(start, per_expert, num_programs, flatten=FLATTEN):
+            first_m = (local // per_group) * GROUP_M
+            group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+            off_m = (first_m + local % group_m) * BLOCK_M
+            off_n = ((local % per_group) // group_m) * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k0 in range(0, rows, BLOCK_K):
+                a = a_desc.load([off_m, k0])
+                b = b_desc.load([off_n, k0])
+                if PRECISE:
+                    acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+                else:
+                    acc = tl.dot(a, b.T, acc)
+            c = acc * scale
+            if SPLIT_STORE:
+                left, right = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
+                out_desc.store([off_m, off_n], left.to(out_desc.dtype))
+                out_desc.store([off_m, off_n + BLOCK_N // 2], right.to(out_desc.dtype))
+            else:
+                out_desc.store([off_m, off_n], c.to(out_desc.dtype))
+
+
 _launch_cast = Launcher(_grouped_cast_kernel)
+_launch_gemm_tma = Launcher(_grouped_gemm_tma_kernel)
+_launch_wgrad_tma = Launcher(_grouped_wgrad_tma_kernel)
 _launch_gemm = Launcher(_grouped_gemm_kernel)
 _launch_wgrad = Launcher(_grouped_wgrad_kernel)
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages): the single GEMM's tiles
+# (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, variant): the single GEMM's tiles
 # (tritium.kernels.gemm.CONFIGS) for fprop / dgrad; wgrad's pointer loads take 128x128.
-CONFIGS = {"fast": (128, 256, 128, 8, 8, 3), "precise": (256, 128, 128, 8, 8, 3),
-           "wgrad": (128, 128, 128, 8, 8, 3)}
-_INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
+# variant: "flat" (`_grouped_gemm_kernel` / `_grouped_wgrad_kernel`), "tma" (the per-group
+# walk with device-built descriptors) or "tma_flat" (the same, its tile loop flattened into
+# the K loop by Triton's pipeliner).
+CONFIGS = {"fast": (128, 256, 128, 8, 8, 3, "flat"), "precise": (256, 128, 128, 8, 8, 3, "flat"),
+           "wgrad": (128, 128, 128, 8, 8, 3, "flat")}
+_INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1, "flat")
+# the grouped cast's (BLOCK_M, BLOCK_N, num_warps), tritium.kernels.cast's tile
+CAST_CONFIG = (64, 128, 8)
+VARIANTS = ("flat", "tma", "tma_flat")
+
+
+def _config(config, default):
+    if config is None:
+        return default
+    if len(config) == 6:
+        return (*config, "flat")
+    if len(config) != 7 or config[6] not in VARIANTS:
+        raise ValueError(f"grouped GEMM config must be (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, "
+                         f"num_warps, num_stages[, variant in {VARIANTS}]), got {config!r}")
+    return tuple(config)
 
 
 def _programs(tiles: int, t: torch.Tensor) -> int:
@@ -227,15 +354,16 @@ def _cast(x, offsets, scale, amax, fp8_dtype, write_data, write_t, update_amax, 
     if m == 0 and not (write_data or write_t):
         return
     g = offsets.shape[1] - 1
-    bm, bn, warps = (16, 16, 1) if not x.is_cuda else (64, 128, 8)
+    bm, bn, warps = CAST_CONFIG if x.is_cuda else (16, 16, 1)
     eps, pow2 = current if current is not None else (0.0, False)
     dummy = amax if amax is not None else scale
     src = scale if scale is not None else amax  # the scales (or, current scaling, amaxes)
-    _launch_cast((max(-(-m // bm), 1), max(-(-k // bn), 1)), x,
+    # row tiles group by group: at most one partial tile per group beyond m's own tiles
+    _launch_cast((-(-m // bm) + g, max(-(-k // bn), 1)), x,
                  data if data is not None else dummy, data_t if data_t is not None else dummy,
                  src, src.stride(0),
                  dummy, dummy.stride(0), scale_inv if scale_inv is not None else dummy, offsets,
-                 m, k, g, x.stride(0),
+                 k, g, x.stride(0),
                  FP8_MAX=fp8_max(fp8_dtype) if fp8_dtype is not None else 448.0,
                  OUT_DTYPE=_TL_FP8[fp8_dtype] if fp8_dtype is not None else tl.float8e4nv,
                  WRITE_DATA=write_data, WRITE_T=write_t, UPDATE_AMAX=update_amax,
@@ -274,9 +402,27 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0:
         return out
-    if config is None:
-        config = CONFIGS["fast" if fast_accum else "precise"] if a.is_cuda else _INTERPRET_CONFIG
-    bm, bn, bk, group_m, warps, stages = config
+    bm, bn, bk, group_m, warps, stages, variant = _config(
+        config, CONFIGS["fast" if fast_accum else "precise"] if a.is_cuda else _INTERPRET_CONFIG)
+    # a device-built output descriptor needs 16-byte rows (and so 16-byte group starts)
+    if variant != "flat" and (n * out.element_size()) % 16 == 0:
+        if m_splits is None and a.is_cuda:  # no read-back: one program per SM
+            programs = num_sms(a.get_device())
+        else:
+            if m_splits is None:
+                m_splits = offsets[0, 1:] - offsets[0, :-1]
+            tiles = sum(-(-int(r) // bm) for r in m_splits) * -(-n // bn)
+            programs = _programs(tiles, a)
+        if a.is_cuda:
+            ensure_scratch_allocator()
+        _launch_gemm_tma((programs,), TensorDesc(a, (bm, bk)),
+                         TensorDesc(b.view(g * n, k), (bn, bk)), out, a_scale_inv, b_scale_inv,
+                         bias if bias is not None else a_scale_inv, offsets, n, k, g, programs,
+                         HAS_BIAS=bias is not None, PRECISE=not fast_accum,
+                         SPLIT_STORE=out.element_size() == 4, FLATTEN=variant == "tma_flat",
+                         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m, num_warps=warps,
+                         num_stages=stages)
+        return out
     if m_splits is None:
         m_splits = [int(v) for v in (offsets[0, 1:] - offsets[0, :-1]).tolist()]
     tiles = sum(-(-r // bm) for r in m_splits) * -(-n // bn)
@@ -296,11 +442,20 @@ def grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, a_scale_inv: to
     """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_wgrad`."""
     g = offsets.shape[1] - 1
     out = torch.empty(g, n, k, dtype=out_dtype, device=a_t.device)
-    if config is None:
-        config = CONFIGS["wgrad"] if a_t.is_cuda else _INTERPRET_CONFIG
-    bm, bn, bk, group_m, warps, stages = config
+    bm, bn, bk, group_m, warps, stages, variant = _config(
+        config, CONFIGS["wgrad"] if a_t.is_cuda else _INTERPRET_CONFIG)
     tiles = g * -(-n // bm) * -(-k // bn)
     programs = _programs(tiles, a_t)
+    esize = out.element_size()
+    # device-built descriptors: 16-byte output rows and 16-byte group starts in `out`
+    if variant != "flat" and (k * esize) % 16 == 0 and (n * k * esize) % 16 == 0:
+        if a_t.is_cuda:
+            ensure_scratch_allocator()
+        _launch_wgrad_tma((programs,), a_t, b_t, out, a_scale_inv, b_scale_inv, offsets, n, k,
+                          g, programs, PRECISE=True, SPLIT_STORE=esize == 4,
+                          FLATTEN=variant == "tma_flat", BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                          GROUP_M=group_m, num_warps=warps, num_stages=stages)
+        return out
     _launch_wgrad((programs,), a_t, b_t, out, a_scale_inv, b_scale_inv, offsets, n, k, g,
                   programs, PRECISE=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
                   num_warps=warps, num_stages=stages)
@@ -308,4 +463,4 @@ def grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, a_scale_inv: to
 
 
 __all__ = ["grouped_amax_into", "grouped_cast_transpose", "grouped_fp8_gemm_tn",
-           "grouped_fp8_gemm_wgrad", "CONFIGS"]
+           "grouped_fp8_gemm_wgrad", "CONFIGS", "VARIANTS"]

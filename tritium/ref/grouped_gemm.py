@@ -29,7 +29,12 @@ def make_offsets(m_splits: Sequence[int], device) -> torch.Tensor:
     for m in m_splits:
         real.append(real[-1] + m)
         padded.append(padded[-1] + -(-m // 16) * 16)
-    return torch.tensor([real, padded], dtype=torch.int32, device=device)
+    host = torch.tensor([real, padded], dtype=torch.int32)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    # from pinned memory without blocking: a plain copy from pageable memory would wait for
+    # the stream (a host sync in every GroupedLinear forward)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _splits(offsets: torch.Tensor):
