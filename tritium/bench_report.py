@@ -140,6 +140,21 @@ SPECS = {
         peers=(), cells=("{time} ({gbps} GB/s)",)),
     "rope": Spec("RoPE, q and k (bf16)"),
     "activation": Spec("Activations"),
+    "model": Spec(
+        "Whole training step of a 1B Llama (HF LlamaForCausalLM, Llama-3.2-1B shape, B4 x S2048,"
+        " torch fused AdamW on bf16 params; benchmarks/bench_model.py)",
+        tritium=("tritium_fp8_delayed", "tritium_fp8_delayed_fp8head", "tritium_fp8_current",
+                 "tritium_bf16", "tritium_fp8_delayed_fusedadam"),
+        cells=("{time} ({speedup:.2f}x, {peak_gib:.1f} GiB)", DEFAULT_CELL),
+        targets=(Target("", "tritium_fp8_delayed", ">= 1.6x HF eager", at_least=1.6),),
+        headlines=(("", "tritium_fp8_delayed", "Whole step, 1B Llama (HF model converted), FP8"),)),
+    "moe": Spec(
+        "Mixtral-8x7B-shaped MoE (8 experts, top-2, hidden 4096, ffn 14336, 8192 tokens), "
+        "fwd+bwd",
+        tritium=("tritium MoE fp8 delayed", "tritium MoE fp8 current", "tritium MoE bf16",
+                 "tritium GroupedLinear fp8 delayed", "tritium GroupedLinear fp8 current",
+                 "tritium router+permute+unpermute only"),
+        targets=(Target(r"^layer", "tritium MoE fp8 delayed", ">= 1.5x", at_least=1.5),)),
     "cp": Spec(
         "Context-parallel attention, cp=2 (NCCL) vs one GPU",
         tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
@@ -154,7 +169,7 @@ SPECS = {
         rank="scaling",
         headlines=((r"S131072 .*p2p", "cp=8", "Context-parallel scaling, cp=2 -> 8, S=131072"),)),
 }
-SUMMARY_ORDER = ("linear", "mlp", "block", "demo", "attention", "norm", "adam", "cp", "cp_scale")
+SUMMARY_ORDER = ("linear", "mlp", "block", "model", "demo", "attention", "norm", "adam", "cp", "cp_scale")
 
 
 # ---- loading --------------------------------------------------------------------------------
