@@ -173,20 +173,57 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
     return row
 
 
+PHASES = ("forward", "backward", "optimizer")
+_MARKER = "bitwise_not"  # a kernel no variant launches otherwise: it marks where a phase starts
+
+
+def phase_gaps(kernels: list, steps: int) -> dict:
+    """{phase: (GPU span, kernel-busy time, idle) in ms per step} from [(name, start_us,
+    end_us)] sorted by start, where a marker kernel opens each phase of each step."""
+    out = {ph: [0.0, 0.0] for ph in PHASES}
+    phase, first, last = None, None, None
+
+    def close():
+        if phase is not None and first is not None:
+            out[phase][0] += (last - first) / 1e3 / steps
+
+    i = 0
+    for name, start, end in kernels:
+        if _MARKER in name:
+            close()
+            phase, first, last = PHASES[i % len(PHASES)], None, None
+            i += 1
+            continue
+        if phase is None:
+            continue
+        if first is None:
+            first = last = start
+        out[phase][1] += max(0.0, end - max(start, last)) / 1e3 / steps  # overlaps counted once
+        last = max(last, end)
+    close()
+    return {ph: (span, busy, span - busy) for ph, (span, busy) in out.items()}
+
+
 def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
     """One variant in this process: WARMUP steps, then `steps` steps under torch.profiler. Prints
     the wall time per step, the GPU kernels' busy time per step and the kernels that take it,
-    grouped by name (the question: is the step bound by kernels, and by which)."""
+    grouped by name, and per phase (forward, backward, optimizer) the GPU's span, its busy time
+    and its idle time (where it waited for the host): is the step bound by kernels or by the
+    host, and where."""
     from torch.profiler import ProfilerActivity, profile
     device = torch.device("cuda")
-    data = batches(WARMUP + steps, BATCH, SEQ)
+    data = [ids.to(device) for ids in batches(WARMUP + steps, BATCH, SEQ)]
     model, opt, ctx = build(variant, MODEL, device)
+    flag = torch.zeros(1, dtype=torch.int8, device=device)
 
     def step(ids):
+        torch.bitwise_not(flag, out=flag)
         opt.zero_grad(set_to_none=True)
         with ctx():
-            loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
+            loss = model(input_ids=ids, labels=ids).loss
+        torch.bitwise_not(flag, out=flag)
         loss.backward()
+        torch.bitwise_not(flag, out=flag)
         opt.step()
 
     for ids in data[:WARMUP]:
@@ -198,12 +235,18 @@ def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
             step(ids)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(ev, "is_user_annotation", False)]
     kernels: dict = {}
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
+    for ev in events:
+        if _MARKER not in ev.name:
             kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
     busy = sum(kernels.values())
     print(f"{variant}: wall {wall:.2f} ms/step (profiled), GPU kernels {busy:.2f} ms/step")
+    timeline = sorted((ev.name, ev.time_range.start, ev.time_range.end) for ev in events)
+    timeline.sort(key=lambda k: k[1])
+    for ph, (span, kbusy, idle) in phase_gaps(timeline, steps).items():
+        print(f"  {ph:9s} GPU span {span:8.2f} ms, kernels {kbusy:8.2f} ms, idle {idle:7.2f} ms")
     for name, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {ms:8.3f} ms {100 * ms / busy:5.1f}%  {name[:110]}")
 
