@@ -190,14 +190,12 @@ def phase_gaps(kernels: list, steps: int) -> dict:
     i = 0
     for name, start, end in kernels:
         if _MARKER in name:
-            close()
-            phase, first, last = PHASES[i % len(PHASES)], None, None
+            close()  # a phase spans from its marker to its last kernel
+            phase, first, last = PHASES[i % len(PHASES)], end, end
             i += 1
             continue
         if phase is None:
             continue
-        if first is None:
-            first = last = start
         out[phase][1] += max(0.0, end - max(start, last)) / 1e3 / steps  # overlaps counted once
         last = max(last, end)
     close()
