@@ -9,7 +9,11 @@ transpose a [K, pm_g] block of one flat buffer).
   same pass, in ONE launch for all groups. Row tiles are laid group by group (a group's last
   tile stops at its end; the grid has G spare tiles, which do nothing): a tile has one group,
   one scale, one atomic max, and its transposed rows are one 16-aligned run of the group's
-  block, so they are vector stores (a tile spanning groups would scatter bytes).
+  block. Every global access is 16 bytes a thread: the transposed store's mask stops at the
+  group's 16-padded end (a multiple of 16 Triton can see; a mask at the loaded row count made
+  each store one byte), so the padding columns get zeros. amax: a per-row max of |x|'s int32
+  bits (warp shuffles), one block reduction and one relaxed atomic per program. Tile bases
+  are 64-bit scalars, offsets inside a tile 32-bit (fewer registers: more programs an SM).
 * `grouped_fp8_gemm_tn` (fprop and dgrad): out[rows of g] = a[rows of g] @ b[g].T, scaled by the
   group's two scale_invs (+ the group's bias). One persistent launch walks all groups' tiles
   (group by group, GROUP_M-swizzled inside a group for L2 reuse); a program finds its tile's
