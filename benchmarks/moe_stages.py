@@ -9,8 +9,9 @@ Per GEMM (fc1, fc2): the grouped casts (input e4m3 + transpose, weight e4m3 + tr
 grad_output e5m2 + transpose; GB/s of bf16 read + fp8 data + fp8 transpose, and % of a bf16
 device copy's GB/s measured here; fc1's weight cast also in other tiles; the 6 casts of an
 experts step summed, against their floor at the copy's GB/s), fprop / dgrad / wgrad through
-tritium's Triton kernels, through torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32 scales: a group's tensorwise scale
-written to each of its rows) and through bf16 torch._grouped_mm. Timing: do_bench medians.
+tritium's Triton kernels, through torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32
+scales: a group's tensorwise scale written to each of its rows) and through bf16
+torch._grouped_mm. Timing: do_bench medians.
 Then torch.profiler's kernel table of one FP8 experts step (where the step's time goes).
 Prints one line per measurement ({"stage", "ms", "tflops" or "gbps"}); nothing is written.
 """
