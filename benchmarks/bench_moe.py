@@ -18,6 +18,9 @@ Cases:
     expert, multiples of 16 as torchao needs): bf16 _grouped_mm vs tritium FP8 vs torchao.
   * "routing": te.MoE's router + permute + unpermute alone (fwd+bwd); its `share_of_fp8_layer`
     is the part of the FP8 layer's time they take (target < 10%).
+Every FP8 row casts the weights in every step (no is_first_microbatch, so no weight caching:
+the single-step comparison with bf16 is fair; with micro-batches `is_first_microbatch=False`
+skips the weight casts, the largest of the six per step).
 FLOPs: 6 * (T * topk) * H * F * 3 per fwd+bwd (three expert GEMMs; the router's are ~0.1%).
 """
 from __future__ import annotations

@@ -6,9 +6,12 @@
 
 Shapes: G=8 experts x 2048 rows (M=16384), fc1 4096 -> 2*14336, fc2 14336 -> 4096.
 Per GEMM (fc1, fc2): the grouped casts (input e4m3 + transpose, weight e4m3 + transpose,
-grad_output e5m2 + transpose), fprop / dgrad / wgrad through tritium's Triton kernels, through
-torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32 scales: a group's tensorwise scale
-written to each of its rows) and through bf16 torch._grouped_mm. Timing: do_bench medians.
+grad_output e5m2 + transpose; GB/s of bf16 read + fp8 data + fp8 transpose, and % of a bf16
+device copy's GB/s measured here; fc1's weight cast also in other tiles; the 6 casts of an
+experts step summed, against their floor at the copy's GB/s), fprop / dgrad / wgrad through
+tritium's Triton kernels, through torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32
+scales: a group's tensorwise scale written to each of its rows) and through bf16
+torch._grouped_mm. Timing: do_bench medians.
 Then torch.profiler's kernel table of one FP8 experts step (where the step's time goes).
 Prints one line per measurement ({"stage", "ms", "tflops" or "gbps"}); nothing is written.
 """
@@ -26,12 +29,28 @@ from tritium.ref.grouped_gemm import make_offsets
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
+_CAST_STEP = []  # (ms, bytes) of each GroupedLinear's three casts
+_COPY_GBPS = []  # a bf16 device copy's GB/s (read + write), measured once: casts' % of it
+
+
+def copy_gbps() -> float:
+    if not _COPY_GBPS:
+        src = torch.randn(1 << 28, device="cuda", dtype=torch.bfloat16)  # 512 MiB
+        dst = torch.empty_like(src)
+        ms = time_ms(lambda: dst.copy_(src))
+        _COPY_GBPS.append(4 * src.numel() / ms / 1e6)
+        print({"stage": "bf16 copy 512 MiB (read + write)", "ms": round(ms, 4),
+               "gbps": round(_COPY_GBPS[0], 1)}, flush=True)
+    return _COPY_GBPS[0]
+
+
 def _row(stage, ms, flops=None, nbytes=None, **extra):
     row = {"stage": stage, "ms": round(ms, 4)}
     if flops:
         row["tflops"] = round(flops / ms / 1e9, 1)
     if nbytes:
         row["gbps"] = round(nbytes / ms / 1e6, 1)
+        row["pct_of_copy"] = round(100 * row["gbps"] / copy_gbps(), 1)
     row.update(extra)
     print(row, flush=True)
     return row
@@ -72,9 +91,22 @@ def _gemm_stages(tag, m_splits, k, n, sweep, gemm_check=True):
     def cast_dy():
         return kg.grouped_cast_transpose(dy, offsets, one[:g], amax[:g], E5M2,
                                          write_transpose=True, m_splits=m_splits)
-    _try(f"{tag} cast input e4m3 +T", cast_x, nbytes=4 * m * k)
-    _try(f"{tag} cast weight e4m3 +T", cast_w, nbytes=4 * g * n * k)
-    _try(f"{tag} cast grad_output e5m2 +T", cast_dy, nbytes=4 * m * n)
+    casts = [_try(f"{tag} cast input e4m3 +T", cast_x, nbytes=4 * m * k),
+             _try(f"{tag} cast weight e4m3 +T", cast_w, nbytes=4 * g * n * k),
+             _try(f"{tag} cast grad_output e5m2 +T", cast_dy, nbytes=4 * m * n)]
+    if all(casts):  # the three casts one GroupedLinear makes per step
+        nbytes = 4 * (m * k + g * n * k + m * n)
+        ms = sum(r["ms"] for r in casts)
+        _CAST_STEP.append((ms, nbytes))
+        _row(f"{tag} casts per step (input, weight, grad_output)", ms, nbytes=nbytes,
+             floor_ms=round(nbytes / copy_gbps() / 1e6, 4))
+    if tag == "fc1":  # the grouped cast's tiles (BLOCK_M, BLOCK_N, num_warps, COLS)
+        saved = kg.CAST_CONFIG
+        for cfg in [(64, 128, 8, 4), (32, 128, 4, 1), (64, 128, 4, 1), (128, 128, 8, 1),
+                    (64, 256, 8, 1)]:
+            kg.CAST_CONFIG = cfg
+            _try(f"{tag} sweep cast weight e4m3 +T {cfg}", cast_w, nbytes=4 * g * n * k)
+        kg.CAST_CONFIG = saved
     _try(f"{tag} amax weight (current scaling's extra pass)",
          lambda: kg.grouped_amax_into(w.view(g * n, k), eq_offsets, amax[:g]),
          nbytes=2 * g * n * k)
@@ -216,8 +248,14 @@ def run_stages(experts_module_factory, sweep: bool) -> None:
     print(f"== stages: {g} experts x {rows} rows, H{h} F{f} ==", flush=True)
     _gemm_stages("fc1", splits, h, 2 * f, sweep)
     _gemm_stages("fc2", splits, f, h, sweep)
+    if len(_CAST_STEP) == 2:  # fc1's and fc2's: the 6 casts of an experts step
+        ms, nbytes = (sum(v) for v in zip(*_CAST_STEP))
+        _row("all 6 casts of an experts step", ms, nbytes=nbytes,
+             floor_ms=round(nbytes / copy_gbps() / 1e6, 4))
     _activation_stages(g * rows, f)
     module, x, dy, ctx = experts_module_factory()
+    print("(the FP8 steps below cast the weights every step: no is_first_microbatch, no "
+          "weight caching)", flush=True)
 
     def step():
         x.grad = None
@@ -228,6 +266,8 @@ def run_stages(experts_module_factory, sweep: bool) -> None:
         out.backward(dy)
     saved = dict(kg.CONFIGS)
     flops = 18 * g * rows * h * f
+    _try("experts fwd+bwd fp8 delayed, default GEMM configs "
+         f"{ {key: cfg[6] for key, cfg in saved.items()} }", step, flops)
     for variant in kg.VARIANTS:  # the whole experts step with each tile walk
         kg.CONFIGS.update({key: (*cfg[:6], variant) for key, cfg in saved.items()})
         _try(f"experts fwd+bwd fp8 delayed, GEMMs {variant}", step, flops)

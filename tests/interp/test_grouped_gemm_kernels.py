@@ -38,6 +38,14 @@ def _valid_t(data_t, offsets, k):
     return torch.cat(parts)
 
 
+def _padding_t(data_t, offsets, k):
+    """The padding columns (m_g to pm_g) of each group's transposed block, as float."""
+    o = offsets.tolist()
+    parts = [data_t[k * o[1][g]:k * o[1][g + 1]].view(k, -1)[:, o[0][g + 1] - o[0][g]:]
+             .float().reshape(-1) for g in range(len(o[0]) - 1)]
+    return torch.cat(parts)
+
+
 @pytest.mark.parametrize("splits", SPLITS)
 @pytest.mark.parametrize("a_dtype,b_dtype", [(E4M3, E4M3), (E5M2, E4M3)])
 @pytest.mark.parametrize("out_dtype,bias", [(torch.float32, True), (torch.bfloat16, False)])
@@ -106,3 +114,26 @@ def test_grouped_cast_equals_ref_bits(splits, mode, x_dtype, gen):
     assert_same_bits(_valid_t(got[1], offsets, k), _valid_t(want[1], offsets, k), "data_t")
     assert_same_bits(got[2], want[2], "scale_inv")
     assert got[0].float().abs().max() > 0
+    # the kernel's transposed stores run to the 16-padded end: zeros there (the twin leaves it)
+    pad = _padding_t(got[1], offsets, k)
+    assert pad.numel() > 0 and torch.all(pad == 0)
+
+
+def test_grouped_cast_amax_nan_inf_equals_ref_bits(gen):
+    """A NaN in one group and an inf in another: each group's amax as the twin's (NaN wins
+    over inf, one NaN whatever the input's payload), the casts the same bits."""
+    splits = [5, 0, 37, 20]
+    offsets = rg.make_offsets(splits, "cpu")
+    x = (torch.randn(sum(splits), 48, generator=gen) * 3).to(torch.bfloat16)
+    x[3, 7] = float("nan")
+    x[20, 5], x[30, 1] = float("inf"), float("nan")
+    x[50, 2] = -float("inf")
+    scale = torch.rand(4, generator=gen) * 40 + 1
+    amax_k = torch.rand(4, generator=gen)
+    amax_r = amax_k.clone()
+    got = kg.grouped_cast_transpose(x, offsets, scale, amax_k, E4M3, write_transpose=True)
+    want = rg.grouped_cast_transpose(x, offsets, scale, amax_r, E4M3, write_transpose=True)
+    assert amax_k[0].isnan() and amax_k[2].isnan() and amax_k[3] == float("inf")
+    assert_same_bits(amax_k, amax_r, "amax")
+    assert_same_bits(got[0], want[0], "data")
+    assert_same_bits(_valid_t(got[1], offsets, 48), _valid_t(want[1], offsets, 48), "data_t")

@@ -9,7 +9,11 @@ transpose a [K, pm_g] block of one flat buffer).
   same pass, in ONE launch for all groups. Row tiles are laid group by group (a group's last
   tile stops at its end; the grid has G spare tiles, which do nothing): a tile has one group,
   one scale, one atomic max, and its transposed rows are one 16-aligned run of the group's
-  block, so they are vector stores (a tile spanning groups would scatter bytes).
+  block. Every global access is 16 bytes a thread: the transposed store's mask stops at the
+  group's 16-padded end (a multiple of 16 Triton can see; a mask at the loaded row count made
+  each store one byte), so the padding columns get zeros. amax: a per-row max of |x|'s int32
+  bits (warp shuffles), one block reduction and one relaxed atomic per program. Tile bases
+  are 64-bit scalars, offsets inside a tile 32-bit (fewer registers: more programs an SM).
 * `grouped_fp8_gemm_tn` (fprop and dgrad): out[rows of g] = a[rows of g] @ b[g].T, scaled by the
   group's two scale_invs (+ the group's bias). One persistent launch walks all groups' tiles
   (group by group, GROUP_M-swizzled inside a group for L2 reuse); a program finds its tile's
@@ -41,7 +45,7 @@ import triton.language as tl
 
 from ..fp8.formats import fp8_max
 from ._launch import Launcher, TensorDesc, ensure_scratch_allocator, next_pow2, num_sms
-from .cast import _TL_FP8, _abs_max_nan, _current_scale, _scaled_fp8
+from .cast import _TL_FP8, _current_scale, _scaled_fp8
 
 
 @triton.jit
@@ -51,7 +55,7 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_stride, a
                          WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
                          UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr, EPS: tl.constexpr,
                          POW2: tl.constexpr, GP: tl.constexpr,
-                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, COLS: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     # the row tiles are laid group by group (a group's last tile stops at its end): tile
     # pid_m is in the first group whose tiles end past it; the grid has G spare row tiles
@@ -64,37 +68,59 @@ def _grouped_cast_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, scale_stride, a
     valid = g < G  # a spare tile past the last group: no rows
     g = tl.minimum(g, G - 1)
     r0 = tl.load(offs_ptr + g)
-    r1 = tl.load(offs_ptr + g + 1)
+    m_g = tl.load(offs_ptr + g + 1) - r0
     local = (pid_m - first) * BLOCK_M + tl.arange(0, BLOCK_M)  # rows from the group's start
-    rm = r0 + local
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm64 = rm.to(tl.int64)
-    row_ok = (rm < r1) & valid
+    row_ok = (local < m_g) & valid
+    # 64-bit scalar bases of the tile, 32-bit offsets inside it (47 registers a thread where
+    # a tile of 64-bit offsets took 55: 5 programs an SM, not 4)
+    row0 = (r0 + (pid_m - first) * BLOCK_M).to(tl.int64)
+    i = tl.arange(0, BLOCK_M)
+    x_tile = x_ptr + row0 * stride_xm
+    d_tile = data_ptr + row0 * K
     if CURRENT:
         scale = _current_scale(tl.load(amax_ptr + g * amax_stride), FP8_MAX, EPS, POW2)
     else:
         scale = tl.load(scale_ptr + g * scale_stride)
-    if WRITE_DATA or UPDATE_AMAX:
-        mask = row_ok[:, None] & (rn[None, :] < K)
-        x = tl.load(x_ptr + rm64[:, None] * stride_xm + rn[None, :], mask=mask, other=0.0)
-        x = x.to(tl.float32)
-        if WRITE_DATA:
-            tl.store(data_ptr + rm64[:, None] * K + rn[None, :],
-                     _scaled_fp8(x, scale, mask, FP8_MAX, OUT_DTYPE), mask=mask)
-        if UPDATE_AMAX:
-            tl.atomic_max(amax_ptr + g * amax_stride, _abs_max_nan(x), mask=valid)
     if WRITE_T:
-        # the tile read again transposed (see tritium.kernels.cast on tl.trans); the group's
-        # [K, pm_g] block starts 16-aligned with 16-aligned rows, and the tile's rows are one
-        # contiguous run in it: vector stores
-        mask_t = (rn[:, None] < K) & row_ok[None, :]
-        xt = tl.load(x_ptr + rm64[None, :] * stride_xm + rn[:, None], mask=mask_t, other=0.0)
-        xt = xt.to(tl.float32)
+        # the group's [K, pm_g] block starts 16-aligned with 16-aligned rows; the tile's rows
+        # are one run in it. Its store mask stops at pm_g (a multiple of 16, not at m_g, a
+        # loaded count Triton knows nothing about): 16-byte vector stores, the padding
+        # columns written with zeros (a mask at m_g made every store one byte)
         p0 = tl.multiple_of(tl.load(offs_ptr + G + 1 + g), 16)
         pm = tl.multiple_of(tl.load(offs_ptr + G + 2 + g) - p0, 16)
-        block = data_t_ptr + K * p0.to(tl.int64)
-        tl.store(block + rn.to(tl.int64)[:, None] * pm + local[None, :],
-                 _scaled_fp8(xt, scale, mask_t, FP8_MAX, OUT_DTYPE), mask=mask_t)
+        t_tile = data_t_ptr + K * p0.to(tl.int64) + (pid_m - first) * BLOCK_M
+        t_ok = (local < pm) & valid
+    # amax kept as the int32 bits of |x| (non-negative floats order as their bits, a NaN's
+    # above inf's), reduced along each row only (shuffles inside a warp, no shared memory):
+    # one block-wide reduction per program, not one per tile
+    amax_bits = tl.zeros([BLOCK_M], dtype=tl.int32)
+    for c in range(COLS):  # COLS column tiles per program: one atomic max for them all
+        col0 = (pid_n * COLS + c) * BLOCK_N
+        jn = tl.arange(0, BLOCK_N)
+        rn = col0 + jn
+        if WRITE_DATA or UPDATE_AMAX:
+            mask = row_ok[:, None] & (rn[None, :] < K)
+            x = tl.load(x_tile + (i[:, None] * stride_xm + rn[None, :]), mask=mask, other=0.0)
+            x = x.to(tl.float32)
+            if WRITE_DATA:
+                tl.store(d_tile + (i[:, None] * K + rn[None, :]),
+                         _scaled_fp8(x, scale, mask, FP8_MAX, OUT_DTYPE), mask=mask)
+            if UPDATE_AMAX:
+                bits = tl.abs(x).to(tl.int32, bitcast=True)
+                amax_bits = tl.maximum(amax_bits, tl.max(bits, axis=1))
+        if WRITE_T:
+            # the tile read again transposed (an L1/L2 hit; see tritium.kernels.cast on
+            # tl.trans), stored as contiguous runs of the transposed rows
+            mask_t = (rn[:, None] < K) & row_ok[None, :]
+            xt = tl.load(x_tile + (i[None, :] * stride_xm + rn[:, None]), mask=mask_t,
+                         other=0.0)
+            tl.store(t_tile + col0.to(tl.int64) * pm + (jn[:, None] * pm + i[None, :]),
+                     _scaled_fp8(xt.to(tl.float32), scale, mask_t, FP8_MAX, OUT_DTYPE),
+                     mask=(rn[:, None] < K) & t_ok[None, :])
+    if UPDATE_AMAX:  # relaxed: a max needs no ordering with this program's stores
+        amax = tl.max(amax_bits).to(tl.float32, bitcast=True)
+        amax = tl.where(amax != amax, float("nan"), amax)  # one NaN, whatever the payload
+        tl.atomic_max(amax_ptr + g * amax_stride, amax, mask=valid, sem="relaxed")
     if WRITE_DATA or WRITE_T:
         if (pid_m == 0) & (pid_n == 0):
             for gg in range(G):  # every group's scale_inv, empty groups included
@@ -314,15 +340,20 @@ _launch_gemm = Launcher(_grouped_gemm_kernel)
 _launch_wgrad = Launcher(_grouped_wgrad_kernel)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, variant): the single GEMM's tiles
-# (tritium.kernels.gemm.CONFIGS) for fprop / dgrad; wgrad's pointer loads take 128x128.
+# (tritium.kernels.gemm.CONFIGS) for fprop / dgrad; wgrad takes 128x128.
 # variant: "flat" (`_grouped_gemm_kernel` / `_grouped_wgrad_kernel`), "tma" (the per-group
 # walk with device-built descriptors) or "tma_flat" (the same, its tile loop flattened into
-# the K loop by Triton's pipeliner).
-CONFIGS = {"fast": (128, 256, 128, 8, 8, 3, "flat"), "precise": (256, 128, 128, 8, 8, 3, "flat"),
-           "wgrad": (128, 128, 128, 8, 8, 3, "flat")}
+# the K loop by Triton's pipeliner). Each GEMM's fastest walk at the Mixtral expert shapes
+# (H200, fc2 8 x 2048 rows: fprop tma 1.44 ms, flat about the same; dgrad flat 1.86 ms, tma
+# 1.89; wgrad tma 2.48 ms, flat 2.65).
+CONFIGS = {"fast": (128, 256, 128, 8, 8, 3, "tma"), "precise": (256, 128, 128, 8, 8, 3, "flat"),
+           "wgrad": (128, 128, 128, 8, 8, 3, "tma")}
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1, "flat")
-# the grouped cast's (BLOCK_M, BLOCK_N, num_warps), tritium.kernels.cast's tile
-CAST_CONFIG = (64, 128, 8)
+# the grouped cast's (BLOCK_M, BLOCK_N, num_warps, COLS): tritium.kernels.cast's tile, COLS
+# column tiles per program. COLS=1: 47 registers a thread (sm_90 build), 5 programs an SM;
+# a COLS loop keeps its tile offsets live (108 registers, 2 programs an SM)
+CAST_CONFIG = (64, 128, 8, 1)
+_INTERPRET_CAST_CONFIG = (16, 16, 1, 2)
 VARIANTS = ("flat", "tma", "tma_flat")
 
 
@@ -354,12 +385,15 @@ def _cast(x, offsets, scale, amax, fp8_dtype, write_data, write_t, update_amax, 
     if m == 0 and not (write_data or write_t):
         return
     g = offsets.shape[1] - 1
-    bm, bn, warps = CAST_CONFIG if x.is_cuda else (16, 16, 1)
+    bm, bn, warps, cols = CAST_CONFIG if x.is_cuda else _INTERPRET_CAST_CONFIG
+    if (m + 16) * bn >= 2 ** 31 or x.stride(0) * bm >= 2 ** 31:  # 32-bit offsets in a tile
+        raise ValueError(f"grouped cast: x {tuple(x.shape)} (row stride {x.stride(0)}) is "
+                         f"too large for 32-bit tile offsets; split it into fewer rows")
     eps, pow2 = current if current is not None else (0.0, False)
     dummy = amax if amax is not None else scale
     src = scale if scale is not None else amax  # the scales (or, current scaling, amaxes)
     # row tiles group by group: at most one partial tile per group beyond m's own tiles
-    _launch_cast((-(-m // bm) + g, max(-(-k // bn), 1)), x,
+    _launch_cast((-(-m // bm) + g, max(-(-k // (bn * cols)), 1)), x,
                  data if data is not None else dummy, data_t if data_t is not None else dummy,
                  src, src.stride(0),
                  dummy, dummy.stride(0), scale_inv if scale_inv is not None else dummy, offsets,
@@ -368,7 +402,7 @@ def _cast(x, offsets, scale, amax, fp8_dtype, write_data, write_t, update_amax, 
                  OUT_DTYPE=_TL_FP8[fp8_dtype] if fp8_dtype is not None else tl.float8e4nv,
                  WRITE_DATA=write_data, WRITE_T=write_t, UPDATE_AMAX=update_amax,
                  CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2),
-                 GP=next_pow2(g + 1), BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
+                 GP=next_pow2(g + 1), BLOCK_M=bm, BLOCK_N=bn, COLS=cols, num_warps=warps)
 
 
 def grouped_cast_transpose(x: torch.Tensor, offsets: torch.Tensor, scale: Optional[torch.Tensor],
