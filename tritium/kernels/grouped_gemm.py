@@ -351,8 +351,10 @@ CONFIGS = {"fast": (128, 256, 128, 8, 8, 3, "tma"), "precise": (256, 128, 128, 8
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1, "flat")
 # the grouped cast's (BLOCK_M, BLOCK_N, num_warps, COLS): tritium.kernels.cast's tile, COLS
 # column tiles per program. COLS=1: 47 registers a thread (sm_90 build), 5 programs an SM;
-# a COLS loop keeps its tile offsets live (108 registers, 2 programs an SM)
-CAST_CONFIG = (64, 128, 8, 1)
+# a COLS loop keeps its tile offsets live (108 registers, 2 programs an SM). 4 warps: the fc1
+# weight cast (8 x [28672, 4096]) at 87.8% of a copy on an H200, 8 warps 74.8%, (128, 128, 8)
+# 86.1%, (64, 256, 8) 83.8%, (32, 128, 4) 78.5% (bench_moe.py --stages, 2026-11-24)
+CAST_CONFIG = (64, 128, 4, 1)
 _INTERPRET_CAST_CONFIG = (16, 16, 1, 2)
 VARIANTS = ("flat", "tma", "tma_flat")
 
