@@ -38,4 +38,18 @@ def block_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     return acc.to(out_dtype)
 
 
-__all__ = ["block_gemm_tn", "BLOCK"]
+def mx_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+               out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The MXFP8 GEMM, emulated: a [M, K], b [N, K] fp8 with power-of-2 scales [*, ceil(K/32)]
+    (one per 32 elements along K). Dequantized values are exact in fp32 (fp8 times 2^e), the
+    products and their fp32 sum are what a Blackwell MXFP8 MMA computes up to summation order."""
+    k = a.shape[1]
+    a_deq = a.float() * a_scale.repeat_interleave(32, dim=1)[:, :k]
+    b_deq = b.float() * b_scale.repeat_interleave(32, dim=1)[:, :k]
+    acc = a_deq @ b_deq.t()
+    if bias is not None:
+        acc += bias.float()
+    return acc.to(out_dtype)
+
+
+__all__ = ["block_gemm_tn", "mx_gemm_tn", "BLOCK"]
