@@ -231,3 +231,17 @@ def test_layernorm_linear_and_mlp_under_block_recipes(randn, r):
     assert ((y - hp).norm() / hp.norm()) < 0.1
     assert torch.isfinite(xg.grad).all() and xg.grad.abs().max() > 0
     assert mlp.fc1_weight.grad.abs().max() > 0 and mlp.fc2_weight.grad.abs().max() > 0
+
+
+def test_block_recipe_checkpoint_and_unsupported_modules(randn):
+    layer = te.Linear(64, 32)
+    r = recipe.Float8BlockScaling(w_block_scaling_dim=1)
+    with te.fp8_autocast(fp8_recipe=r):
+        layer(randn(16, 64))
+    other = te.Linear(64, 32)
+    other.load_state_dict(layer.state_dict())
+    assert other.fp8_meta.recipe == r
+    grouped = te.GroupedLinear(2, 64, 32)
+    with pytest.raises(NotImplementedError, match="GroupedLinear under Float8BlockScaling"):
+        with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+            grouped(randn(32, 64), [16, 16])

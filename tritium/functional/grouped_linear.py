@@ -35,6 +35,7 @@ from ..fp8.recipe import Float8CurrentScaling
 from ..fp8.tensor import Float8Tensor
 from ..ref import grouped_gemm as ref_grouped
 from ._apply import fast_apply
+from .block_linear import is_block_recipe
 from .linear import FP8Plan
 
 
@@ -231,6 +232,11 @@ def grouped_linear(inp: torch.Tensor, m_splits: Sequence[int], weights: Sequence
     main_grad: the G weight Parameters whose fp32 `main_grad` takes the weight gradients
     (fuse_wgrad_accumulation; the Function then returns none). Inputs are checked by the
     caller (the module)."""
+    if fp8 is not None and fp8.compute_in_fp8 and is_block_recipe(fp8.recipe):
+        raise NotImplementedError(
+            f"GroupedLinear under {type(fp8.recipe).__name__}: block-scaled grouped GEMMs are not "
+            "implemented yet; run the experts under DelayedScaling / Float8CurrentScaling or "
+            "outside fp8_autocast")
     if isinstance(inp, Float8Tensor):  # e.g. from a fused norm: this Function takes 16/32 bits
         inp = inp.dequantize()
     dev = inp.device.type
