@@ -83,11 +83,12 @@ def test_1x128_and_128x128_casts_match_the_definition(randn):
     x = randn(130, 300) * torch.logspace(-3, 3, 130)[:, None]
     x[5, :128] = 0
     q = quantize_blocks(x, E4M3, rowwise=True, columnwise=True)
-    deq = q.data.float() * q.scale_inv.repeat_interleave(128, 1)[:, :300]
+    assert q.scale_inv.shape == (3, 130) and q.scale_inv_t.shape == (2, 300)  # slice-major
+    deq = q.data.float() * q.scale_inv.t().repeat_interleave(128, 1)[:, :300]
     assert torch.equal(deq, _emulated_blocks(x))
-    deq_t = q.data_t.float() * q.scale_inv_t.repeat_interleave(128, 1)[:, :130]
+    deq_t = q.data_t.float() * q.scale_inv_t.t().repeat_interleave(128, 1)[:, :130]
     assert torch.equal(deq_t, _emulated_blocks(x.t().contiguous()))
-    assert q.scale_inv[5, 0] == 1 and q.data[5, :128].float().abs().max() == 0
+    assert q.scale_inv[0, 5] == 1 and q.data[5, :128].float().abs().max() == 0
     # the columnwise form is made from high precision: not the rowwise numbers transposed
     assert not torch.equal(deq_t, deq.t())
     w = quantize_blocks(x, E4M3, block_2d=True, rowwise=True, columnwise=True)

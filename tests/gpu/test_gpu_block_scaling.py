@@ -50,8 +50,8 @@ def test_block_gemm_kernel_equals_twin_on_exact_sums(m, n, k, b_block_2d, a_dtyp
     kb = -(-k // 128)
     a = torch.randint(-8, 9, (m, k), device="cuda").float().to(a_dtype)
     b = torch.randint(-8, 9, (n, k), device="cuda").float().to(E4M3)
-    sa = torch.exp2(torch.randint(-6, 7, (m, kb), device="cuda").float())
-    sb = torch.exp2(torch.randint(-6, 7, ((-(-n // 128)) if b_block_2d else n, kb),
+    sa = torch.exp2(torch.randint(-6, 7, (kb, m), device="cuda").float())
+    sb = torch.exp2(torch.randint(-6, 7, (-(-n // 128), kb) if b_block_2d else (kb, n),
                                   device="cuda").float())
     got = kgemm.block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)
     want = rgemm.block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)

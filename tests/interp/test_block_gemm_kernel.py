@@ -37,8 +37,8 @@ def _pow2(shape, gen):
 def test_block_gemm_kernel_equals_ref_bits(m, n, k, b_block_2d, a_dtype, out_dtype, bias, gen):
     kb = -(-k // 128)
     a, b = _integer_fp8(m, k, a_dtype, gen), _integer_fp8(n, k, E4M3, gen)
-    sa = _pow2((m, kb), gen)
-    sb = _pow2((-(-n // 128), kb) if b_block_2d else (n, kb), gen)
+    sa = _pow2((kb, m), gen)
+    sb = _pow2((-(-n // 128), kb) if b_block_2d else (kb, n), gen)
     bias_t = torch.randn(n, generator=gen).to(out_dtype) if bias else None
     got = kgemm.block_gemm_tn(a, b, sa, sb, out_dtype, bias_t, b_block_2d=b_block_2d)
     want = rgemm.block_gemm_tn(a, b, sa, sb, out_dtype, bias_t, b_block_2d=b_block_2d)
@@ -50,8 +50,8 @@ def test_block_gemm_ref_is_the_sum_of_scaled_slices(gen):
     """The twin against a plain formula: dequantize per block, then one fp64 matmul."""
     m, n, k = 24, 200, 300
     a, b = _integer_fp8(m, k, E4M3, gen), _integer_fp8(n, k, E4M3, gen)
-    sa, sb = _pow2((m, 3), gen), _pow2((2, 3), gen)
-    a_deq = a.double() * sa.double().repeat_interleave(128, 1)[:, :k]
+    sa, sb = _pow2((3, m), gen), _pow2((2, 3), gen)
+    a_deq = a.double() * sa.double().t().repeat_interleave(128, 1)[:, :k]
     b_deq = b.double() * sb.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     want = (a_deq @ b_deq.t()).float()
     assert torch.equal(rgemm.block_gemm_tn(a, b, sa, sb, torch.float32, b_block_2d=True), want)

@@ -7,8 +7,8 @@ then scaled and added to the fp32 accumulator (split accumulation, promotion eve
 
 Layout: a [M, K] and b [N, K] fp8 with K contiguous, 16-byte aligned rows (K % 16 == 0), read
 through TMA (zero-filled at the edges, so M, N, K need not divide the tiles); a_scale_inv
-[M, Kb] and b_scale_inv [N, Kb] (1x128) or [Nb, Kb] (128x128 blocks), fp32, read with plain
-masked loads (one small vector per K step). The output tile is stored through TMA. Each
+[Kb, M] and b_scale_inv [Kb, N] (1x128, slice-major) or [Nb, Kb] (128x128 blocks), fp32, read
+with plain masked loads: one contiguous vector per K step (a scalar for 128x128 blocks). The output tile is stored through TMA. Each
 program walks tiles `pid, pid + P, ...` (persistent when P = the SM count) in GROUP_M order.
 
 Not done: warp specialization / ping-pong consumers (DeepGEMM's scheduling), FP8 output.
@@ -40,19 +40,19 @@ def _block_gemm_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K
         off_n = ((tile % per_group) // group_m) * BLOCK_N
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
-        sa_rows = sa_ptr + rm.to(tl.int64) * KB
-        if B_2D:
-            sb_rows = sb_ptr + (rn // 128).to(tl.int64) * KB
-        else:
-            sb_rows = sb_ptr + rn.to(tl.int64) * KB
+        sb_block = sb_ptr + (off_n // 128) * KB   # B_2D: a tile lies in one 128-row block
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([off_m, ki * BLOCK_K])
             b = b_desc.load([off_n, ki * BLOCK_K])
             part = tl.dot(a, b.T)
-            sa = tl.load(sa_rows + ki, mask=rm < M, other=0.0)
-            sb = tl.load(sb_rows + ki, mask=rn < N, other=0.0)
-            acc += part * (sa[:, None] * sb[None, :])
+            # slice-major scale grids: this K step's scales are contiguous vectors
+            sa = tl.load(sa_ptr + ki * M + rm, mask=rm < M, other=0.0)
+            if B_2D:
+                acc += (part * sa[:, None]) * tl.load(sb_block + ki)
+            else:
+                sb = tl.load(sb_ptr + ki * N + rn, mask=rn < N, other=0.0)
+                acc += (part * sa[:, None]) * sb[None, :]
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
@@ -60,10 +60,14 @@ def _block_gemm_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K
 
 _launch_gemm = Launcher(_block_gemm_kernel)
 
-# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages); BLOCK_K is always 128.
-# Two fp32 tiles (slice and accumulator) live in registers: 128x128 per 8 warps.
-CONFIG = (128, 128, 8, 8, 4)
-_INTERPRET_CONFIG = (16, 32, 2, 1, 1)
+# (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages, programs per SM); BLOCK_K is always 128.
+# Two fp32 tiles (slice and accumulator) live in registers. Each K step waits for its MMA
+# before the promotion FMAs, so one program alone leaves the tensor cores idle during them:
+# the default keeps two programs per SM (64x128 tiles, 4 warps, ~170 registers, ~90 KB of
+# shared memory each), so one's FMAs overlap the other's MMAs. Checked free of spills with
+# ptxas for sm_90a; the benchmark's sweep (benchmarks/bench_block_scaling.py) picks among these.
+CONFIG = (64, 128, 8, 4, 3, 2)
+_INTERPRET_CONFIG = (16, 32, 2, 1, 1, 1)
 
 
 def block_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
@@ -78,13 +82,17 @@ def block_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if config is None:
         config = CONFIG if a.is_cuda else _INTERPRET_CONFIG
-    bm, bn, group_m, warps, stages = config
+    bm, bn, group_m, warps, stages, per_sm = config
     tiles = -(-m // bm) * -(-n // bn)
-    programs = min(tiles, num_sms(a.get_device())) if persistent and a.is_cuda else tiles
+    programs = (min(tiles, per_sm * num_sms(a.get_device())) if persistent and a.is_cuda
+                else tiles)
     sa, sb = a_scale_inv.contiguous(), b_scale_inv.contiguous()
+    if b_block_2d and 128 % bn:
+        raise ValueError(f"block_gemm_tn: with 128x128 weight blocks BLOCK_N must divide 128, "
+                         f"got config {config}")
     _launch_gemm((programs,), TensorDesc(a, (bm, 128)), TensorDesc(b, (bn, 128)),
                  TensorDesc(out, (bm, bn)), sa, sb, bias if bias is not None else sa,
-                 m, n, k, sa.shape[1], programs, HAS_BIAS=bias is not None, B_2D=b_block_2d,
+                 m, n, k, -(-k // 128), programs, HAS_BIAS=bias is not None, B_2D=b_block_2d,
                  BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=group_m, num_warps=warps,
                  num_stages=stages)
     return out

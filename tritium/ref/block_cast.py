@@ -3,10 +3,12 @@
 Twin of `tritium.kernels.block_cast` (same names, signatures and bits) and the CPU path.
 
 Float8BlockScaling (`quantize_blocks`): x [M, K] in high precision, K the GEMM's reduction dim.
-  * 1D (1x128 tiles): rowwise data [M, K] with scale_inv [M, ceil(K/128)] (one per row and
-    128-column group), and, when asked, columnwise data [K, M] (x^T, K-major) with scale_inv_t
-    [K, ceil(M/128)]: tiles of 128 consecutive rows of x, made from x itself, not from the
-    rowwise fp8 (the two are different numbers: TE does the same).
+  * 1D (1x128 tiles): rowwise data [M, K] with scale_inv [ceil(K/128), M] (one per row and
+    128-column group, stored slice-major: row s holds the scales of K slice s for every row,
+    TE's "GEMM-ready" layout, so a GEMM reads one contiguous vector per K step), and, when
+    asked, columnwise data [K, M] (x^T) with scale_inv_t [ceil(M/128), K]: tiles of 128
+    consecutive rows of x, made from x itself, not from the rowwise fp8 (the two are different
+    numbers: TE does the same).
   * 2D (128x128 blocks, weights): data [M, K] and scale_inv [ceil(M/128), ceil(K/128)]; the
     transpose data_t [K, M] holds the same fp8 numbers and scale_inv_t is scale_inv^T.
   Per block: scale = fp8_max / max(amax, amax_epsilon), inf -> fp32 max, rounded down to a
@@ -40,9 +42,9 @@ class BlockQuantized(NamedTuple):
     """A tensor's block-scaled fp8 forms; a field is None where it was not asked for."""
 
     data: Optional[torch.Tensor]         # [M, K]
-    scale_inv: Optional[torch.Tensor]    # 1D: [M, Kb]; 2D: [Mb, Kb]
+    scale_inv: Optional[torch.Tensor]    # 1D: [Kb, M]; 2D: [Mb, Kb]
     data_t: Optional[torch.Tensor]       # [K, M]
-    scale_inv_t: Optional[torch.Tensor]  # 1D: [K, Mb]; 2D: [Kb, Mb]
+    scale_inv_t: Optional[torch.Tensor]  # 1D: [Mb, K]; 2D: [Kb, Mb]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -75,7 +77,7 @@ def _rowwise(x: torch.Tensor, fp8_dtype, power_2_scale, amax_epsilon):
     xp = _padded(x, m, kb * BLOCK).view(m, kb, BLOCK)
     scale = current_scale(_amax_nan(xp, -1), fp8_dtype, amax_epsilon, power_2_scale)
     data = _scaled(xp, scale[:, :, None], fp8_dtype).view(m, kb * BLOCK)[:, :k].contiguous()
-    return data, torch.ones_like(scale) / scale
+    return data, (torch.ones_like(scale) / scale).t().contiguous()
 
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool = False,
@@ -101,14 +103,16 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool =
     return BlockQuantized(data, scale_inv, data_t, scale_inv_t)
 
 
-def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor, block_2d: bool = False,
-                      block: int = BLOCK) -> torch.Tensor:
-    """fp32 values of block-quantized data [M, K] (exact: fp8 times a power of 2 or an fp32)."""
+def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor,
+                      block_2d: bool = False) -> torch.Tensor:
+    """fp32 values of block-quantized data [M, K] (exact: fp8 times a power of 2 or an fp32);
+    scale_inv as `quantize_blocks` writes it ([Kb, M] for 1D, [Mb, Kb] for 2D)."""
     m, k = data.shape
-    s = scale_inv.repeat_interleave(block, dim=1)[:, :k]
     if block_2d:
-        s = s.repeat_interleave(block, dim=0)[:m]
-    return data.float() * s
+        s = scale_inv.repeat_interleave(BLOCK, dim=0)[:m]
+    else:
+        s = scale_inv.t()
+    return data.float() * s.repeat_interleave(BLOCK, dim=1)[:, :k]
 
 
 def quantize_mx(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):

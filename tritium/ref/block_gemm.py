@@ -1,13 +1,15 @@
 """Pure-PyTorch twin of `tritium.kernels.block_gemm`: the block-scaled FP8 GEMM, "TN" form.
 
 out[m, n] = sum over 128-wide K slices s of (a[m, s] . b[n, s]) * a_scale_inv[m, s] * sb(n, s)
-(+ bias), with a [M, K] and b [N, K] fp8 (K contiguous), a_scale_inv [M, Kb] (1x128 tiles),
-and b_scale_inv [N, Kb] (1x128 tiles: sb(n, s) = b_scale_inv[n, s]) or [Nb, Kb] (128x128
-blocks, `b_block_2d`: sb(n, s) = b_scale_inv[n // 128, s]); Kb = ceil(K / 128).
+(+ bias), with a [M, K] and b [N, K] fp8 (K contiguous), a_scale_inv [Kb, M] (1x128 tiles,
+slice-major: sa[m, s] = a_scale_inv[s, m]), and b_scale_inv [Kb, N] (1x128 tiles: sb(n, s) =
+b_scale_inv[s, n]) or [Nb, Kb] (128x128 blocks, `b_block_2d`: sb(n, s) =
+b_scale_inv[n // 128, s]); Kb = ceil(K / 128). These are the layouts
+`tritium.ref.block_cast.quantize_blocks` writes.
 
 Numerics: each slice's products are exact in fp32 and summed in fp32 (the GPU sums one slice
-in the tensor cores' accumulator); the slice sum is multiplied by (sa * sb), one fp32 product,
-and added to the fp32 accumulator ("promotion" every 128 of K, DeepSeek-V3's recipe); the bias
+in the tensor cores' accumulator); the slice sum is multiplied by sa, then by sb (two fp32
+roundings, none with power-of-2 scales), and added to the fp32 accumulator ("promotion" every 128 of K, DeepSeek-V3's recipe); the bias
 is added in fp32 and the result rounded once to out_dtype. The kernel does the same operations
 in the same order, so the two agree bit for bit wherever the slice sums are exact.
 """
@@ -26,11 +28,11 @@ def block_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     m, k = a.shape
     n = b.shape[0]
-    sb = b_scale_inv.repeat_interleave(BLOCK, dim=0)[:n] if b_block_2d else b_scale_inv
+    sb = b_scale_inv.repeat_interleave(BLOCK, dim=0)[:n].t() if b_block_2d else b_scale_inv
     acc = torch.zeros(m, n, dtype=torch.float32, device=a.device)
     for i, k0 in enumerate(range(0, k, BLOCK)):
         part = a[:, k0:k0 + BLOCK].float() @ b[:, k0:k0 + BLOCK].float().t()
-        acc += part * (a_scale_inv[:, i:i + 1].float() * sb[None, :, i].float())
+        acc += (part * a_scale_inv[i, :, None].float()) * sb[None, i, :].float()
     if bias is not None:
         acc += bias.float()
     if out is not None:
