@@ -122,6 +122,19 @@ def test_mx_scale_selection_saturation_zero_and_subnormal_blocks():
     assert s5.item() == 2.0 ** -15                 # emax(E5M2) = 15
 
 
+def test_mx_round_up_rule_never_saturates():
+    """TE's rule: X = 2^ceil(log2(amax / 448)) (the exponent rounded up), so amax / X <= 448."""
+    x = torch.zeros(1, 96)
+    x[0, 0], x[0, 32], x[0, 64] = 500.0, 448.0, 1.0
+    data, scale = quantize_mx(x, E4M3, round_up=True)
+    assert scale.tolist() == [[2.0, 1.0, 2.0 ** -8]]
+    assert data.float()[0, [0, 32, 64]].tolist() == [256.0, 448.0, 256.0]   # 500 / 2 -> 256
+    y = torch.randn(16, 64) * torch.logspace(-10, 10, 16)[:, None]
+    d, s = quantize_mx(y, E4M3, round_up=True)
+    assert (y.abs() / s.repeat_interleave(32, 1) <= 448).all()
+    assert (d.float().abs().view(16, 2, 32).amax(-1) >= 224).all()   # the top binade: [224, 448]
+
+
 def test_mx_on_random_data_is_within_half_an_e4m3_step(randn):
     x = randn(8, 96) * torch.logspace(-20, 20, 8)[:, None]
     # one element per block above the block's amax, at 475 * X: it saturates

@@ -23,6 +23,8 @@ last dim; shared scale X = 2^(floor(log2(amax)) - emax) with emax = 8 for E4M3 (
 2^8) and 15 for E5M2, the exponent clamped to E8M0's range [-127, 127]; an all-zero block gets
 X = 2^-127; data = x / X saturated to +-fp8_max (values in (fp8_max, 2^(emax+1)) clamp) and
 rounded to nearest even. Emulation only: there is no MXFP8 tensor core before Blackwell.
+TE's MXFP8 kernels round the scale up instead (X = 2^ceil(log2(amax / fp8_max)), no saturation):
+`quantize_mx(..., round_up=True)`; the recipe uses OCP's rule (docs/block_scaling.md).
 """
 from __future__ import annotations
 
@@ -115,8 +117,13 @@ def dequantize_blocks(data: torch.Tensor, scale_inv: torch.Tensor,
     return data.float() * s.repeat_interleave(BLOCK, dim=1)[:, :k]
 
 
-def quantize_mx(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
-    """x [M, K] -> (data [M, K] fp8, scale [M, ceil(K/32)] fp32 powers of 2, the E8M0 X)."""
+def quantize_mx(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
+                round_up: bool = False):
+    """x [M, K] -> (data [M, K] fp8, scale [M, ceil(K/32)] fp32 powers of 2, the E8M0 X).
+
+    round_up=False: OCP MX v1.0's X = 2^(floor(log2 amax) - emax) (the block's largest values
+    may saturate at fp8_max). round_up=True: TE's rule, X = 2^ceil(log2(amax / fp8_max)) (the
+    fp32 quotient's exponent, plus one where its mantissa is not zero): nothing saturates."""
     if fp8_dtype not in _MX_EMAX:
         raise ValueError(f"quantize_mx: fp8_dtype must be float8_e4m3fn or float8_e5m2, got "
                          f"{fp8_dtype}")
@@ -124,8 +131,13 @@ def quantize_mx(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn):
     kb = _cdiv(k, MX_BLOCK)
     xp = _padded(x, m, kb * MX_BLOCK).view(m, kb, MX_BLOCK)
     amax = xp.abs().amax(-1)
-    _, exp = torch.frexp(amax)            # amax = f * 2^exp, f in [0.5, 1): floor(log2) = exp - 1
-    shared = (exp - 1 - _MX_EMAX[fp8_dtype]).clamp(-127, 127)
+    if round_up:
+        frac, exp = torch.frexp(amax / fp8_max(fp8_dtype))  # = frac * 2^exp, frac in [0.5, 1)
+        shared = torch.where(frac == 0.5, exp - 1, exp)      # an exact power of 2 stays
+    else:
+        _, exp = torch.frexp(amax)        # amax = f * 2^exp, f in [0.5, 1): floor(log2) = exp - 1
+        shared = exp - 1 - _MX_EMAX[fp8_dtype]
+    shared = shared.clamp(-127, 127)
     shared = torch.where(amax == 0, torch.full_like(shared, -127), shared)
     # x / X as x * 2^-shared: exact (2^-shared is a normal fp32 for shared in [-127, 127])
     inv = torch.ldexp(torch.ones_like(amax), -shared)
