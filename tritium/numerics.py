@@ -372,7 +372,8 @@ Tokens whose magnitudes span 10^6: each row of the input and of grad_output is N
 tokens, bf16 params; each entry is the mean over tokens of |a_t - r_t| / |r_t| (row norms)
 against float64 from the same bf16 values, the worst of {seeds} seeds (weight gradient: max rel
 as above). One scale per tensor serves the largest tokens and flushes the small ones toward
-FP8's underflow (delayed and current scaling); 1x128 tiles (Float8BlockScaling) and 32-element
+FP8's underflow (delayed and current scaling; their input gradients lose less, grad_output being
+E5M2 with its wider range under HYBRID); 1x128 tiles (Float8BlockScaling) and 32-element
 blocks (MXFP8, emulated) scale every token on its own, so their per-token error stays at the
 well-scaled level. Measured on the CPU (the GPU's block GEMM differs only in summation order).
 """
