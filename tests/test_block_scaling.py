@@ -153,13 +153,13 @@ def test_mx_on_random_data_is_within_half_an_e4m3_step(randn):
 
 
 # ------------------------------------------------------------------------------ Linear
-def _emulated_linear(x, w, b, dy, w_2d: bool, mx: bool = False):
+def _emulated_linear(x, w, b, dy, w_2d: bool, mx: bool = False, grad_dtype=E4M3):
     """fprop, dgrad, wgrad of a block-scaled Linear, from the recipe's definition."""
-    def q(t, two_d=False):
+    def q(t, two_d=False, dtype=E4M3):
         if mx:
-            d, s = quantize_mx(t, E4M3)
+            d, s = quantize_mx(t, dtype)
             return d.float() * s.repeat_interleave(32, 1)[:, :t.shape[1]]
-        return _emulated_blocks(t, block_2d=two_d)
+        return _emulated_blocks(t, dtype, block_2d=two_d)
 
     def gemm(a, bt):  # a [M, K] @ bt [N, K]^T, slice by slice of 128 in fp32
         out = torch.zeros(a.shape[0], bt.shape[0])
@@ -169,15 +169,17 @@ def _emulated_linear(x, w, b, dy, w_2d: bool, mx: bool = False):
 
     y = gemm(q(x), q(w, w_2d)) + b
     w_t = q(w, True).t() if w_2d else q(w.t().contiguous())
-    dx = gemm(q(dy), w_t.contiguous())
-    dw = gemm(q(dy.t().contiguous()), q(x.t().contiguous()))
+    dx = gemm(q(dy, dtype=grad_dtype), w_t.contiguous())
+    dw = gemm(q(dy.t().contiguous(), dtype=grad_dtype), q(x.t().contiguous()))
     return y, dx, dw
 
 
 @pytest.mark.parametrize("r,w_2d,mx", [
     (recipe.Float8BlockScaling(), True, False),
     (recipe.Float8BlockScaling(w_block_scaling_dim=1), False, False),
-    (recipe.MXFP8BlockScaling(), False, True)])
+    (recipe.Float8BlockScaling(fp8_format=recipe.Format.HYBRID), True, False),
+    (recipe.MXFP8BlockScaling(), False, True),
+    (recipe.MXFP8BlockScaling(fp8_format=recipe.Format.HYBRID), False, True)])
 def test_linear_fprop_dgrad_wgrad_equal_the_emulation(randn, r, w_2d, mx):
     t, k, n = 40, 272, 144      # partial blocks in every dim, tokens not a multiple of 16
     layer = te.Linear(k, n)
@@ -186,12 +188,38 @@ def test_linear_fprop_dgrad_wgrad_equal_the_emulation(randn, r, w_2d, mx):
     with te.fp8_autocast(fp8_recipe=r):
         y = layer(x)
     y.backward(dy)
+    grad_dtype = E5M2 if r.fp8_format is recipe.Format.HYBRID else E4M3
     want_y, want_dx, want_dw = _emulated_linear(x.detach(), layer.weight.detach(),
-                                                layer.bias.detach(), dy, w_2d, mx)
+                                                layer.bias.detach(), dy, w_2d, mx, grad_dtype)
     torch.testing.assert_close(y.detach(), want_y, **FP32_TOL)
     torch.testing.assert_close(x.grad, want_dx, **FP32_TOL)
     torch.testing.assert_close(layer.weight.grad, want_dw, **FP32_TOL)
     torch.testing.assert_close(layer.bias.grad, dy.sum(0), **FP32_TOL)
+
+
+def test_main_grad_and_torch_autocast(randn):
+    r = recipe.Float8BlockScaling()
+    plain = te.Linear(256, 128, bias=False)
+    fused = te.Linear(256, 128, bias=False, fuse_wgrad_accumulation=True)
+    with torch.no_grad():
+        fused.weight.copy_(plain.weight)
+    start = randn(128, 256)
+    fused.weight.main_grad = start.clone()
+    x, dy = randn(48, 256), randn(48, 128)
+    for layer in (plain, fused):
+        with te.fp8_autocast(fp8_recipe=r):
+            layer(x).backward(dy)
+    assert fused.weight.grad is None
+    torch.testing.assert_close(fused.weight.main_grad, start + plain.weight.grad, **FP32_TOL)
+    # torch.autocast: the input is cast to bf16, the fp32 weight is quantized as it is
+    xb = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16), te.fp8_autocast(fp8_recipe=r):
+        y = plain(xb)
+    with torch.no_grad(), te.fp8_autocast(fp8_recipe=r):
+        want = plain(x.bfloat16().float())   # the same fp8 operands, output rounded once
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want.bfloat16())
+    y.float().sum().backward()
+    assert xb.grad.dtype == torch.float32 and xb.grad.abs().max() > 0
 
 
 def test_weight_cache_across_microbatches(randn):
