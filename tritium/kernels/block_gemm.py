@@ -48,8 +48,8 @@ def _block_gemm_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K
             part = tl.dot(a, b.T)
             # slice-major scale grids: this K step's scales are contiguous vectors
             sa = tl.load(sa_ptr + ki * M + rm, mask=rm < M, other=0.0)
-            if B_2D:
-                acc += (part * sa[:, None]) * tl.load(sb_block + ki)
+            if B_2D:  # one scale per row: one FMA per element
+                acc += part * (sa * tl.load(sb_block + ki))[:, None]
             else:
                 sb = tl.load(sb_ptr + ki * N + rn, mask=rn < N, other=0.0)
                 acc += (part * sa[:, None]) * sb[None, :]
