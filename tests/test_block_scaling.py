@@ -287,3 +287,22 @@ def test_block_recipe_checkpoint_and_unsupported_modules(randn):
     with pytest.raises(NotImplementedError, match="GroupedLinear under Float8BlockScaling"):
         with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
             grouped(randn(32, 64), [16, 16])
+
+    with pytest.raises(NotImplementedError, match="fp8_model_init"):
+        with te.fp8_model_init(recipe=recipe.Float8BlockScaling()):
+            pass
+    with pytest.raises(TypeError, match="fp8_recipe"):
+        te.make_graphed_callables(layer, (randn(16, 64),), fp8_enabled=True,
+                                  fp8_recipe=recipe.Float8BlockScaling())
+
+
+def test_fp8_params_run_under_block_recipes_dequantized(randn):
+    with te.fp8_model_init(recipe=recipe.DelayedScaling()):
+        fp8_layer = te.Linear(128, 64)
+    plain = te.Linear(128, 64)
+    with torch.no_grad():
+        plain.weight.copy_(fp8_layer.weight.dequantize())
+        plain.bias.copy_(fp8_layer.bias)
+    x = randn(32, 128)
+    with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+        assert torch.equal(fp8_layer(x), plain(x))
