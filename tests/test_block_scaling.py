@@ -283,10 +283,6 @@ def test_block_recipe_checkpoint_and_unsupported_modules(randn):
     other = te.Linear(64, 32)
     other.load_state_dict(layer.state_dict())
     assert other.fp8_meta.recipe == r
-    grouped = te.GroupedLinear(2, 64, 32)
-    with pytest.raises(NotImplementedError, match="GroupedLinear under Float8BlockScaling"):
-        with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
-            grouped(randn(32, 64), [16, 16])
 
     with pytest.raises(NotImplementedError, match="fp8_model_init"):
         with te.fp8_model_init(recipe=recipe.Float8BlockScaling()):
@@ -306,3 +302,26 @@ def test_fp8_params_run_under_block_recipes_dequantized(randn):
     x = randn(32, 128)
     with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
         assert torch.equal(fp8_layer(x), plain(x))
+
+
+@pytest.mark.parametrize("r", [recipe.Float8BlockScaling(), recipe.MXFP8BlockScaling()])
+def test_grouped_linear_is_a_block_linear_per_group(randn, r):
+    splits = [40, 0, 24]   # an expert with no tokens
+    grouped = te.GroupedLinear(3, 128, 64)
+    singles = [te.Linear(128, 64) for _ in splits]
+    with torch.no_grad():
+        for i, lin in enumerate(singles):
+            lin.weight.copy_(getattr(grouped, f"weight{i}"))
+            lin.bias.copy_(getattr(grouped, f"bias{i}"))
+    x, dy = randn(64, 128), randn(64, 64)
+    xg, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with te.fp8_autocast(fp8_recipe=r):
+        y = grouped(xg, splits)
+        want = torch.cat([lin(part) for lin, part in zip(singles, xs.split(splits))])
+    assert torch.equal(y, want)
+    y.backward(dy)
+    want.backward(dy)
+    assert torch.equal(xg.grad, xs.grad)
+    for i, lin in enumerate(singles):
+        assert torch.equal(getattr(grouped, f"weight{i}").grad, lin.weight.grad)
+    assert grouped.weight1.grad.abs().max() == 0 and grouped.weight0.grad.abs().max() > 0

@@ -35,8 +35,8 @@ def _hopper(index: int) -> bool:
 
 
 def _gemm_on_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not _device.use_triton(a):
-        return False
+    if not _device.use_triton(a) or not a.numel() or not b.numel():
+        return False   # (empty operands, e.g. an expert with no tokens: the twin, no launch)
     if a.is_cuda and (_env.emulate_fp8() or not _hopper(a.get_device())):
         return False
     return all(t.stride(-1) == 1 and not t.data_ptr() & 15 and not t.stride(0) & 15
