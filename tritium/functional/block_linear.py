@@ -1,7 +1,8 @@
 """Linear under block-scaled recipes: Float8BlockScaling (1x128 / 128x128) and MXFP8 (emulated).
 
 Forward (T tokens, K = in_features, N = out_features; all casts from high precision):
-    x [T, K] --1x128 along K--> x8 [T, K] (fprop) and, when wgrad is needed, 1x128 along T --> x8^T [K, T]
+    x [T, K] --1x128 along K--> x8 [T, K] (fprop); when wgrad is needed also
+             --1x128 along T--> x8^T [K, T]
     w [N, K] --128x128 (w_block_scaling_dim=2)--> w8 [N, K], w8^T [K, N] (same numbers, scales
               transposed); or 1x128 along K and 1x128 along N (w_block_scaling_dim=1)
     y  = block_gemm(x8, w8)                        per 128-slice of K, fp32 promotion

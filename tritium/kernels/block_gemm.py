@@ -8,10 +8,15 @@ then scaled and added to the fp32 accumulator (split accumulation, promotion eve
 Layout: a [M, K] and b [N, K] fp8 with K contiguous, 16-byte aligned rows (K % 16 == 0), read
 through TMA (zero-filled at the edges, so M, N, K need not divide the tiles); a_scale_inv
 [Kb, M] and b_scale_inv [Kb, N] (1x128, slice-major) or [Nb, Kb] (128x128 blocks), fp32, read
-with plain masked loads: one contiguous vector per K step (a scalar for 128x128 blocks). The output tile is stored through TMA. Each
-program walks tiles `pid, pid + P, ...` (persistent when P = the SM count) in GROUP_M order.
+with plain masked loads: one contiguous vector per K step (a scalar for 128x128 blocks). The
+output tile is stored through TMA. Each program walks tiles `pid, pid + P, ...` (persistent:
+P = programs per SM x SM count) in GROUP_M order.
 
-Not done: warp specialization / ping-pong consumers (DeepGEMM's scheduling), FP8 output.
+Scheduling: each K step waits for its MMA (wgmma.wait_group 0) before the promotion, since the
+slice is scaled as soon as it is summed; Triton 3.6 neither keeps such a dot in flight across
+iterations nor warp-specializes this loop on Hopper (checked in the PTX). The default config
+therefore runs two programs per SM, so that one's promotion FMAs overlap the other's MMAs.
+Not done: DeepGEMM's warp-specialized ping-pong consumers, FP8 output.
 """
 from __future__ import annotations
 
