@@ -17,12 +17,15 @@
    Target: block >= 1.4x bf16.
 
 `--tiny`: a CPU smoke run of the same code paths on small shapes (the twins, timed with
-perf_counter; no speed meaning), so CI can check that the script runs.
+perf_counter; no speed meaning; JSON to $OUT or a temporary folder, never results/), so CI can
+check that the script runs. `--skip-sweep`: default GEMM configs only.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -162,6 +165,8 @@ def main():
     if args.skip_sweep:
         SWEEP.clear()
     dev = "cpu" if args.tiny else "cuda"
+    if args.tiny and not os.environ.get("OUT"):   # a smoke run's rows stay out of results/
+        os.environ["OUT"] = tempfile.mkdtemp(prefix="bench_block_scaling_")
     suffix = "_tiny" if args.tiny else ""
     rows: list[dict] = []
     bench_gemms(rows, args.tiny, dev)
