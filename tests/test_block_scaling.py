@@ -325,3 +325,17 @@ def test_grouped_linear_is_a_block_linear_per_group(randn, r):
     for i, lin in enumerate(singles):
         assert torch.equal(getattr(grouped, f"weight{i}").grad, lin.weight.grad)
     assert grouped.weight1.grad.abs().max() == 0 and grouped.weight0.grad.abs().max() > 0
+
+
+def test_bench_block_scaling_tiny_runs(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+    root = pathlib.Path(__file__).resolve().parent.parent
+    env = dict(os.environ, OUT=str(tmp_path), PYTHONPATH=str(root))
+    run = subprocess.run([sys.executable, str(root / "benchmarks" / "bench_block_scaling.py"),
+                          "--tiny"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(p.name.split("-cpu-")[1] for p in tmp_path.glob("*.json")) == [
+        "block_scaling_gemm_tiny.json", "block_scaling_linear_tiny.json"]
