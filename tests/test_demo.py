@@ -201,3 +201,14 @@ def test_bench_report(tmp_path):
     else:
         assert names[2:] == ["2026-11-22-NVIDIA_H200-mlp.png", "2026-11-22-NVIDIA_H200-norm.png"]
         assert all(p.read_bytes()[:4] == b"\x89PNG" for p in paths[2:])
+
+
+@pytest.mark.parametrize("name", ["block", "mxfp8"])
+def test_demo_block_recipes(tmp_path, capsys, corpus, name):
+    code, cap = _run(capsys, corpus, tmp_path / "out", "--recipe", name)
+    assert code == 0, cap.err
+    runs = {r["name"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())
+            ["runs"]}
+    first = runs["fp32"]["losses"][0]  # same weights, same batch: FP8 only adds rounding
+    assert abs(runs[f"fp8 {name}"]["losses"][0] - first) <= 0.125 * first
+    assert "E4M3" in cap.out and ("emulated" in cap.out if name == "mxfp8" else True)

@@ -104,7 +104,7 @@ def test_dict_with_callables_saves_names_and_loads_defaults():
 
 def test_dict_unknown_type_or_field():
     with pytest.raises(ValueError, match="unknown recipe type"):
-        recipe_from_dict({"type": "MXFP8BlockScaling"})
+        recipe_from_dict({"type": "NVFP4BlockScaling"})
     with pytest.raises(ValueError, match="power_2_scale"):
         recipe_from_dict(dict(recipe.DelayedScaling().to_dict(), power_2_scale=True))
     with pytest.raises(ValueError, match="dict"):

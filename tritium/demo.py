@@ -449,6 +449,10 @@ def _recipe(name: str):
     if name == "delayed":
         return te.recipe.DelayedScaling(fp8_format=fmt, amax_history_len=16,
                                         amax_compute_algo="max")
+    if name == "block":  # TE's defaults: E4M3 in both passes, 1x128 / 128x128 blocks
+        return te.recipe.Float8BlockScaling()
+    if name == "mxfp8":  # emulated on every device
+        return te.recipe.MXFP8BlockScaling()
     return te.recipe.Float8CurrentScaling(fp8_format=fmt)
 
 
@@ -468,6 +472,8 @@ def run_demo(cfg: Config) -> int:
     fp8_recipe = _recipe(cfg.recipe)
     from ._device import fp8_gemm_support
     fp8_ok, why = fp8_gemm_support(device)
+    if cfg.recipe == "mxfp8":
+        fp8_ok, why = False, "MXFP8 is emulated on every device"
 
     torch.manual_seed(cfg.seed)
     model = ByteLlama(cfg, dtype)
@@ -481,7 +487,8 @@ def run_demo(cfg: Config) -> int:
           f"{cfg.kv_groups} KV groups; RMSNorm, SwiGLU, RoPE), {hp_name} params")
     print(f"data: {corpus_desc}; {train.numel():,} train / {val.numel():,} held-out bytes")
     print(f"training: {cfg.steps} steps x {cfg.batch} x {cfg.seq_len} tokens, lr {cfg.lr} "
-          f"(warm-up, cosine), seed {cfg.seed}; FP8: {type(fp8_recipe).__name__} HYBRID, GEMMs "
+          f"(warm-up, cosine), seed {cfg.seed}; FP8: {type(fp8_recipe).__name__} "
+          f"{fp8_recipe.fp8_format.name}, GEMMs "
           f"{'on tensor cores' if fp8_ok else 'emulated'} ({why})", flush=True)
 
     runs, status, model_opt = [], 0, None
@@ -555,8 +562,10 @@ def add_arguments(p) -> None:
         dest = flag[2:].replace("-", "_")
         p.add_argument(flag, type=typ, default=None, dest=dest,
                        help=f"{what} (CPU {PRESETS['cpu'][dest]}, GPU {PRESETS['cuda'][dest]})")
-    p.add_argument("--recipe", choices=("delayed", "current"), default="delayed",
-                   help="FP8 recipe: DelayedScaling (default) or Float8CurrentScaling")
+    p.add_argument("--recipe", choices=("delayed", "current", "block", "mxfp8"),
+                   default="delayed",
+                   help="FP8 recipe: DelayedScaling (default), Float8CurrentScaling, "
+                        "Float8BlockScaling or MXFP8BlockScaling (emulated)")
     p.add_argument("--corpus", default=None,
                    help="a text file or folder (default: the Python standard library's source)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and the batches")

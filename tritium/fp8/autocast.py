@@ -23,7 +23,8 @@ from typing import Optional
 
 import torch
 
-from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling,
+                     Recipe)
 from .scaling import ScalingState, update_states
 
 
@@ -131,9 +132,10 @@ def fp8_autocast(enabled: bool = True, calibrating: bool = False,
     """Run FP8-capable modules in FP8 inside this context (TE's `fp8_autocast`)."""
     if fp8_recipe is None:
         fp8_recipe = DelayedScaling()
-    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError("fp8_recipe must be recipe.DelayedScaling or recipe.Float8CurrentScaling, "
-                        f"got {type(fp8_recipe).__name__}")
+    if not isinstance(fp8_recipe, (DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
+                                   MXFP8BlockScaling)):
+        raise TypeError("fp8_recipe must be recipe.DelayedScaling, Float8CurrentScaling, "
+                        f"Float8BlockScaling or MXFP8BlockScaling, got {type(fp8_recipe).__name__}")
     if fp8_group is not None and not _is_process_group(fp8_group):
         raise TypeError("fp8_group must be a torch.distributed ProcessGroup (or None for the "
                         f"default group), got {type(fp8_group).__name__}")

@@ -11,6 +11,8 @@ joins when it is defined, so a recipe class added later (`Float8BlockScaling`,
 `MXFP8BlockScaling`, in this file or another) makes its predicate true with no edit here;
 `_PREDICATES` maps each predicate to the class names it accepts. `MMParams` / `QParams` are TE's
 GEMM and quantization parameter records; `Float8CurrentScaling` carries them with TE's values.
+`Float8BlockScaling` (1x128 / 128x128 block scales) and `MXFP8BlockScaling` (32-element E8M0
+blocks, emulated) are run by `tritium.functional.block_linear`; docs/block_scaling.md.
 
 Recipes convert to and from plain dicts so that they travel inside checkpoints that `torch.load(weights_only=True)` accepts (callables excepted: a
 recipe with a callable is saved by name only and must be given again when loading).
@@ -229,6 +231,111 @@ class Float8CurrentScaling(Recipe):
                 "amax_epsilon": float(self.amax_epsilon), "power_2_scale": self.power_2_scale}
 
 
+def _check_qparams(name: str, q) -> None:
+    if not isinstance(q, QParams):
+        raise ValueError(f"{name} must be a recipe.QParams, got {type(q).__name__}")
+    if not isinstance(q.power_2_scale, bool):
+        raise ValueError(f"{name}.power_2_scale must be a bool, got {q.power_2_scale!r}")
+    if (not isinstance(q.amax_epsilon, (int, float)) or isinstance(q.amax_epsilon, bool)
+            or not 0 <= q.amax_epsilon <= FP32_MAX):
+        raise ValueError(f"{name}.amax_epsilon must be a float in [0, fp32 max], got "
+                         f"{q.amax_epsilon!r}")
+
+
+_POW2_QPARAMS = QParams(power_2_scale=True, amax_epsilon=0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+    """Block-scaled FP8 (TE's `Float8BlockScaling`, the DeepSeek-V3 recipe): one fp32 scale per
+    1x128 tile (`*_block_scaling_dim=1`: 128 consecutive elements along the GEMM's reduction
+    dim) or per 128x128 block (`=2`); each scale = fp8_max / amax of its block, rounded down
+    to a power of 2 under QParams.power_2_scale. Current scaling per block: no history.
+
+    TE's rules: each dim is 1 or 2, no 2D x 2D GEMM (at most one of x / w / grad is 2D),
+    split accumulation in all three GEMMs, E4M3 or HYBRID (E4M3 by default in both passes).
+    tritium implements 1x128 activations and gradients with 1x128 or 128x128 weights (TE's
+    default and its 1D variant); x_block_scaling_dim=2 or grad_block_scaling_dim=2 raise."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_quant_fwd_inp: QParams = _POW2_QPARAMS
+    fp8_quant_fwd_weight: QParams = _POW2_QPARAMS
+    fp8_quant_bwd_grad: QParams = _POW2_QPARAMS
+    x_block_scaling_dim: int = 1
+    w_block_scaling_dim: int = 2
+    grad_block_scaling_dim: int = 1
+    fp8_gemm_fprop: MMParams = _SPLIT
+    fp8_gemm_dgrad: MMParams = _SPLIT
+    fp8_gemm_wgrad: MMParams = _SPLIT
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("fp8_format=Format.E5M2 is not a training recipe; use E4M3 or HYBRID")
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            _check_qparams(name, getattr(self, name))
+        dims = {}
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            value = getattr(self, name)
+            if value not in (1, 2) or isinstance(value, bool):
+                raise ValueError(f"{name} must be 1 (1x128 tiles) or 2 (128x128 blocks), "
+                                 f"got {value!r}")
+            dims[name] = value
+        if sum(v == 2 for v in dims.values()) > 1:
+            raise ValueError(f"Float8BlockScaling{tuple(dims.values())}: a 2D x 2D block GEMM is "
+                             "not supported; at most one of x / w / grad may use 2D blocks")
+        for name in ("x_block_scaling_dim", "grad_block_scaling_dim"):
+            if dims[name] == 2:
+                raise NotImplementedError(
+                    f"Float8BlockScaling({name}=2): tritium quantizes activations and gradients "
+                    f"in 1x128 tiles only; use {name}=1 (TE's default)")
+        for name in ("fp8_gemm_fprop", "fp8_gemm_dgrad", "fp8_gemm_wgrad"):
+            if getattr(self, name) != _SPLIT:
+                raise ValueError(f"Float8BlockScaling({name}={getattr(self, name)}): block "
+                                 "scaling requires split accumulation "
+                                 "(MMParams(use_split_accumulator=True))")
+        _check_attention_flags(self)
+
+    # Nothing to reduce or update: each cast computes its own block scales.
+    reduce_amax = False
+    uses_callables = False
+
+    def to_dict(self) -> dict:
+        out = {"type": "Float8BlockScaling", "fp8_format": self.fp8_format.name}
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            q = getattr(self, name)
+            out[name] = {"power_2_scale": q.power_2_scale, "amax_epsilon": float(q.amax_epsilon)}
+        for name in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
+            out[name] = getattr(self, name)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MXFP8BlockScaling(Recipe):
+    """MXFP8 (TE's `MXFP8BlockScaling`, OCP MX v1.0): one power-of-2 (E8M0) scale per 32
+    consecutive elements along the GEMM's reduction dim, E4M3 data (E5M2 gradients under
+    HYBRID). Native on Blackwell only: tritium runs it by emulation on every device (exact
+    dequantized values, fp32 GEMMs), for accuracy studies; it claims no speed."""
+
+    fp8_format: Format = Format.E4M3
+    fp8_dpa: bool = False
+    fp8_mha: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "fp8_format", _check_format(self.fp8_format))
+        if self.fp8_format is Format.E5M2:
+            raise ValueError("fp8_format=Format.E5M2 is not a training recipe; use E4M3 or HYBRID")
+        _check_attention_flags(self)
+
+    reduce_amax = False
+    uses_callables = False
+
+    def to_dict(self) -> dict:
+        return {"type": "MXFP8BlockScaling", "fp8_format": self.fp8_format.name}
+
+
 def recipe_from_dict(values: dict[str, Any]) -> Recipe:
     """Rebuild a recipe from `to_dict()` output; callables cannot be rebuilt and become defaults."""
     if not isinstance(values, dict):
@@ -236,7 +343,8 @@ def recipe_from_dict(values: dict[str, Any]) -> Recipe:
                          f"{type(values).__name__}")
     values = dict(values)
     kind = values.pop("type", None)
-    known = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling}
+    known = {"DelayedScaling": DelayedScaling, "Float8CurrentScaling": Float8CurrentScaling,
+             "Float8BlockScaling": Float8BlockScaling, "MXFP8BlockScaling": MXFP8BlockScaling}
     if kind in known:
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(known[kind])
                                         if f.type not in ("MMParams", MMParams)})
@@ -250,8 +358,15 @@ def recipe_from_dict(values: dict[str, Any]) -> Recipe:
         return DelayedScaling(**values)
     if kind == "Float8CurrentScaling":
         return Float8CurrentScaling(**values)
+    if kind == "Float8BlockScaling":
+        for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"):
+            if isinstance(values.get(name), dict):
+                values[name] = QParams(**values[name])
+        return Float8BlockScaling(**values)
+    if kind == "MXFP8BlockScaling":
+        return MXFP8BlockScaling(**values)
     raise ValueError(f"unknown recipe type {kind!r} in checkpoint")
 
 
 __all__ = ["Format", "Recipe", "MMParams", "QParams", "DelayedScaling", "Float8CurrentScaling",
-           "recipe_from_dict"]
+           "Float8BlockScaling", "MXFP8BlockScaling", "recipe_from_dict"]

@@ -24,6 +24,7 @@ inputs from fused norms (they are dequantized).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Optional, Sequence
 
@@ -35,7 +36,8 @@ from ..fp8.recipe import Float8CurrentScaling
 from ..fp8.tensor import Float8Tensor
 from ..ref import grouped_gemm as ref_grouped
 from ._apply import fast_apply
-from .linear import FP8Plan
+from .block_linear import is_block_recipe
+from .linear import FP8Plan, MainGradTarget, linear
 
 
 @functools.lru_cache(maxsize=None)
@@ -233,6 +235,8 @@ def grouped_linear(inp: torch.Tensor, m_splits: Sequence[int], weights: Sequence
     caller (the module)."""
     if isinstance(inp, Float8Tensor):  # e.g. from a fused norm: this Function takes 16/32 bits
         inp = inp.dequantize()
+    if fp8 is not None and fp8.compute_in_fp8 and is_block_recipe(fp8.recipe):
+        return _block_grouped(inp, m_splits, weights, bias, fp8, main_grad)
     dev = inp.device.type
     if torch.is_autocast_enabled(dev):
         dtype = torch.get_autocast_dtype(dev)
@@ -245,3 +249,17 @@ def grouped_linear(inp: torch.Tensor, m_splits: Sequence[int], weights: Sequence
     if fp8 is not None and bias is not None:
         bias = bias.to(inp.dtype)
     return _apply(inp, tuple(m_splits), fp8, tuple(main_grad), bias, *weights)
+
+
+def _block_grouped(inp, m_splits, weights, bias, plan: FP8Plan, main_grad):
+    """Block-scaled recipes: one block-scaled Linear per group, outputs concatenated. Correct
+    (each group's tiles are the Linear's) but not fused: no grouped block GEMM and no weight
+    caching yet (docs/block_scaling.md)."""
+    plan = dataclasses.replace(plan, weight_cache=None)
+    x2d = inp.reshape(-1, inp.shape[-1])
+    outs = []
+    for g, (x_g, w) in enumerate(zip(x2d.split(list(m_splits)), weights)):
+        target = (MainGradTarget(main_grad[g], 0, w.shape[0]),) if main_grad else ()
+        outs.append(linear(x_g, w, None if bias is None else bias[g], fp8=plan,
+                           main_grad=target))
+    return torch.cat(outs).reshape(*inp.shape[:-1], outs[0].shape[-1])

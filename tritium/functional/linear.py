@@ -29,6 +29,9 @@ FP8, whose input may be a fused cast's Float8Tensor: there the Function itself a
 dgrad, or under sequence parallelism casts the local rows with the shared scale, all-gathers
 the fp8 bytes (the transpose is made after the gather) and reduce-scatters dgrad.
 
+Block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling) run `tritium.functional.block_linear`
+instead (chosen in `_linear`).
+
 `fuse_wgrad_accumulation`: the weight gradient is added into `param.main_grad` (fp32) and the
 Function returns no gradient for the weight, so `param.grad` stays None.
 """
@@ -54,6 +57,7 @@ from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
+from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands, pad16
 from .gemm import fp8_gemm_tn
 
@@ -455,12 +459,15 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 
 def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     dev = inp.device.type
+    # block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling): their own Function
+    apply = (apply_block_linear if fp8 is not None and fp8.compute_in_fp8
+             and is_block_recipe(fp8.recipe) else _apply_linear)
     if not torch.is_autocast_enabled(dev):
         if fp8 is None and not main_grad and column is None:
             return F.linear(inp, weight, bias)
         if fp8 is not None and bias is not None:
             bias = bias.to(inp.dtype)
-        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad), column)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), column)
     dtype = torch.get_autocast_dtype(dev)
     inp = inp.to(dtype)
     if fp8 is None or not fp8.compute_in_fp8:
@@ -469,13 +476,15 @@ def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     if fp8 is None and not main_grad and column is None:
         return F.linear(inp, weight, bias)
     with torch.autocast(dev, enabled=False):  # the Function's math runs in the dtypes given
-        return _apply_linear(inp, weight, bias, fp8, tuple(main_grad), column)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), column)
 
 
 def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
     group = tp.group
     if tp.mode == "column":
-        if fp8 is not None and fp8.compute_in_fp8:  # the input may be a fused cast's fp8
+        # the input may be a fused cast's fp8 (tensorwise recipes; block-scaled ones gather the
+        # high-precision input and quantize after the gather)
+        if fp8 is not None and fp8.compute_in_fp8 and not is_block_recipe(fp8.recipe):
             return _linear(inp, weight, bias, fp8, main_grad, column=tp)
         inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
                else copy_to_tensor_parallel_region(inp, group))

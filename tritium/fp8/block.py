@@ -1,0 +1,56 @@
+"""Per-call choice between the block-scaled Triton kernels and their pure-PyTorch twins.
+
+`quantize_blocks` (Float8BlockScaling's 1x128 / 128x128 casts) runs `tritium.kernels.block_cast`
+where `_device.use_triton` says so, else `tritium.ref.block_cast`. `block_gemm_tn` runs the
+Triton GEMM on CUDA devices of compute capability >= 9.0 (TMA, FP8 wgmma) when the operands'
+rows are 16-byte aligned (K % 16 == 0), and under the interpreter on CPU tensors; elsewhere
+(the CPU tier, older GPUs, TRITIUM_EMULATE_FP8=1) the twin, which is exact fp8 products summed
+in fp32. MXFP8 has no kernel: `quantize_mx` / `mx_gemm_tn` are the emulation on every device.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import _device, _env
+from ..ref import block_cast as ref_cast
+from ..ref import block_gemm as ref_gemm
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    from ..kernels import block_cast, block_gemm  # imports triton: on first use only
+    return block_cast, block_gemm
+
+
+def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, **kwargs) -> ref_cast.BlockQuantized:
+    impl = _kernels()[0] if _device.use_triton(x) else ref_cast
+    return impl.quantize_blocks(x, fp8_dtype, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def _gemm_on_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not _device.use_triton(a) or not a.numel() or not b.numel():
+        return False   # (empty operands, e.g. an expert with no tokens: the twin, no launch)
+    if a.is_cuda and (_env.emulate_fp8() or not _hopper(a.get_device())):
+        return False
+    return all(t.stride(-1) == 1 and not t.data_ptr() & 15 and not t.stride(0) & 15
+               for t in (a, b))
+
+
+def block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
+                  b_block_2d: bool = False) -> torch.Tensor:
+    impl = _kernels()[1] if _gemm_on_kernel(a, b) else ref_gemm
+    return impl.block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                              b_block_2d=b_block_2d)
+
+
+quantize_mx = ref_cast.quantize_mx
+mx_gemm_tn = ref_gemm.mx_gemm_tn
+
+__all__ = ["quantize_blocks", "block_gemm_tn", "quantize_mx", "mx_gemm_tn"]

@@ -1,0 +1,169 @@
+"""Linear under block-scaled recipes: Float8BlockScaling (1x128 / 128x128) and MXFP8 (emulated).
+
+Forward (T tokens, K = in_features, N = out_features; all casts from high precision):
+    x [T, K] --1x128 along K--> x8 [T, K] (fprop); when wgrad is needed also
+             --1x128 along T--> x8^T [K, T]
+    w [N, K] --128x128 (w_block_scaling_dim=2)--> w8 [N, K], w8^T [K, N] (same numbers, scales
+              transposed); or 1x128 along K and 1x128 along N (w_block_scaling_dim=1)
+    y  = block_gemm(x8, w8)                        per 128-slice of K, fp32 promotion
+Backward:
+    dy [T, N] --1x128 along N--> dy8 (dgrad), 1x128 along T --> dy8^T [N, T] (wgrad)
+    dx = block_gemm(dy8, w8^T)     dw = block_gemm(dy8^T, x8^T)
+Every scale is a current scale of its own block (no amax history, nothing to reduce across
+ranks). The fp8 operands the backward needs (x8^T, w8^T and their scales) are kept as Function
+attributes and dropped after use. Tokens are padded with zero rows to a multiple of 16 (TMA's
+16-byte rows for wgrad's K = T); zero rows change no block's amax and no sum.
+
+MXFP8BlockScaling runs the same structure with 32-element E8M0 blocks along each GEMM's
+reduction dim (rowwise and columnwise made separately from high precision, weights too) and the
+emulated GEMM (`tritium.ref.block_gemm.mx_gemm_tn`) on every device: no speed claim.
+
+Weight caching (`is_first_microbatch`) as for tensorwise recipes: True quantizes and keeps the
+weight's block-quantized forms in the module's WeightCache, False reuses them.
+Not done: CUDA-graph weight caching (the flagged cast), FP8 (fp8_model_init) weights under these
+recipes, fused norm / activation block casts (LayerNormLinear / LayerNormMLP quantize the
+high-precision norm / activation output here), the FP8 all-gather of sequence parallelism
+(column-parallel layers gather the high-precision input, then quantize).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from ..fp8 import block as block_ops
+from ..fp8.recipe import Float8BlockScaling, MXFP8BlockScaling, QParams, Recipe
+from ..fp8.tensor import Float8Tensor
+from ..ref.block_cast import BlockQuantized
+from ._apply import fast_apply
+
+
+def is_block_recipe(recipe: Recipe) -> bool:
+    return isinstance(recipe, (Float8BlockScaling, MXFP8BlockScaling))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScheme:
+    """How one block recipe quantizes each GEMM role and which GEMM it runs."""
+
+    fwd_dtype: torch.dtype
+    bwd_dtype: torch.dtype
+    mx: bool
+    w_2d: bool
+    x_q: QParams
+    w_q: QParams
+    g_q: QParams
+
+    @staticmethod
+    def of(recipe: Recipe) -> "BlockScheme":
+        fmt = recipe.fp8_format
+        if isinstance(recipe, MXFP8BlockScaling):
+            q = QParams(True, 0.0)
+            return BlockScheme(fmt.forward_dtype, fmt.backward_dtype, True, False, q, q, q)
+        return BlockScheme(fmt.forward_dtype, fmt.backward_dtype, False,
+                           recipe.w_block_scaling_dim == 2, recipe.fp8_quant_fwd_inp,
+                           recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+
+    def quantize(self, x: torch.Tensor, q: QParams, fp8_dtype, *, rowwise: bool,
+                 columnwise: bool, block_2d: bool = False) -> BlockQuantized:
+        if self.mx:
+            data, scale = block_ops.quantize_mx(x, fp8_dtype) if rowwise else (None, None)
+            data_t, scale_t = (block_ops.quantize_mx(x.t(), fp8_dtype) if columnwise
+                               else (None, None))
+            return BlockQuantized(data, scale, data_t, scale_t)
+        return block_ops.quantize_blocks(x, fp8_dtype, block_2d=block_2d, rowwise=rowwise,
+                                         columnwise=columnwise, power_2_scale=q.power_2_scale,
+                                         amax_epsilon=float(q.amax_epsilon))
+
+    def gemm(self, a, b, sa, sb, out_dtype, bias=None, b_block_2d=False) -> torch.Tensor:
+        if self.mx:
+            return block_ops.mx_gemm_tn(a, b, sa, sb, out_dtype, bias)
+        return block_ops.block_gemm_tn(a, b, sa, sb, out_dtype, bias, b_block_2d=b_block_2d)
+
+
+def _pad16(t: torch.Tensor) -> torch.Tensor:
+    rows = t.shape[0]
+    if rows % 16 == 0:
+        return t
+    return torch.cat([t, t.new_zeros(-(-rows // 16) * 16 - rows, t.shape[1])])
+
+
+def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
+                     need_t: bool) -> BlockQuantized:
+    cache = plan.weight_cache
+    if cache is not None and cache.skip is not None:
+        raise NotImplementedError(
+            f"{type(plan.recipe).__name__}: CUDA graphs with fp8_weight_caching are not "
+            "implemented for block-scaled recipes; capture with fp8_weight_caching=False")
+    key = ("block", plan.recipe, weight.dtype, weight.device, tuple(weight.shape))
+    if (cache is not None and plan.is_first_microbatch is False and cache.entry is not None
+            and cache.key == key):
+        return cache.entry
+    keep = cache is not None and plan.is_first_microbatch is not None
+    wq = scheme.quantize(weight.detach(), scheme.w_q, scheme.fwd_dtype, rowwise=True,
+                         columnwise=need_t or keep, block_2d=scheme.w_2d)
+    if keep:
+        cache.entry, cache.key = wq, key
+    return wq
+
+
+class _BlockLinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, inp, weight, bias, plan, main_grad: Sequence, column=None):
+        if isinstance(inp, Float8Tensor):
+            inp = inp.dequantize()
+        if isinstance(weight, Float8Tensor):
+            weight = weight.dequantize()
+        scheme = BlockScheme.of(plan.recipe)
+        shape = inp.shape
+        x2d = inp.reshape(-1, shape[-1])
+        tokens = x2d.shape[0]
+        need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
+        xq = scheme.quantize(_pad16(x2d), scheme.x_q, scheme.fwd_dtype, rowwise=True,
+                             columnwise=need_wgrad)
+        wq = _weight_operands(plan, scheme, weight, need_dgrad)
+        out = scheme.gemm(xq.data, wq.data, xq.scale_inv, wq.scale_inv, inp.dtype, bias,
+                          b_block_2d=scheme.w_2d)[:tokens]
+        ctx.operands = [xq.data_t, xq.scale_inv_t, wq.data_t, wq.scale_inv_t]
+        ctx.scheme, ctx.plan, ctx.main_grad, ctx.tokens = scheme, plan, main_grad, tokens
+        ctx.in_shape, ctx.need = shape, (need_dgrad, need_wgrad)
+        ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
+        return out.reshape(*shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if ctx.operands is None:
+            raise RuntimeError("tritium.Linear under a block-scaled recipe frees its fp8 operands "
+                               "during backward: a second backward through the same graph "
+                               "(retain_graph=True) is not supported")
+        x_t, x_st, w_t, w_st = ctx.operands
+        ctx.operands = None
+        scheme, (need_dgrad, need_wgrad) = ctx.scheme, ctx.need
+        if isinstance(grad_out, Float8Tensor):
+            grad_out = grad_out.dequantize()
+        dy2d = grad_out.reshape(-1, grad_out.shape[-1])
+        dyq = scheme.quantize(_pad16(dy2d), scheme.g_q, scheme.bwd_dtype, rowwise=need_dgrad,
+                              columnwise=need_wgrad)
+        dx = dw = db = None
+        if need_wgrad:
+            wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
+            dw = scheme.gemm(dyq.data_t, x_t, dyq.scale_inv_t, x_st, wgrad_dtype)
+        del x_t, x_st
+        if need_dgrad:
+            dx = scheme.gemm(dyq.data, w_t, dyq.scale_inv, w_st, dy2d.dtype,
+                             b_block_2d=scheme.w_2d)[:ctx.tokens].reshape(ctx.in_shape)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            db = dy2d.sum(0)
+        if ctx.main_grad:
+            for target in ctx.main_grad:
+                target.param.main_grad.add_(dw[target.start:target.stop])
+            dw = None
+        if ctx.plan.region is not None:
+            ctx.plan.region.backward_done()
+        return dx, dw, db, None, None, None
+
+
+apply_block_linear = fast_apply(_BlockLinearFunction)
+
+__all__ = ["BlockScheme", "is_block_recipe", "apply_block_linear"]
