@@ -155,6 +155,14 @@ SPECS = {
                  "tritium GroupedLinear fp8 delayed", "tritium GroupedLinear fp8 current",
                  "tritium router+permute+unpermute only"),
         targets=(Target(r"^layer", "tritium MoE fp8 delayed", ">= 1.5x", at_least=1.5),)),
+    "block_scaling_gemm": Spec(
+        "Block-scaled FP8 GEMM (1x128 x 128x128 scales, split accumulation per 128 of K) vs "
+        "tensorwise torch._scaled_mm",
+        tritium=("block fp8 (default)",), hide_variants=r"^block fp8 \(\d"),
+    "block_scaling_linear": Spec(
+        "Linear fwd+bwd under Float8BlockScaling vs bf16 nn.Linear",
+        tritium=("tritium Float8BlockScaling", "tritium Float8CurrentScaling"),
+        targets=(Target("", "tritium Float8BlockScaling", ">= 1.4x", at_least=1.4),)),
     "cp": Spec(
         "Context-parallel attention, cp=2 (NCCL) vs one GPU",
         tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
