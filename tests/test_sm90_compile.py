@@ -1,0 +1,291 @@
+"""Compile every launched Triton kernel for Hopper (sm_90a) on a machine without a GPU.
+
+What: the cpu and interp tiers run kernels under TRITON_INTERPRET=1, which accepts code that
+compiled Triton refuses (e.g. a plain Python module global read inside @triton.jit code:
+"Cannot access global variable ... from within @jit'ed function"). This test imports triton
+normally and runs `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` for each
+top-level kernel of `tritium.kernels.*`, with the signature and constexprs its launcher uses at
+Llama-ish sizes (hidden 4096, FFN 14336, head dim 128, vocab 32000, bf16 in, e4m3 out).
+Triton's wheel ships ptxas, so this goes all the way to a cubin (TTIR, TTGIR, LLVM IR, PTX,
+cubin): frontend errors, layout / shared-memory lowering errors and ptxas errors all fail here.
+Without the wheel's ptxas it stops at PTX (the frontend errors are still caught).
+Helpers called from kernels are compiled through their callers. A top-level kernel (a JIT
+function no other JIT function of its module calls) missing from `KERNELS` fails the test.
+Does not check numerics (the interp and gpu tiers do) nor launch anything.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import re
+import shutil
+
+import pytest
+
+pytestmark = pytest.mark.cpu
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles kernels: needs Triton without the interpreter", allow_module_level=True)
+
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+import tritium.kernels as kernels_pkg  # noqa: E402
+from tritium.kernels import norm as _norm, rope as _rope, activation as _act  # noqa: E402
+from tritium.kernels import cross_entropy as _ce, moe as _moe, adam as _adam  # noqa: E402
+from tritium.kernels import norm_cast as _norm_cast, flash_attention as _fa  # noqa: E402
+
+E4, E4MAX = tl.float8e4nv, 448.0
+BF16P, F32P, E4P, I32P, I8P = "*bf16", "*fp32", "*fp8e4nv", "*i32", "*i8"
+HIDDEN, FFN, TOKENS = 4096, 14336, 8192
+_NORM = _norm._tile(HIDDEN, False)
+_NORM_BWD = _norm._tile(HIDDEN, False, backward=True)
+_ACT = _act._tile(TOKENS, FFN, False, 2048)
+_ROPE = _rope._tile(TOKENS * 32, 128, False)
+_CE = _ce._config(32000, False)
+_ROUTER = _moe._router_tile(8, True)
+_ADAM = _adam.block_config(False)
+
+
+def _desc(dtype: str, block: tuple) -> str:
+    return f"tensordesc<{dtype}[{block[0]}, {block[1]}]>"
+
+
+# (module, kernel): (pointer / descriptor / float argument types (other `*_ptr` -> *fp32,
+# everything else -> i32), constexprs, compile options). Values as the launchers pick them on
+# CUDA for bf16 activations, e4m3 FP8 and delayed / current scaling.
+KERNELS = {
+    ("act_cast", "_act_fp8_fwd_kernel"): (
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_DATA=True, WRITE_T=True,
+             UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64, BLOCK_C=64),
+        dict(num_warps=8)),
+    ("act_cast", "_act_fp8_bwd_kernel"): (
+        {"dy_ptr": BF16P, "x_ptr": BF16P, "dx_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_HP=False, WRITE_DATA=True,
+             WRITE_T=True, UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64,
+             BLOCK_C=64),
+        dict(num_warps=8)),
+    ("activation", "_fwd_kernel"): (
+        {"x_ptr": BF16P, "y_ptr": BF16P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, BLOCK_R=_ACT[0], BLOCK_C=_ACT[1]),
+        dict(num_warps=_ACT[2])),
+    ("activation", "_bwd_kernel"): (
+        {"dy_ptr": BF16P, "x_ptr": BF16P, "dx_ptr": BF16P},
+        dict(ACT=_act._CODE["gelu"], GATED=False, BLOCK_R=_ACT[0], BLOCK_C=_ACT[1]),
+        dict(num_warps=_ACT[2])),
+    ("adam", "_adam_kernel"): (
+        {"table_ptr": "*i64", "chunks_ptr": "*i64"},
+        dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, M_DTYPE=tl.float32, V_DTYPE=tl.float32,
+             HAS_MASTER=True, REMAINDER=False, FP8_MAX=0.0, DECAY_GRAD=False, DECAY_UPDATE=True,
+             ALIGNED=True, CHUNK=_ADAM[0], BLOCK=_ADAM[1], PASS=0, M_SCALED=False,
+             V_SCALED=False, W_DTYPE=tl.float32, W_SCALED=False, M_CLAMP=0.0, V_CLAMP=0.0),
+        dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
+    ("block_cast", "_block_cast_kernel"): (
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, EPS=0.0, POW2=True, ROWWISE=True, COLUMNWISE=True,
+             BLOCK_2D=False, BLOCK=128, SUB=32),
+        dict(num_warps=4)),
+    ("block_gemm", "_block_gemm_kernel"): (
+        {"a_desc": _desc("fp8e4nv", (64, 128)), "b_desc": _desc("fp8e4nv", (128, 128)),
+         "c_desc": _desc("bf16", (64, 128)), "bias_ptr": BF16P},
+        dict(HAS_BIAS=True, B_2D=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=4, num_stages=3)),
+    ("cast", "_cast_transpose_kernel"): (
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "skip_ptr": F32P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, WRITE_DATA=True, WRITE_T=True, UPDATE_AMAX=True,
+             CURRENT=False, EPS=0.0, POW2=False, HAS_SKIP=False, BLOCK_M=64, BLOCK_N=128),
+        dict(num_warps=4)),
+    ("cast", "_cast_pair_kernel"): (
+        {"a_ptr": BF16P, "a_data_ptr": E4P, "a_data_t_ptr": E4P,
+         "b_ptr": BF16P, "b_data_ptr": E4P, "b_data_t_ptr": E4P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, A_DATA=True, A_T=True, B_DATA=True, B_T=True,
+             A_AMAX=True, B_AMAX=True, CURRENT=True, EPS=0.0, POW2=False, BLOCK_M=64,
+             BLOCK_N=128),
+        dict(num_warps=4)),
+    ("cast", "_amax_kernel"): ({"x_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=4)),
+    ("cast", "_dequantize_kernel"): (
+        {"data_ptr": E4P, "out_ptr": BF16P}, dict(BLOCK=1024), dict(num_warps=4)),
+    ("cross_entropy", "_ce_kernel"): (
+        {"x_ptr": BF16P, "t_ptr": "*i64", "g_ptr": BF16P, "eps_over_v": "fp32",
+         "one_minus_eps": "fp32", "z": "fp32"},
+        dict(STATS=True, LOSS=True, GRAD=True, BLOCK=_CE[0]), dict(num_warps=_CE[1])),
+    ("gemm", "_fp8_gemm_tn_kernel"): (
+        {"a_desc": _desc("fp8e4nv", (128, 128)), "b_desc": _desc("fp8e4nv", (256, 128)),
+         "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P},
+        dict(HAS_BIAS=True, PRECISE=False, SPLIT_STORE=True, BLOCK_M=128, BLOCK_N=256,
+             BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=3)),
+    ("grouped_gemm", "_grouped_cast_kernel"): (
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "offs_ptr": I32P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, WRITE_DATA=True, WRITE_T=True, UPDATE_AMAX=True,
+             CURRENT=False, EPS=0.0, POW2=False, GP=16, BLOCK_M=64, BLOCK_N=128, COLS=1),
+        dict(num_warps=4)),
+    ("grouped_gemm", "_grouped_gemm_kernel"): (
+        {"a_desc": _desc("fp8e4nv", (256, 128)), "b_desc": _desc("fp8e4nv", (128, 128)),
+         "out_ptr": BF16P, "bias_ptr": BF16P, "offs_ptr": I32P},
+        dict(HAS_BIAS=False, PRECISE=True, BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=3)),
+    ("grouped_gemm", "_grouped_wgrad_kernel"): (
+        {"a_ptr": E4P, "b_ptr": E4P, "out_ptr": BF16P, "offs_ptr": I32P},
+        dict(PRECISE=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=3)),
+    ("grouped_gemm", "_grouped_gemm_tma_kernel"): (
+        {"a_desc": _desc("fp8e4nv", (128, 128)), "b_desc": _desc("fp8e4nv", (256, 128)),
+         "out_ptr": BF16P, "bias_ptr": BF16P, "offs_ptr": I32P},
+        dict(HAS_BIAS=False, PRECISE=False, SPLIT_STORE=True, FLATTEN=False, BLOCK_M=128,
+             BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=3)),
+    ("grouped_gemm", "_grouped_wgrad_tma_kernel"): (
+        {"a_ptr": E4P, "b_ptr": E4P, "out_ptr": BF16P, "offs_ptr": I32P},
+        dict(PRECISE=False, SPLIT_STORE=True, FLATTEN=False, BLOCK_M=128, BLOCK_N=128,
+             BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=3)),
+    ("moe", "_permute_kernel"): (
+        {"inp_ptr": BF16P, "map_ptr": I32P, "out_ptr": BF16P},
+        dict(HAS_PROBS=True, BLOCK_H=_moe._block_h(HIDDEN, True)), dict(num_warps=4)),
+    ("moe", "_unpermute_kernel"): (
+        {"inp_ptr": BF16P, "map_ptr": I32P, "out_ptr": BF16P},
+        dict(HAS_PROBS=True, BLOCK_H=_moe._block_h(HIDDEN, True)), dict(num_warps=4)),
+    ("moe", "_unpermute_bwd_kernel"): (
+        {"grad_ptr": BF16P, "inp_ptr": BF16P, "map_ptr": I32P, "d_inp_ptr": BF16P},
+        dict(HAS_PROBS=True, BLOCK_H=_moe._block_h(HIDDEN, True)), dict(num_warps=4)),
+    ("moe", "_router_fwd_kernel"): (
+        {"map_ptr": I8P, "scaling": "fp32"},
+        dict(SIGMOID=False, PRE=False, AUX=False, TOPK=2, NUM_GROUPS=0, GROUP_TOPK=1,
+             HAS_BIAS=False, SCALE=False, GP=2, BLOCK_T=_ROUTER[0], EP=_ROUTER[1]),
+        dict(num_warps=4)),
+    ("moe", "_router_bwd_kernel"): (
+        {"map_ptr": I8P, "scaling": "fp32"},
+        dict(SIGMOID=False, AUX=False, TOPK=2, SCALE=False, BLOCK_T=_ROUTER[0],
+             EP=_ROUTER[1]),
+        dict(num_warps=4)),
+    ("norm", "_norm_fwd_kernel"): (
+        {"x_ptr": BF16P, "w_ptr": BF16P, "b_ptr": BF16P, "y_ptr": BF16P, "n": "fp32",
+         "eps": "fp32"},
+        dict(IS_RMS=True, HAS_BIAS=False, ZERO_CENTERED=False, BLOCK_ROWS=_NORM[0],
+             BLOCK_N=_NORM[1]),
+        dict(num_warps=_NORM[2])),
+    ("norm", "_norm_bwd_kernel"): (
+        {"dy_ptr": BF16P, "x_ptr": BF16P, "w_ptr": BF16P, "dx_ptr": BF16P, "n": "fp32"},
+        dict(IS_RMS=False, HAS_DB=True, ZERO_CENTERED=False, BLOCK_ROWS=_NORM_BWD[0],
+             BLOCK_N=_NORM_BWD[1], PREFETCH=_norm._BWD_PREFETCH),
+        dict(num_warps=_NORM_BWD[2])),
+    ("norm", "_partial_sum_kernel"): (
+        {}, dict(HAS_DB=True, BLOCK_G=_norm._SUM_BLOCK_G, BLOCK_N=_norm._SUM_BLOCK_N),
+        dict(num_warps=4)),
+    ("norm_cast", "_norm_fp8_fwd_kernel"): (
+        {"x_ptr": BF16P, "w_ptr": BF16P, "b_ptr": BF16P, "y_ptr": BF16P, "data_ptr": E4P,
+         "data_t_ptr": E4P, "n": "fp32", "eps": "fp32"},
+        dict(IS_RMS=True, HAS_BIAS=False, ZERO_CENTERED=False, WRITE_HP=False, WRITE_T=True,
+             UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_ROWS=_NORM[0],
+             BLOCK_N=_NORM[1], BLOCK_M=max(_norm_cast._BLOCK_M, _NORM[0]),
+             BLOCK_TN=_norm_cast._BLOCK_TN),
+        dict(num_warps=_NORM[2])),
+    ("rope", "_rope_kernel"): (
+        {"x_ptr": BF16P, "pos_ptr": I32P, "y_ptr": BF16P},
+        dict(INTERLEAVED=False, TRANSPOSE=False, BLOCK_R=_ROPE[0], BLOCK_D=_ROPE[1]),
+        dict(num_warps=_ROPE[2], enable_fp_fusion=False)),
+    ("scaling", "_delayed_update_kernel"): (
+        {}, dict(FP8_MAX=E4MAX, MARGIN_DIV=1.0, MOST_RECENT=False, BLOCK_L=1024),
+        dict(num_warps=4)),
+    ("sgd", "_sgd_kernel"): (
+        {"table_ptr": "*i64", "chunks_ptr": "*i64"},
+        dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_MASTER=True, FP8_MAX=0.0,
+             DECAY=True, DECAY_AFTER=False, MOMENTUM=True, NESTEROV=False, FIRST=False,
+             ALIGNED=True, CHUNK=_ADAM[0], BLOCK=_ADAM[1]),
+        dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
+}
+_FA_TYPES = {"q_ptr": BF16P, "k_ptr": BF16P, "v_ptr": BF16P, "do_ptr": BF16P, "qk_scale": "fp32",
+             "scale": "fp32"}
+for _kind, _name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_dq_kernel")):
+    _bm, _bn, _w, _s = _fa.GPU_CFG[_kind][128]
+    KERNELS[("flash_attention", _name)] = (
+        {k: v for k, v in _FA_TYPES.items() if k in getattr(_fa, _name).arg_names},
+        dict(CAUSAL=True, SPLIT=True, PREC="tf32", D=128, BLOCK_M=_bm, BLOCK_N=_bn),
+        dict(num_warps=_w, num_stages=_s))
+KERNELS[("flash_attention", "_delta_kernel")] = (
+    {"do_ptr": BF16P}, dict(D=128, BLOCK_M=_fa.GPU_CFG["dq"][128][0]), dict(num_warps=4))
+
+
+# Second constexpr sets for kernels whose constexpr branches prune large parts of the code
+# (Triton compiles only the taken branch): (module, kernel) -> [constexpr overrides].
+VARIANTS = {
+    ("adam", "_adam_kernel"): [  # FP8 / fp16 moments and fp16 masters, scaled (both passes)
+        dict(M_DTYPE=E4, V_DTYPE=tl.float16, M_SCALED=True, V_SCALED=True, W_DTYPE=tl.float16,
+             W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
+    + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
+    ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
+    ("flash_attention", "_fwd_kernel"): [dict(CAUSAL=False, SPLIT=False)],
+    ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
+    ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
+                                         GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],
+    ("sgd", "_sgd_kernel"): [dict(P_DTYPE=E4, FP8_MAX=E4MAX, NESTEROV=True, FIRST=True)],
+}
+CASES = [(key, i) for key in sorted(KERNELS) for i in range(1 + len(VARIANTS.get(key, [])))]
+
+
+def _launched_kernels() -> dict:
+    """{(module, name): JITFunction} of the JIT functions no other JIT function of their
+    module calls (the ones launchers launch)."""
+    found = {}
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        jits = {n: v for n, v in vars(mod).items()
+                if isinstance(v, JITFunction) and v.__module__ == mod.__name__}
+        for name, fn in jits.items():
+            call = re.compile(rf"(?<![\w.]){re.escape(name)}\s*\(")
+            if not any(call.search(other.src) for o, other in jits.items() if o != name):
+                found[(info.name, name)] = fn
+    return found
+
+
+LAUNCHED = _launched_kernels()
+_PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+_HAS_PTXAS = os.access(_PTXAS, os.X_OK) or shutil.which("ptxas") is not None
+
+
+def test_every_launched_kernel_has_a_signature():
+    missing = sorted(set(LAUNCHED) - set(KERNELS))
+    stale = sorted(set(KERNELS) - set(LAUNCHED))
+    assert not missing, (f"kernels {missing} are not in {__name__}.KERNELS: add each with the "
+                         "signature and constexprs its launcher uses, so it is compiled for sm_90")
+    assert not stale, f"KERNELS lists {stale}, which are no longer launched kernels"
+
+
+def _signature(fn, types: dict, constexprs: dict) -> dict:
+    sig = {}
+    for p in fn.params:
+        if p.is_constexpr:
+            assert p.name in constexprs, f"{fn.__name__}: constexpr {p.name} has no value"
+            sig[p.name] = "constexpr"
+        elif p.name in types:
+            sig[p.name] = types[p.name]
+        else:
+            assert not p.name.endswith("_desc"), f"{fn.__name__}: give {p.name}'s descriptor type"
+            sig[p.name] = F32P if p.name.endswith("_ptr") else "i32"
+    unknown = set(types) - {p.name for p in fn.params}
+    assert not unknown, f"{fn.__name__}: no parameters {sorted(unknown)}"
+    return sig
+
+
+@pytest.mark.parametrize("key,variant", CASES, ids=[f"{m}.{k}-{i}" for (m, k), i in CASES])
+def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
+    if key not in LAUNCHED:
+        pytest.skip(f"{key} is not a launched kernel (see test_every_launched_kernel_has_a_signature)")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, every run
+    fn = LAUNCHED[key]
+    types, constexprs, options = KERNELS[key]
+    if variant:
+        constexprs = {**constexprs, **VARIANTS[key][variant - 1]}
+    src = ASTSource(fn, _signature(fn, types, constexprs), constexprs=constexprs)
+    target = GPUTarget("cuda", 90, 32)
+    if not _HAS_PTXAS:
+        pytest.skip("the wheel's ptxas is missing: cannot build the cubin")
+    compiled = triton.compile(src, target=target, options=options)
+    assert compiled.asm["cubin"], f"{key}: empty cubin"
+    assert ".target sm_90a" in compiled.asm["ptx"]
