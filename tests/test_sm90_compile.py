@@ -6,11 +6,14 @@ compiled Triton refuses (e.g. a plain Python module global read inside @triton.j
 normally and runs `triton.compile(ASTSource(...), target=GPUTarget("cuda", 90, 32))` for each
 top-level kernel of `tritium.kernels.*`, with the signature and constexprs its launcher uses at
 Llama-ish sizes (hidden 4096, FFN 14336, head dim 128, vocab 32000, bf16 in, e4m3 out).
-Triton's wheel ships ptxas, so this goes all the way to a cubin (TTIR, TTGIR, LLVM IR, PTX,
-cubin): frontend errors, layout / shared-memory lowering errors and ptxas errors all fail here.
-Without the wheel's ptxas it stops at PTX (the frontend errors are still caught).
+Triton's wheel ships ptxas, so each compile goes all the way to a cubin (TTIR, TTGIR, LLVM IR,
+PTX, cubin; ~20 s for all on 2 cores): frontend errors, lowering errors and ptxas errors
+(e.g. too much shared memory) fail here; without the wheel's ptxas the compiles are skipped.
 Helpers called from kernels are compiled through their callers. A top-level kernel (a JIT
 function no other JIT function of its module calls) missing from `KERNELS` fails the test.
+Triton compiles only the branches the constexprs take: `VARIANTS` adds second constexpr sets
+where large branches hide, and `test_jit_code_reads_only_constexpr_globals` checks the global
+reads of every JIT function's whole source statically.
 Does not check numerics (the interp and gpu tiers do) nor launch anything.
 """
 from __future__ import annotations
@@ -19,7 +22,6 @@ import importlib
 import os
 import pkgutil
 import re
-import shutil
 
 import pytest
 
@@ -32,7 +34,7 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+from triton.runtime.jit import JITCallable, JITFunction  # noqa: E402
 
 import tritium.kernels as kernels_pkg  # noqa: E402
 from tritium.kernels import norm as _norm, rope as _rope, activation as _act  # noqa: E402
@@ -246,7 +248,7 @@ def _launched_kernels() -> dict:
 
 LAUNCHED = _launched_kernels()
 _PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-_HAS_PTXAS = os.access(_PTXAS, os.X_OK) or shutil.which("ptxas") is not None
+_HAS_PTXAS = os.access(_PTXAS, os.X_OK)
 
 
 def test_every_launched_kernel_has_a_signature():
@@ -276,16 +278,50 @@ def _signature(fn, types: dict, constexprs: dict) -> dict:
 @pytest.mark.parametrize("key,variant", CASES, ids=[f"{m}.{k}-{i}" for (m, k), i in CASES])
 def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
     if key not in LAUNCHED:
-        pytest.skip(f"{key} is not a launched kernel (see test_every_launched_kernel_has_a_signature)")
+        pytest.skip(f"{key} is not a launched kernel (test_every_launched_kernel_has_a_signature)")
+    if not _HAS_PTXAS:
+        pytest.skip(f"no executable ptxas at {_PTXAS}: cannot build the cubin")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, every run
     fn = LAUNCHED[key]
     types, constexprs, options = KERNELS[key]
     if variant:
         constexprs = {**constexprs, **VARIANTS[key][variant - 1]}
     src = ASTSource(fn, _signature(fn, types, constexprs), constexprs=constexprs)
-    target = GPUTarget("cuda", 90, 32)
-    if not _HAS_PTXAS:
-        pytest.skip("the wheel's ptxas is missing: cannot build the cubin")
-    compiled = triton.compile(src, target=target, options=options)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], f"{key}: empty cubin"
     assert ".target sm_90a" in compiled.asm["ptx"]
+
+
+def _allowed_global(val) -> bool:
+    """What compiled Triton lets @jit code read from module globals (code_generator's
+    global_lookup in Triton 3.6): constexprs, JIT functions, modules, dtypes, triton.language."""
+    import types
+    return (isinstance(val, (tl.constexpr, tl.dtype, types.ModuleType))
+            or hasattr(val, "__triton_builtin__") or hasattr(val, "__triton_aggregate__")
+            or isinstance(val, JITCallable)
+            or getattr(val, "__module__", "").startswith("triton.language"))
+
+
+def test_jit_code_reads_only_constexpr_globals():
+    """Every @triton.jit function, helpers and constexpr-pruned branches included (which the
+    compiles above do not all reach): a name read that is not a parameter nor assigned in the
+    function must be a global compiled Triton accepts (a plain int is not: use tl.constexpr)."""
+    import ast
+    bad = []
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        for name, fn in vars(mod).items():
+            if not (isinstance(fn, JITFunction) and fn.__module__ == mod.__name__):
+                continue
+            tree = ast.parse(fn.src)
+            local = set(fn.arg_names) | {n.id for n in ast.walk(tree)
+                                         if isinstance(n, ast.Name)
+                                         and not isinstance(n.ctx, ast.Load)}
+            for node in ast.walk(tree):
+                if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+                        and node.id not in local and node.id in fn.__globals__
+                        and not _allowed_global(fn.__globals__[node.id])):
+                    bad.append(f"{info.name}.{name} reads {node.id} "
+                               f"({type(fn.__globals__[node.id]).__name__})")
+    assert not bad, ("@triton.jit code reads plain Python globals, which compiled Triton refuses "
+                     "(wrap them in tl.constexpr): " + "; ".join(sorted(set(bad))))
