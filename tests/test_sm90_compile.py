@@ -231,19 +231,25 @@ VARIANTS = {
 CASES = [(key, i) for key in sorted(KERNELS) for i in range(1 + len(VARIANTS.get(key, [])))]
 
 
-def _launched_kernels() -> dict:
-    """{(module, name): JITFunction} of the JIT functions no other JIT function of their
-    module calls (the ones launchers launch)."""
+def _jit_functions() -> dict:
+    """{(module, name): JITFunction} of every JIT function defined in tritium.kernels.*."""
     found = {}
     for info in pkgutil.iter_modules(kernels_pkg.__path__):
         mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
-        jits = {n: v for n, v in vars(mod).items()
-                if isinstance(v, JITFunction) and v.__module__ == mod.__name__}
-        for name, fn in jits.items():
-            call = re.compile(rf"(?<![\w.]){re.escape(name)}\s*\(")
-            if not any(call.search(other.src) for o, other in jits.items() if o != name):
-                found[(info.name, name)] = fn
+        found.update({(info.name, n): v for n, v in vars(mod).items()
+                      if isinstance(v, JITFunction) and v.__module__ == mod.__name__})
     return found
+
+
+def _launched_kernels() -> dict:
+    """The JIT functions no JIT function of the package calls (the ones launchers launch)."""
+    jits = _jit_functions()
+
+    def called(name, fn):
+        call = re.compile(rf"(?<![\w.]){re.escape(name)}\s*\(")
+        return any(other is not fn and other.__globals__.get(name) is fn and call.search(other.src)
+                   for other in jits.values())
+    return {key: fn for key, fn in jits.items() if not called(key[1], fn)}
 
 
 LAUNCHED = _launched_kernels()
@@ -308,20 +314,15 @@ def test_jit_code_reads_only_constexpr_globals():
     function must be a global compiled Triton accepts (a plain int is not: use tl.constexpr)."""
     import ast
     bad = []
-    for info in pkgutil.iter_modules(kernels_pkg.__path__):
-        mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
-        for name, fn in vars(mod).items():
-            if not (isinstance(fn, JITFunction) and fn.__module__ == mod.__name__):
-                continue
-            tree = ast.parse(fn.src)
-            local = set(fn.arg_names) | {n.id for n in ast.walk(tree)
-                                         if isinstance(n, ast.Name)
-                                         and not isinstance(n.ctx, ast.Load)}
-            for node in ast.walk(tree):
-                if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
-                        and node.id not in local and node.id in fn.__globals__
-                        and not _allowed_global(fn.__globals__[node.id])):
-                    bad.append(f"{info.name}.{name} reads {node.id} "
-                               f"({type(fn.__globals__[node.id]).__name__})")
+    for (module, name), fn in _jit_functions().items():
+        tree = ast.parse(fn.src)
+        local = set(fn.arg_names) | {n.id for n in ast.walk(tree)
+                                     if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+                    and node.id not in local and node.id in fn.__globals__
+                    and not _allowed_global(fn.__globals__[node.id])):
+                bad.append(f"{module}.{name} reads {node.id} "
+                           f"({type(fn.__globals__[node.id]).__name__})")
     assert not bad, ("@triton.jit code reads plain Python globals, which compiled Triton refuses "
                      "(wrap them in tl.constexpr): " + "; ".join(sorted(set(bad))))
