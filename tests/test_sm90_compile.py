@@ -18,10 +18,12 @@ Does not check numerics (the interp and gpu tiers do) nor launch anything.
 """
 from __future__ import annotations
 
+import ast
 import importlib
 import os
 import pkgutil
 import re
+import types
 
 import pytest
 
@@ -301,7 +303,6 @@ def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
 def _allowed_global(val) -> bool:
     """What compiled Triton lets @jit code read from module globals (code_generator's
     global_lookup in Triton 3.6): constexprs, JIT functions, modules, dtypes, triton.language."""
-    import types
     return (isinstance(val, (tl.constexpr, tl.dtype, types.ModuleType))
             or hasattr(val, "__triton_builtin__") or hasattr(val, "__triton_aggregate__")
             or isinstance(val, JITCallable)
@@ -312,7 +313,6 @@ def test_jit_code_reads_only_constexpr_globals():
     """Every @triton.jit function, helpers and constexpr-pruned branches included (which the
     compiles above do not all reach): a name read that is not a parameter nor assigned in the
     function must be a global compiled Triton accepts (a plain int is not: use tl.constexpr)."""
-    import ast
     bad = []
     for (module, name), fn in _jit_functions().items():
         tree = ast.parse(fn.src)
