@@ -107,6 +107,21 @@ def test_per_row_position_ids():
     torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
 
 
+def test_layer_inputs_follow_position_ids_changes():
+    """The decoder layers share one forward's mask and angles: a new or in-place changed
+    position_ids tensor must give new angles."""
+    hf, conv = _pair()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    pos = torch.arange(9)[None].clone()
+    for shift in (0, 3):
+        pos.add_(shift)  # same tensor, new version
+        ref, out = hf(input_ids=ids, position_ids=pos), conv(input_ids=ids, position_ids=pos)
+        torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    pos2 = torch.stack([torch.arange(9), torch.arange(9) + 2])
+    ref, out = hf(input_ids=ids, position_ids=pos2), conv(input_ids=ids, position_ids=pos2)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+
+
 def test_fp8_loss_within_fp8_tolerance():
     hf, conv = _pair(hidden=64, ffn=128, heads=4, kv=2)
     ids = torch.randint(0, VOCAB, (2, 32))
