@@ -1,6 +1,7 @@
-"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,kernels,ops} [args]
+"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,model-cpu-llama,kernels,ops}
+       [args]
 
-Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu need CUDA).
+Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
 
   host [CASE ...]     wall and host-enqueue time per step with the GPU kept busy, the kernels'
@@ -26,6 +27,17 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       launches compute their cache key and return; torch._scaled_mm only
                       allocates): host-side changes measured without a GPU. --profile adds
                       cProfile's table.
+  model-cpu-llama [--profile] [--layers N --hidden H --heads A --kv-heads G --vocab V
+                   --batch B --seq S] [--repeats R --steps N]
+                      the same for a whole model: a tiny HF LlamaForCausalLM (default 4 layers,
+                      hidden 256, 4/2 heads, ffn 4x, vocab 1024, B1 x S128) converted by
+                      convert_llama, forward with labels + backward under fp8_autocast
+                      (delayed scaling), with the cuDNN attention ATen ops also stubbed (empty
+                      outputs of the real shapes). Prints host us per layer forward and
+                      backward (the model's time minus the same model with no decoder layers,
+                      rounds interleaved, medians); --profile adds cProfile's tables of the
+                      forward (tottime and cumulative). CPU ops that are not stubbed (residual
+                      adds, reshapes that copy, the loss) really run, on one thread.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
@@ -408,6 +420,7 @@ def cmd_model_cpu_llama(args):
     _launch.Launcher.__call__ = _stub_launch
     torch._scaled_mm = _stub_scaled_mm
     _stub_attention()
+    torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
     model = _tiny_llama(args.layers, args.hidden, args.heads, args.kv_heads, 4 * args.hidden,
                         args.vocab)
     inner = model.model
