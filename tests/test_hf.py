@@ -125,6 +125,9 @@ def test_layer_inputs_follow_position_ids_changes():
     pos2 = torch.stack([torch.arange(9), torch.arange(9) + 2])
     ref, out = hf(input_ids=ids, position_ids=pos2), conv(input_ids=ids, position_ids=pos2)
     torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    with torch.inference_mode():  # inference tensors have no version: never reused
+        ref, out = hf(input_ids=ids), conv(input_ids=ids)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
 
 
 def test_fp8_loss_within_fp8_tolerance():

@@ -100,12 +100,23 @@ def _te_mask(attention_mask: Optional[torch.Tensor]):
     return attention_mask != 0, "arbitrary"
 
 
+def _version(t):
+    """A tensor's in-place version; inference tensors have none: an object equal to nothing."""
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return object()
+
+
 class _LayerInputs:
     """(TE mask, mask type, RoPE angles) for one forward, made by its first decoder layer and
     reused by the others: they get the very same position_ids and mask tensors, so the mask
     conversion, the angles and the rows-equal check (a device sync for a batch of several
     position_ids rows) run once per forward instead of once per layer. Keyed on the identity
-    and version of position_ids, the mask and inv_freq (strong references: no id reuse)."""
+    and version of position_ids, the mask and inv_freq (strong references: no id reuse; the
+    last forward's mask stays alive until the next forward)."""
 
     def __init__(self):
         self.key, self.value = None, None
@@ -113,9 +124,8 @@ class _LayerInputs:
     def get(self, wrapper, hidden_states, attention_mask, position_ids):
         inv_freq = wrapper._rotary_emb.inv_freq
         b, s = hidden_states.shape[:2]
-        key = (position_ids, getattr(position_ids, "_version", None), attention_mask,
-               getattr(attention_mask, "_version", None), inv_freq, inv_freq._version, b, s,
-               hidden_states.device)
+        key = (position_ids, _version(position_ids), attention_mask, _version(attention_mask),
+               inv_freq, _version(inv_freq), b, s, hidden_states.device)
         old = self.key
         if (old is not None and position_ids is not None and len(old) == len(key)
                 and all(x is y or (not isinstance(x, torch.Tensor) and x == y)
@@ -128,7 +138,7 @@ class _LayerInputs:
             freqs = wrapper._freqs(position_ids.expand(b, s)[0])
         else:
             position_ids = position_ids.expand(b, s)
-            if b == 1 or bool((position_ids == position_ids[:1]).all()):
+            if bool((position_ids == position_ids[:1]).all()):  # a device sync, once
                 freqs = wrapper._freqs(position_ids[0])
             else:
                 freqs = [wrapper._freqs(position_ids[i]) for i in range(b)]
