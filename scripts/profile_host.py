@@ -1,6 +1,7 @@
-"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,kernels,ops} [args]
+"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,model-cpu-llama,kernels,ops}
+       [args]
 
-Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu need CUDA).
+Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
 
   host [CASE ...]     wall and host-enqueue time per step with the GPU kept busy, the kernels'
@@ -26,6 +27,17 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       launches compute their cache key and return; torch._scaled_mm only
                       allocates): host-side changes measured without a GPU. --profile adds
                       cProfile's table.
+  model-cpu-llama [--profile] [--layers N --hidden H --heads A --kv-heads G --vocab V
+                   --batch B --seq S] [--repeats R --steps N]
+                      the same for a whole model: a tiny HF LlamaForCausalLM (default 4 layers,
+                      hidden 256, 4/2 heads, ffn 4x, vocab 1024, B1 x S128) converted by
+                      convert_llama, forward with labels + backward under fp8_autocast
+                      (delayed scaling), with the cuDNN attention ATen ops also stubbed (empty
+                      outputs of the real shapes). Prints host us per layer forward and
+                      backward (the model's time minus the same model with no decoder layers,
+                      rounds interleaved, medians); --profile adds cProfile's tables of the
+                      forward (tottime and cumulative). CPU ops that are not stubbed (residual
+                      adds, reshapes that copy, the loss) really run, on one thread.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
@@ -366,6 +378,103 @@ def cmd_model_cpu(args, steps=500):
         pstats.Stats(prof).sort_stats("tottime").print_stats(30)
 
 
+def _stub_attention():
+    """The cuDNN SDPA path with its ATen ops returning empty outputs of the real shapes and
+    layouts (the output keeps q's bshd memory order, as cuDNN's does)."""
+    backends = importlib.import_module("tritium.attention.backends")
+    backends.choose = lambda q, k, v, a, backend="auto": (backends.BACKENDS["cudnn"], {})
+    backends._cudnn_native_gqa = lambda index: True
+
+    def fwd(q, k, v, bias, lse, dropout, causal, debug, *, scale=None):
+        b, h, s, _ = q.shape
+        out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
+        return (out, torch.empty(b, h, s, 1), None, None, s, k.shape[2], torch.empty(2),
+                torch.empty(()), None)
+
+    def bwd(dout, q, k, v, out, lse, seed, offset, bias, cq, ck, sq, sk, dropout, causal, *,
+            scale=None):
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    torch.ops.aten._scaled_dot_product_cudnn_attention = fwd
+    torch.ops.aten._scaled_dot_product_cudnn_attention_backward = bwd
+
+
+def _tiny_llama(layers, hidden, heads, kv_heads, ffn, vocab):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from tritium.integrations.hf import convert_llama
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=True,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return convert_llama(model)
+
+
+def cmd_model_cpu_llama(args):
+    """Host us per decoder-layer forward and backward of a converted HF Llama under FP8."""
+    import cProfile
+    import pstats
+    device = importlib.import_module("tritium._device")
+    device.use_triton = lambda t: True
+    device.fp8_tensor_cores = lambda t: True
+    _launch.Launcher.__call__ = _stub_launch
+    torch._scaled_mm = _stub_scaled_mm
+    _stub_attention()
+    torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
+    model = _tiny_llama(args.layers, args.hidden, args.heads, args.kv_heads, 4 * args.hidden,
+                        args.vocab)
+    inner = model.model
+    all_layers, no_layers = inner.layers, torch.nn.ModuleList()
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+    rec = recipe.DelayedScaling(amax_history_len=16)
+
+    def fwd():
+        with te.fp8_autocast(fp8_recipe=rec):
+            return model(input_ids=ids, labels=ids).loss
+
+    def timed(n):  # -> (fwd us, bwd us) medians of n steps
+        fs, bs = [], []
+        for _ in range(n):
+            model.zero_grad(set_to_none=True)
+            t0 = time.perf_counter()
+            loss = fwd()
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            fs.append(t1 - t0)
+            bs.append(t2 - t1)
+        return 1e6 * sorted(fs)[n // 2], 1e6 * sorted(bs)[n // 2]
+
+    rows = []
+    for layers in (all_layers, no_layers):
+        inner.layers = layers
+        timed(10)
+    for _ in range(args.repeats):  # interleaved: the machine's load shifts both alike
+        row = []
+        for layers in (all_layers, no_layers):
+            inner.layers = layers
+            row += timed(args.steps)
+        rows.append(row)
+    inner.layers = all_layers
+    med = [sorted(col)[len(col) // 2] for col in zip(*rows)]
+    n = len(all_layers)
+    print(f"converted Llama {n}L hidden {args.hidden} heads {args.heads}/{args.kv_heads} vocab "
+          f"{args.vocab} B{args.batch} x S{args.seq}, FP8 delayed, GPU calls stubbed (median of "
+          f"{args.repeats} x {args.steps} steps)")
+    print(f"  model fwd {med[0]:8.1f} us  bwd {med[1]:8.1f} us")
+    print(f"  no layers fwd {med[2]:8.1f} us  bwd {med[3]:8.1f} us")
+    print(f"  per layer fwd {(med[0] - med[2]) / n:8.1f} us  bwd {(med[1] - med[3]) / n:8.1f} us")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            fwd()
+        prof.disable()
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+
+
 # ---- kernels --------------------------------------------------------------------------------
 
 def cmd_kernels(args):
@@ -460,6 +569,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed loops, best kept (default 7)")
     shape(p)
     p.set_defaults(func=cmd_model_cpu)
+    p = sub.add_parser("model-cpu-llama",
+                       help="a converted HF Llama's host path on a CPU, GPU calls stubbed")
+    p.add_argument("--profile", action="store_true", help="print cProfile's tables (forward)")
+    p.add_argument("--repeats", type=int, default=5, help="interleaved rounds, median kept")
+    p.add_argument("--steps", type=int, default=20, help="steps per round (median kept)")
+    for name, default in (("layers", 4), ("hidden", 256), ("heads", 4), ("kv-heads", 2),
+                          ("vocab", 1024), ("batch", 1), ("seq", 128)):
+        p.add_argument("--" + name, type=int, default=default, help=f"default {default}")
+    p.set_defaults(func=cmd_model_cpu_llama)
     p = sub.add_parser("kernels", help="CUDA time per kernel and host enqueue time")
     shape(p)
     p.set_defaults(func=cmd_kernels)
@@ -470,8 +588,8 @@ def main(argv=None):
         parser.error(f"host: unknown case(s) {unknown}; choose from {', '.join(HOST_CASES)}")
     if getattr(args, "shape", None) and len(args.shape) != 3:
         parser.error(f"{args.command}: give the shape as three numbers T K N, got {args.shape}")
-    if args.command != "model-cpu" and not torch.cuda.is_available():
-        parser.error(f"{args.command} needs a CUDA GPU; torch sees none (model-cpu runs on a CPU)")
+    if not args.command.startswith("model-cpu") and not torch.cuda.is_available():
+        parser.error(f"{args.command} needs a CUDA GPU; torch sees none (model-cpu* run on a CPU)")
     args.func(args)
 
 

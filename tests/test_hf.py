@@ -107,6 +107,29 @@ def test_per_row_position_ids():
     torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
 
 
+def test_layer_inputs_follow_position_ids_changes():
+    """The decoder layers share one forward's mask and angles (made once, reused while the
+    same tensors come in): a changed position_ids, in place or new, gives new angles."""
+    hf, conv = _pair()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    pos = torch.arange(9)[None].clone()
+    ref, out = hf(input_ids=ids, position_ids=pos), conv(input_ids=ids, position_ids=pos)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    layer = conv.model.layers[0]
+    h = torch.randn(2, 9, 64)
+    first = layer._inputs.get(layer, h, None, pos)[2]
+    assert layer._inputs.get(layer, h, None, pos)[2] is first  # reused
+    pos.mul_(2)  # same tensor, new version
+    torch.testing.assert_close(layer._inputs.get(layer, h, None, pos)[2],
+                               layer._freqs(pos[0]), rtol=0, atol=0)
+    pos2 = torch.stack([torch.arange(9), torch.arange(9) + 2])
+    ref, out = hf(input_ids=ids, position_ids=pos2), conv(input_ids=ids, position_ids=pos2)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    with torch.inference_mode():  # inference tensors have no version: never reused
+        ref, out = hf(input_ids=ids), conv(input_ids=ids)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+
+
 def test_fp8_loss_within_fp8_tolerance():
     hf, conv = _pair(hidden=64, ffn=128, heads=4, kv=2)
     ids = torch.randint(0, VOCAB, (2, 32))

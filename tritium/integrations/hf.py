@@ -100,15 +100,66 @@ def _te_mask(attention_mask: Optional[torch.Tensor]):
     return attention_mask != 0, "arbitrary"
 
 
+def _version(t):
+    """A tensor's in-place version; inference tensors have none: an object equal to nothing."""
+    if t is None:
+        return None
+    try:
+        return t._version
+    except RuntimeError:
+        return object()
+
+
+class _LayerInputs:
+    """(TE mask, mask type, RoPE angles) for one forward, made by its first decoder layer and
+    reused by the others: they get the very same position_ids and mask tensors, so the mask
+    conversion, the angles and the rows-equal check (a device sync for a batch of several
+    position_ids rows) run once per forward instead of once per layer. Keyed on the identity
+    and version of position_ids, the mask and inv_freq (strong references: no id reuse; the
+    last forward's mask stays alive until the next forward)."""
+
+    def __init__(self):
+        self.key, self.value = None, None
+
+    def get(self, wrapper, hidden_states, attention_mask, position_ids):
+        inv_freq = wrapper._rotary_emb.inv_freq
+        b, s = hidden_states.shape[:2]
+        key = (position_ids, _version(position_ids), attention_mask, _version(attention_mask),
+               inv_freq, _version(inv_freq), b, s, hidden_states.device)
+        old = self.key
+        if (old is not None and position_ids is not None and len(old) == len(key)
+                and all(x is y or (not isinstance(x, torch.Tensor) and x == y)
+                        for x, y in zip(old, key))):
+            return self.value
+        if position_ids is None:
+            position_ids = torch.arange(s, device=hidden_states.device)[None]
+        mask, mask_type = _te_mask(attention_mask)
+        if position_ids.shape[0] == 1:
+            freqs = wrapper._freqs(position_ids.expand(b, s)[0])
+        else:
+            position_ids = position_ids.expand(b, s)
+            if bool((position_ids == position_ids[:1]).all()):  # a device sync, once
+                freqs = wrapper._freqs(position_ids[0])
+            else:
+                freqs = [wrapper._freqs(position_ids[i]) for i in range(b)]
+        self.key, self.value = key, (mask, mask_type, freqs)
+        return self.value
+
+
 class TritiumLlamaDecoderLayer(torch.nn.Module):
     """HF LlamaDecoderLayer's call signature around a te.TransformerLayer (`self.layer`)."""
 
-    def __init__(self, layer, rotary_emb, layer_idx: int, return_tuple: bool):
+    def __init__(self, layer, rotary_emb, layer_idx: int, return_tuple: bool,
+                 shared_inputs: Optional["_LayerInputs"] = None):
         super().__init__()
         self.layer = layer
         # Not a submodule: the rotary embedding belongs to LlamaModel (no duplicate state).
         object.__setattr__(self, "_rotary_emb", rotary_emb)
         self.layer_idx, self.return_tuple = layer_idx, return_tuple
+        # One per converted model, shared by its layers (not state): every layer of a forward
+        # gets the same position_ids and mask, so the first one prepares them for all.
+        object.__setattr__(self, "_inputs", shared_inputs if shared_inputs is not None
+                           else _LayerInputs())
 
     def _freqs(self, pos: torch.Tensor) -> torch.Tensor:
         """[s, 1, 1, d] angles for one row of position_ids, as HF's LlamaRotaryEmbedding."""
@@ -128,21 +179,17 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         if scaling != 1.0:
             raise NotImplementedError(f"rope type with attention_scaling={scaling} (yarn, "
                                       "longrope) is not supported")
-        b, s = hidden_states.shape[:2]
-        if position_ids is None:
-            position_ids = torch.arange(s, device=hidden_states.device)[None]
-        position_ids = position_ids.expand(b, s)
-        mask, mask_type = _te_mask(attention_mask)
-        if b == 1 or bool((position_ids == position_ids[:1]).all()):
+        mask, mask_type, freqs = self._inputs.get(self, hidden_states, attention_mask,
+                                                  position_ids)
+        if not isinstance(freqs, list):
             out = self.layer(hidden_states, attention_mask=mask, self_attn_mask_type=mask_type,
-                             rotary_pos_emb=self._freqs(position_ids[0]))
+                             rotary_pos_emb=freqs)
         else:  # each row its own angles
             rows = []
-            for i in range(b):
+            for i, row_freqs in enumerate(freqs):
                 m = None if mask is None else mask[i:i + 1] if mask.shape[0] > 1 else mask
                 rows.append(self.layer(hidden_states[i:i + 1], attention_mask=m,
-                                       self_attn_mask_type=mask_type,
-                                       rotary_pos_emb=self._freqs(position_ids[i])))
+                                       self_attn_mask_type=mask_type, rotary_pos_emb=row_freqs))
             out = torch.cat(rows)
         return (out,) if self.return_tuple else out
 
@@ -207,6 +254,7 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     return_tuple = _layer_returns_tuple()
+    shared = _LayerInputs()
     for i, hf_layer in enumerate(inner.layers):
         if isinstance(hf_layer, TritiumLlamaDecoderLayer):
             continue
@@ -221,7 +269,8 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
             device=weight.device)
         load_llama_decoder_layer(layer, **hf_llama_layer_weights(hf_layer))
         layer.train(hf_layer.training)
-        inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple)
+        inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
+                                                   shared)
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model._tritium_fp8_lm_head = bool(fp8_lm_head)
