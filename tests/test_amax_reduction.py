@@ -4,10 +4,11 @@ different ones when it does not. Also: the reduction is one MAX all-reduce per u
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
+
+from testlib import free_port
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -15,11 +16,6 @@ pytestmark = pytest.mark.cpu
 
 WORLD = 2
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, port: int, out_dir: str, seed: int):
@@ -68,7 +64,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
 
 
 def test_amax_reduction_two_ranks(tmp_path, _seed):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     keys = [k for k in r0[True] if k != "calls"]

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import zlib
 
 import pytest
@@ -34,7 +33,7 @@ import tritium.attention as A
 from tritium.attention import cp
 from tritium.attention.cp import p2p, all_gather
 
-from testlib import FP32_TOL
+from testlib import FP32_TOL, free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -59,11 +58,6 @@ CASES4 = ("p2p-fp32-causal-mha-bshd", "p2p-fp32-nomask-gqa-sbhd", "p2p-bf16-caus
           "ag-bf16-causal-gqa-bshd-exact")
 MODULES = ("dpa", "mha", "layer")
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _seed(name: str, world: int) -> int:
@@ -208,7 +202,7 @@ def _worker(rank, world, port, out_dir, cases):
 
 def _spawn(world, tmp_path_factory, cases):
     out = tmp_path_factory.mktemp(f"cp{world}")
-    mp.spawn(_worker, args=(world, _free_port(), str(out), cases), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=True)
     res = torch.load(out / "results.pt", weights_only=False)
     res["accuracy"] = json.loads((out / "accuracy.json").read_text())
     return res

@@ -6,7 +6,6 @@ bad arguments, and both functions vocab-parallel on 2 gloo ranks against the uns
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 import tritium as te
 from tritium import recipe
-from testlib import BF16_TOL, FP32_TOL
+from testlib import BF16_TOL, FP32_TOL, free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -172,11 +171,6 @@ def test_bad_arguments(randn):
 WORLD = 2
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
 
 def _case(seed):
     gen = torch.Generator().manual_seed(seed)
@@ -215,7 +209,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
 
 
 def test_vocab_parallel_two_ranks(tmp_path, _seed):
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
     logits, hid, w, t1, t2 = _case(_seed)
     x = logits.clone().requires_grad_()
     want1 = te.parallel_cross_entropy(x, t1, 0.1)

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
+
+from testlib import free_port
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
@@ -44,14 +45,9 @@ LR = 1e-2
 BF16 = dict(rtol=1.6e-2, atol=1.6e-2 * LR * STEPS)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
 
 def _spawn(fn, world, *args):
-    mp.spawn(_entry, args=(world, _free_port(), fn, args), nprocs=world, join=True)
+    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
 
 
 def _entry(rank, world, port, fn, args):

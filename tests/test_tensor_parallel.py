@@ -16,14 +16,13 @@ no recompute, FP8 state included), CudaRNGStatesTracker, and the misconfiguratio
 from __future__ import annotations
 
 import os
-import socket
 import zlib
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from testlib import FP32_TOL
+from testlib import FP32_TOL, free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -38,11 +37,6 @@ CASES2 = [f"{k}/{'sp' if sp else 'tp'}/{'fp8' if f else 'hp'}" for k in KINDS
 CASES4 = ["linear-col/sp/fp8", "linear-row/sp/fp8", "lnmlp-swiglu/sp/fp8", "layer-llama/sp/fp8",
           "layer-te/tp/hp"]
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _seed(name: str) -> int:
@@ -420,7 +414,7 @@ def _worker(rank, world, port, out_dir, cases):
 
 def _spawn(world, tmp_path_factory, cases):
     out = tmp_path_factory.mktemp(f"tp{world}")
-    mp.spawn(_worker, args=(world, _free_port(), str(out), cases), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=True)
     return torch.load(out / "results.pt", weights_only=False)
 
 

@@ -4,9 +4,11 @@ emulation written independently of tritium (from DESIGN.md section 4, not from i
 The emulation quantizes each GEMM operand with a given scale (scale in fp32, clamp to +-max,
 round with torch's `.to(fp8 dtype)`), dequantizes with 1/scale and multiplies in fp32. It reads
 nothing from tritium, so comparing a module with it checks the module's casts, scales, GEMM
-layouts and padding.
+layouts and padding. Also `free_port`, for the tests that start process groups.
 """
 from __future__ import annotations
+
+import socket
 
 import torch
 
@@ -99,3 +101,10 @@ def fp64_attention(q, k, v, do, causal: bool, scale: float) -> list:
     res = [out.detach(), lse.detach(), q.grad, k.grad, v.grad]
     del s, out  # the fp64 scores are large: free them before the caller's next allocation
     return res
+
+
+def free_port() -> int:
+    """A free TCP port on localhost, for a process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

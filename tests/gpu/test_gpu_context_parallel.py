@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
+
+from testlib import free_port
 import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.multigpu,
@@ -27,11 +28,6 @@ pytestmark = [pytest.mark.multigpu,
 WORLD = 2
 NAMES = ("out", "dq", "dk", "dv")
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _module_check(group, rank, seed):
@@ -86,7 +82,7 @@ def _worker(rank, port, out_dir):
 def result(tmp_path_factory):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast
     out = tmp_path_factory.mktemp("cp_gpu")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
     res = json.loads((out / "cp.json").read_text())
     from tritium.attention.cp.accuracy import table
     text = table(res["rows"], f"{torch.cuda.get_device_name(0)}, NCCL cp=2, bf16, "

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import pytest
 import torch
+
+from testlib import free_port
 import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.multigpu,
@@ -26,11 +27,6 @@ pytestmark = [pytest.mark.multigpu,
 
 WORLD, H, F, G = 2, 256, 512, 64
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model(fp8: bool, dtype, seed: int):
@@ -175,4 +171,4 @@ def _worker(rank, port, out_dir):
 
 def test_fsdp_two_gpus(tmp_path):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
