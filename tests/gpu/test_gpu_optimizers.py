@@ -187,6 +187,42 @@ def _copy(params):
     return out
 
 
+def _set_grads(ps, gs):
+    for p, g in zip(ps, gs):
+        if p.grad is None:
+            p.grad = g.to(p.dtype).clone()
+        else:
+            p.grad.copy_(g)   # never replace a grad the graph reads
+
+
+def _eager_and_graphed(make, base, grads):
+    """The optimizer `make` builds, stepped eagerly over every grad set on one copy of `base`,
+    and on another copy warmed up (3 steps on a side stream), captured in a CUDA graph and
+    replayed for the rest: (graph params, graph optimizer, eager params, eager optimizer)."""
+    eager_p = _copy(base)
+    eager = make(eager_p)
+    for gs in grads:
+        _set_grads(eager_p, gs)
+        eager.step()
+    graph_p = _copy(base)
+    opt = make(graph_p)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for gs in grads[:3]:
+            _set_grads(graph_p, gs)
+            opt.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for gs in grads[3:]:
+        _set_grads(graph_p, gs)
+        graph.replay()
+    torch.cuda.synchronize()
+    return graph_p, opt, eager_p, eager
+
+
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
 def test_capturable_step_in_cuda_graph_equals_eager(moments):
     gen = torch.Generator(device="cuda").manual_seed(5)
@@ -199,35 +235,7 @@ def test_capturable_step_in_cuda_graph_equals_eager(moments):
                          weight_decay=0.1, capturable=True, master_weights=True,
                          exp_avg_dtype=moments, exp_avg_sq_dtype=moments)
 
-    def set_grads(ps, gs):
-        for p, g in zip(ps, gs):
-            if p.grad is None:
-                p.grad = g.to(p.dtype).clone()
-            else:
-                p.grad.copy_(g)   # never replace a grad the graph reads
-
-    eager_p = _copy(base)
-    eager = make(eager_p)
-    for gs in grads:
-        set_grads(eager_p, gs)
-        eager.step()
-
-    graph_p = _copy(base)
-    opt = make(graph_p)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for gs in grads[:3]:
-            set_grads(graph_p, gs)
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    for gs in grads[3:]:
-        set_grads(graph_p, gs)
-        graph.replay()
-    torch.cuda.synchronize()
+    graph_p, opt, eager_p, eager = _eager_and_graphed(make, base, grads)
     assert_same_optimizer_results(graph_p, opt, eager_p, eager, nan_as_nan=True)
     assert int(opt.param_groups[0]["step"].item()) == len(grads)
 
@@ -313,32 +321,5 @@ def test_capturable_scaled_states_in_cuda_graph_equals_eager():
                          master_weight_dtype=torch.float16, exp_avg_dtype=torch.uint8,
                          exp_avg_sq_dtype=torch.float16)
 
-    def set_grads(ps, gs):
-        for p, g in zip(ps, gs):
-            if p.grad is None:
-                p.grad = g.to(p.dtype).clone()
-            else:
-                p.grad.copy_(g)
-
-    eager_p = _copy(base)
-    eager = make(eager_p)
-    for gs in grads:
-        set_grads(eager_p, gs)
-        eager.step()
-    graph_p = _copy(base)
-    opt = make(graph_p)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for gs in grads[:3]:
-            set_grads(graph_p, gs)
-            opt.step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        opt.step()
-    for gs in grads[3:]:
-        set_grads(graph_p, gs)
-        graph.replay()
-    torch.cuda.synchronize()
+    graph_p, opt, eager_p, eager = _eager_and_graphed(make, base, grads)
     assert_same_optimizer_results(graph_p, opt, eager_p, eager, nan_as_nan=True)
