@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ._launch import Launcher, TensorDesc, num_sms
+from .gemm import tile_offsets
 
 
 @triton.jit
@@ -37,12 +38,8 @@ def _block_gemm_kernel(a_desc, b_desc, c_desc, sa_ptr, sb_ptr, bias_ptr, M, N, K
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
-    per_group = GROUP_M * tiles_n
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + tile % group_m) * BLOCK_M
-        off_n = ((tile % per_group) // group_m) * BLOCK_N
+        off_m, off_n = tile_offsets(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         rm = off_m + tl.arange(0, BLOCK_M)
         rn = off_n + tl.arange(0, BLOCK_N)
         sb_block = sb_ptr + (off_n // 128) * KB   # B_2D: a tile lies in one 128-row block

@@ -37,6 +37,18 @@ from ._launch import Launcher, TensorDesc, num_sms
 
 
 @triton.jit
+def tile_offsets(tile, tiles_m, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 GROUP_M: tl.constexpr):
+    """(off_m, off_n) of output tile `tile` in GROUP_M order: GROUP_M row tiles share each
+    column tile before the next column, so consecutive programs reuse B's tiles in L2. Shared
+    by every GEMM kernel (tensorwise, grouped, block-scaled)."""
+    per_group = GROUP_M * tiles_n
+    first_m = (tile // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    return (first_m + tile % group_m) * BLOCK_M, ((tile % per_group) // group_m) * BLOCK_N
+
+
+@triton.jit
 def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr, bias_ptr,
                         M, N, K, num_programs,
                         HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
@@ -47,12 +59,8 @@ def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr
     tiles_n = tl.cdiv(N, BLOCK_N)
     k_tiles = tl.cdiv(K, BLOCK_K)
     scale = tl.load(a_scale_inv_ptr) * tl.load(b_scale_inv_ptr)
-    per_group = GROUP_M * tiles_n
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs, flatten=True):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + tile % group_m) * BLOCK_M
-        off_n = ((tile % per_group) // group_m) * BLOCK_N
+        off_m, off_n = tile_offsets(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([off_m, ki * BLOCK_K])

@@ -46,6 +46,7 @@ import triton.language as tl
 from ..fp8.formats import fp8_max
 from ._launch import Launcher, TensorDesc, ensure_scratch_allocator, next_pow2, num_sms
 from .cast import _TL_FP8, _current_scale, _scaled_fp8
+from .gemm import tile_offsets
 
 
 @triton.jit
@@ -153,11 +154,7 @@ def _grouped_gemm_kernel(a_desc, b_desc, out_ptr, a_si_ptr, b_si_ptr, bias_ptr, 
         rows = tl.load(offs_ptr + grp + 1) - row0
         local = tile - first
         tiles_m = tl.cdiv(rows, BLOCK_M)
-        per_group = GROUP_M * tiles_n
-        first_m = (local // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + local % group_m) * BLOCK_M
-        off_n = ((local % per_group) // group_m) * BLOCK_N
+        off_m, off_n = tile_offsets(local, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(k_tiles):
             a = a_desc.load([row0 + off_m, ki * BLOCK_K])
@@ -186,11 +183,7 @@ def _grouped_wgrad_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_ptr, N
     for tile in tl.range(tl.program_id(0), G * per_expert, num_programs):
         grp = tile // per_expert
         local = tile % per_expert
-        per_group = GROUP_M * tiles_n
-        first_m = (local // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + local % group_m) * BLOCK_M
-        off_n = ((local % per_group) // group_m) * BLOCK_N
+        off_m, off_n = tile_offsets(local, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
         rows = tl.load(offs_ptr + grp + 1) - tl.load(offs_ptr + grp)
         p0 = tl.multiple_of(tl.load(offs_ptr + G + 1 + grp).to(tl.int64), 16)  # 16-aligned
         stride = tl.multiple_of(tl.load(offs_ptr + G + 2 + grp) - p0, 16)     # rows: cp.async
@@ -252,12 +245,8 @@ def _grouped_gemm_tma_kernel(a_desc, b_desc, out_ptr, a_si_ptr, b_si_ptr, bias_p
                                              block_shape=[BLOCK_M, sub_n])
         scale = tl.load(a_si_ptr + grp) * tl.load(b_si_ptr + grp)
         start = (pid + num_programs - seen % num_programs) % num_programs
-        per_group = GROUP_M * tiles_n
         for local in tl.range(start, count, num_programs, flatten=FLATTEN):
-            first_m = (local // per_group) * GROUP_M
-            group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-            off_m = (first_m + local % group_m) * BLOCK_M
-            off_n = ((local % per_group) // group_m) * BLOCK_N
+            off_m, off_n = tile_offsets(local, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for ki in range(k_tiles):
                 a = a_desc.load([row0 + off_m, ki * BLOCK_K])
@@ -292,7 +281,6 @@ def _grouped_wgrad_tma_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_pt
     tiles_m = tl.cdiv(N, BLOCK_M)
     tiles_n = tl.cdiv(K, BLOCK_N)
     per_expert = tiles_m * tiles_n
-    per_group = GROUP_M * tiles_n
     pid = tl.program_id(0)
     for grp in range(G):
         rows = tl.load(offs_ptr + grp + 1) - tl.load(offs_ptr + grp)
@@ -312,10 +300,7 @@ def _grouped_wgrad_tma_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_pt
         scale = tl.load(a_si_ptr + grp) * tl.load(b_si_ptr + grp)
         start = (pid + num_programs - (grp * per_expert) % num_programs) % num_programs
         for local in tl.range(start, per_expert, num_programs, flatten=FLATTEN):
-            first_m = (local // per_group) * GROUP_M
-            group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-            off_m = (first_m + local % group_m) * BLOCK_M
-            off_n = ((local % per_group) // group_m) * BLOCK_N
+            off_m, off_n = tile_offsets(local, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in range(0, rows, BLOCK_K):
                 a = a_desc.load([off_m, k0])
