@@ -21,6 +21,7 @@ from . import distributed
 from .distributed.activation_checkpoint import checkpoint
 from .distributed.random import CudaRNGStatesTracker
 
+from .modules.base import prepare_fp8
 from .modules.grouped_linear import GroupedLinear
 from .modules.moe import MoE, MoEConfig
 from .functional.moe import (fused_compute_score_for_moe_aux_loss, fused_moe_aux_loss,
@@ -50,6 +51,6 @@ __all__ = ["recipe", "optimizers", "autocast", "fp8_autocast", "fp8_model_init",
            "is_nvfp4_available", "QuantizedTensor", "Quantizer", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "interleave_glu_tensor", "deinterleave_glu_tensor",
            "__version__"]
-__all__ += ["GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",
+__all__ += ["prepare_fp8", "GroupedLinear", "MoE", "MoEConfig", "moe_permute", "moe_permute_with_probs",
             "moe_unpermute", "fused_topk_with_score_function",
             "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss"]

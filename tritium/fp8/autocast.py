@@ -32,10 +32,12 @@ class FP8Region:
     """The modules that ran inside one outermost autocast, and their pending updates."""
 
     def __init__(self):
-        self.fwd: dict[int, tuple[ScalingState, object, bool]] = {}
-        self.bwd: dict[int, tuple[ScalingState, object, bool]] = {}
+        # keyed by the states themselves (identity hash; no id(), which torch.compile cannot
+        # carry across the graph)
+        self.fwd: dict[ScalingState, tuple[object, bool]] = {}
+        self.bwd: dict[ScalingState, tuple[object, bool]] = {}
         self._bwd_updated = False
-        self._first: Optional[int] = None
+        self._first: Optional[ScalingState] = None
         # TE's FP8GlobalStateManager.is_first_fp8_module(): True once per outermost autocast.
         self.first_module_query = True
 
@@ -43,23 +45,23 @@ class FP8Region:
                  group, again: bool = False) -> bool:
         """Record a module's states; True when it is the first FP8 module of the region (with
         `again`, a recomputed forward: True when it is that module again)."""
-        key = id(fwd if fwd is not None else bwd)
+        key = fwd if fwd is not None else bwd
         first = not self.fwd and not self.bwd
         if first:
             self._first = key
         elif again:
-            first = key == self._first
+            first = key is self._first
         reduce = bool(getattr(recipe, "reduce_amax", False))
         for table, state in ((self.fwd, fwd), (self.bwd, bwd)):
             if state is not None:
-                table.setdefault(id(state), (state, group, reduce))
+                table.setdefault(state, (group, reduce))
         return first
 
     @staticmethod
     def _update(table) -> None:
         batches: dict[tuple, tuple[object, bool, list[ScalingState]]] = {}
-        for state, group, reduce in table.values():
-            batches.setdefault((id(group), reduce), (group, reduce, []))[2].append(state)
+        for state, (group, reduce) in table.items():
+            batches.setdefault((group, reduce), (group, reduce, []))[2].append(state)
         for group, reduce, states in batches.values():
             update_states(states, group, reduce)
 

@@ -23,6 +23,17 @@ from .formats import fp8_max
 from .recipe import DelayedScaling, Recipe, recipe_from_dict
 
 
+@torch.library.custom_op("tritium::read_scale", mutates_args=())
+def read_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of `scale` taken now (see ScalingState.scale_slot)."""
+    return scale.clone()
+
+
+@read_scale.register_fake
+def _(scale):
+    return torch.empty_like(scale)
+
+
 class ScalingState:
     """amax_history [L, n] and scale [n] for one module and one direction."""
 
@@ -45,10 +56,18 @@ class ScalingState:
     def num_slots(self) -> int:
         return self.scale.numel()
 
+    # The slot views are made once (host time). A compiled graph makes its own views of the
+    # buffers instead (one graph input per buffer, no aliased inputs), and reads a scale through
+    # `read_scale`, an op the partitioner cannot recompute: the scale changes in place when
+    # fp8_autocast exits, so a backward that recomputed a cast from it would be wrong.
     def amax_slot(self, i: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return self.amax_history[0, i:i + 1]
         return self._amax_views[i]
 
     def scale_slot(self, i: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return read_scale(self.scale[i:i + 1])
         return self._scale_views[i]
 
     def resize_history(self, length: int) -> None:
@@ -68,6 +87,8 @@ class ScalingState:
         """The delayed-scaling rule, in place (see tritium.ref.scaling)."""
         # The update is prepared once per recipe, history and FORCE_REF setting: it runs for
         # every state twice a step, and choosing the implementation each time is host time.
+        if torch.compiler.is_compiling():  # traced: no cached closure (a Python side effect)
+            return self._prepare_update()()
         key = (self.recipe, _env.force_ref())
         if self._update_for != key:
             self._update_fn, self._update_for = self._prepare_update(), key
@@ -124,18 +145,35 @@ class FP8Meta:
         """Make the states match `recipe` (create, or resize the history, keeping scales)."""
         if recipe is self.recipe and device == self._prepared_for:
             return  # the common case, every step: nothing to check again
+        if self._needs_new_tensors(recipe, device):
+            self._make_states(recipe, device)
         self.recipe, self._prepared_for = recipe, device
+        for state in (self.fwd, self.bwd):
+            if state is not None and isinstance(recipe, DelayedScaling):
+                state.recipe = recipe
+
+    def _needs_new_tensors(self, recipe: Recipe, device: torch.device) -> bool:
         if not isinstance(recipe, DelayedScaling):
-            return
+            return False
+        fmt = recipe.fp8_format
+        return any(state is None or state.fp8_dtype != dtype or state.scale.device != device
+                   or state.amax_history.shape[0] != recipe.amax_history_len
+                   for state, dtype in ((self.fwd, fmt.forward_dtype),
+                                        (self.bwd, fmt.backward_dtype)))
+
+    @torch.compiler.disable
+    def _make_states(self, recipe: DelayedScaling, device: torch.device) -> None:
+        # Eager even under torch.compile: the state tensors must live outside any graph (a
+        # graph's own tensors cannot take the compiled backward's in-place updates). That costs
+        # a graph break on a module's first call under a recipe; `tritium.prepare_fp8` before
+        # compiling avoids it (docs/compile.md).
         fmt = recipe.fp8_format
         for name, n, dtype in (("fwd", self.num_fwd, fmt.forward_dtype),
                                ("bwd", self.num_bwd, fmt.backward_dtype)):
             state = getattr(self, name)
             if state is None or state.fp8_dtype != dtype or state.scale.device != device:
                 setattr(self, name, ScalingState(n, dtype, recipe, device))
-                continue
-            state.recipe = recipe
-            if state.amax_history.shape[0] != recipe.amax_history_len:
+            elif state.amax_history.shape[0] != recipe.amax_history_len:
                 state.resize_history(recipe.amax_history_len)
 
     # --- checkpoints -------------------------------------------------------------------------

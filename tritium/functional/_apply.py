@@ -19,7 +19,7 @@ def fast_apply(fn_cls):
     slow_apply = fn_cls.apply
 
     def apply(*args):
-        if _transforms_active():
+        if torch.compiler.is_compiling() or _transforms_active():
             return slow_apply(*args)
         for a in args:
             if isinstance(a, torch.Tensor) and is_functorch_wrapped_tensor(a):

@@ -54,7 +54,7 @@ from ..fp8.autocast import FP8Region, current as current_autocast
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.recompute import FrozenScales
-from ..fp8.scaling import ScalingState
+from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
 from .block_linear import apply_block_linear, is_block_recipe
@@ -109,6 +109,10 @@ class FP8Plan:
     input_slot: int = 0
     weight_slot: int = 1
     grad_slot: int = 0
+    # Under torch.compile: the backward scales update in the graph, at the end of the backward
+    # of the module's GEMM 0 (its last), over `amax_group` (see docs/compile.md).
+    update_bwd: bool = False
+    amax_group: object = None
 
     def frozen(self) -> "FP8Plan":
         """This plan with its forward scales fixed now and no amax recording (for recompute)."""
@@ -326,8 +330,13 @@ class _LinearFunction(torch.autograd.Function):
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
                 out = out[:tokens]
             # Kept as attributes, not saved tensors, so backward can drop each one as soon as
-            # its GEMM is done (lower peak memory); none of them is an input or output.
-            ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
+            # its GEMM is done (lower peak memory); none of them is an input or output. Under
+            # torch.compile they are saved tensors (the compiled graph frees them itself).
+            if torch.compiler.is_compiling():
+                ctx.save_for_backward(x8_t, x_si, w8_t, w_si)
+                ctx.fp8_operands = None
+            else:
+                ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
             if isinstance(weight, Float8Tensor):
                 weight = weight.dequantize()
@@ -355,7 +364,10 @@ class _LinearFunction(torch.autograd.Function):
         dy2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
-        if ctx.fp8:
+        if ctx.fp8 and torch.compiler.is_compiling():
+            dx, dw = _fp8_backward(plan, dy2d, list(ctx.saved_tensors), ctx.shape[-1],
+                                   need_dgrad, need_wgrad, wgrad_dtype, dyq)
+        elif ctx.fp8:
             if ctx.fp8_operands is None:
                 raise RuntimeError(
                     "tritium.Linear under fp8_autocast frees its fp8 operands during backward: "
@@ -386,6 +398,8 @@ class _LinearFunction(torch.autograd.Function):
             dw = None
         if plan is not None and plan.region is not None:
             plan.region.backward_done()
+        if plan is not None and plan.update_bwd:
+            update_states([plan.bwd], plan.amax_group, plan.recipe.reduce_amax)
         if dx is not None and ctx.column is not None:
             group = ctx.column.group
             dx = (reduce_scatter_dim0(dx, group) if ctx.column.sequence_parallel
@@ -457,8 +471,18 @@ def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     return _linear(inp, weight, bias, fp8, main_grad)
 
 
+def _cache_weight_outside(fp8: FP8Plan, weight: torch.Tensor) -> FP8Plan:
+    """torch.compile: a traced autograd.Function may not store into the weight cache, so a
+    first micro-batch casts the weight here (recording its amax) and the Function reuses it."""
+    fp8.weight_operands(weight, need_transpose=True)
+    return dataclasses.replace(fp8, is_first_microbatch=False)
+
+
 def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     dev = inp.device.type
+    if fp8 is not None and fp8.is_first_microbatch and fp8.weight_cache is not None \
+            and fp8.compute_in_fp8 and torch.compiler.is_compiling():
+        fp8 = _cache_weight_outside(fp8, weight)
     # block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling): their own Function
     apply = (apply_block_linear if fp8 is not None and fp8.compute_in_fp8
              and is_block_recipe(fp8.recipe) else _apply_linear)

@@ -24,7 +24,7 @@ from ..fp8 import recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import HIGH_PRECISION_DTYPES, fp8_max
 from ..fp8.model_init import fp8_params_config
-from ..fp8.recipe import DelayedScaling, Float8CurrentScaling
+from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from ..fp8.scaling import FP8Meta
 from ..fp8.tensor import Float8Tensor
 from ..functional.linear import FP8Plan, WeightCache
@@ -58,6 +58,21 @@ def check_fp8_dims(owner: str, sizes: dict) -> None:
             raise ValueError(f"{owner}({name}={size}) cannot run in FP8: FP8 GEMMs need "
                              f"{' and '.join(sizes)} divisible by 16; pad {name} to "
                              f"{-(-size // 16) * 16} or run this module outside fp8_autocast")
+
+
+def prepare_fp8(model: torch.nn.Module, fp8_recipe) -> None:
+    """Create every FP8 module's scaling state for `fp8_recipe` now, as its first forward under
+    fp8_autocast would. Before torch.compile it spares the compiled model the graph break of
+    that first call (docs/compile.md)."""
+    if not isinstance(fp8_recipe, Recipe):
+        raise TypeError("prepare_fp8: fp8_recipe must be a tritium recipe (e.g. "
+                        f"recipe.DelayedScaling()), got {type(fp8_recipe).__name__}")
+    for m in model.modules():
+        if isinstance(m, FP8Module):
+            device = next((p.device for p in m.parameters()), torch.device("cpu"))
+            m.fp8_meta.prepare(fp8_recipe, device)
+            if m._fp8_param_recipe is not None:
+                m._link_fp8_params()
 
 
 class FP8Module(torch.nn.Module):
@@ -159,14 +174,20 @@ class FP8Module(torch.nn.Module):
             fwd = scope.forward_scales(meta.fwd)
             if again and is_first_microbatch:  # the forward cached this step's weight cast
                 is_first_microbatch = False
-        first = state.region.register(meta.fwd, meta.bwd, state.recipe, state.group, again)
+        # Under torch.compile the backward state is not the region's: GEMM 0's backward (the
+        # module's last) updates it in the graph.
+        compiling = torch.compiler.is_compiling()
+        first = state.region.register(meta.fwd, None if compiling else meta.bwd, state.recipe,
+                                      state.group, again)
         if not state.enabled and meta.fwd is None:  # calibrating needs a delayed-scaling state
             return None
         return [FP8Plan(recipe=state.recipe, fwd=fwd, bwd=meta.bwd,
                         compute_in_fp8=state.enabled,
-                        region=state.region if first and i == 0 else None,
+                        region=state.region if first and i == 0 and not compiling else None,
                         weight_cache=cache, is_first_microbatch=is_first_microbatch,
-                        input_slot=2 * i, weight_slot=2 * i + 1, grad_slot=i)
+                        input_slot=2 * i, weight_slot=2 * i + 1, grad_slot=i,
+                        update_bwd=compiling and i == 0 and meta.bwd is not None,
+                        amax_group=state.group)
                 for i, cache in enumerate(self._weight_caches)]
 
     def _fp8_plan(self, device: torch.device, is_first_microbatch: Optional[bool]):

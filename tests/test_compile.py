@@ -1,0 +1,215 @@
+"""cpu tier: torch.compile of every FP8 module, end to end (issue 20, docs/compile.md).
+
+For Linear, LayerNormLinear, LayerNormMLP, MultiheadAttention and a Llama-style TransformerLayer,
+in high precision and under DelayedScaling and Float8CurrentScaling:
+  * `torch._dynamo.explain` finds 0 graph breaks (one graph: forward, fp8_autocast entered
+    inside the traced function);
+  * `torch.compile(fullgraph=True)` equals eager bit for bit over 3 steps on fresh random data:
+    outputs, input and parameter gradients, and every scale and amax history (the backward
+    scales update in the compiled backward, the forward ones when fp8_autocast exits), with
+    fp8_autocast entered outside and inside the compiled function;
+  * FP8 weight caching over micro-batches (is_first_microbatch True, False, False) equals eager;
+  * nothing compiles again after the first step (a counting backend);
+  * a module whose FP8 state does not exist yet breaks the graph where the state is created, on
+    its first call only (`te.prepare_fp8` before compiling avoids it: the other tests use it, as
+    docs/compile.md tells users to).
+The compiled runs use the "aot_eager" backend (AOTAutograd's graphs, run op by op), which keeps
+eager's bits; one test runs Inductor (which may fuse fp32 math differently: fp32 tolerance).
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+
+import tritium as te
+from tritium import recipe
+
+from testlib import FP32_TOL, fp8_state
+
+pytestmark = pytest.mark.cpu
+
+H, FFN, HEADS = 64, 128, 4
+
+
+def _build(kind: str) -> torch.nn.Module:
+    kw = dict(device="cpu", params_dtype=torch.float32)
+    if kind == "Linear":
+        return te.Linear(H, 96, **kw)
+    if kind == "LayerNormLinear":
+        return te.LayerNormLinear(H, 96, normalization="RMSNorm", **kw)
+    if kind == "LayerNormMLP":
+        return te.LayerNormMLP(H, FFN, normalization="RMSNorm", activation="swiglu", **kw)
+    if kind == "MultiheadAttention":
+        return te.MultiheadAttention(H, HEADS, num_gqa_groups=2, input_layernorm=True,
+                                     attention_dropout=0.0, **kw)
+    return te.TransformerLayer(H, FFN, HEADS, num_gqa_groups=2, normalization="RMSNorm",
+                               activation="swiglu", bias=False, hidden_dropout=0.0,
+                               attention_dropout=0.0, **kw)
+
+
+KINDS = ["Linear", "LayerNormLinear", "LayerNormMLP", "MultiheadAttention", "TransformerLayer"]
+RECIPES = {"bf16": None, "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+           "current": lambda: recipe.Float8CurrentScaling()}
+
+
+def _step_fn(module, fp8_recipe, autocast_inside: bool):
+    """One forward of `module` (its first output), fp8_autocast entered in here or not."""
+    def forward(x, **kw):
+        if not autocast_inside:
+            out = module(x, **kw)
+        else:
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                out = module(x, **kw)
+        return out[0] if isinstance(out, tuple) else out
+    return forward
+
+
+def _run(module, forward, fp8_recipe, autocast_inside, xs, dys, kwargs_per_step=None):
+    """fwd + bwd per input; returns everything eager and compiled must agree on."""
+    seen = []
+    for i, (x, dy) in enumerate(zip(xs, dys)):
+        x = x.clone().requires_grad_()
+        kw = {} if kwargs_per_step is None else kwargs_per_step[i]
+        if autocast_inside:
+            out = forward(x, **kw)
+        else:
+            with te.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
+                out = forward(x, **kw)
+        out.backward(dy)
+        seen += [out.detach(), x.grad]
+    seen += [p.grad.clone() for p in module.parameters() if p.grad is not None]
+    return seen + fp8_state([module])
+
+
+def _inputs(steps: int, out_features: int):
+    xs = [torch.randn(16, 2, H) for _ in range(steps)]
+    dys = [torch.randn(16, 2, out_features) for _ in range(steps)]
+    return xs, dys
+
+
+def _out_features(kind: str) -> int:
+    return 96 if kind in ("Linear", "LayerNormLinear") else H
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_zero_graph_breaks(kind, recipe_name):
+    make = RECIPES[recipe_name]
+    fp8_recipe = None if make is None else make()
+    module = _build(kind)
+    if fp8_recipe is not None:
+        te.prepare_fp8(module, fp8_recipe)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(_step_fn(module, fp8_recipe, True))(
+        torch.randn(16, 2, H, requires_grad=True))
+    reasons = [str(r.reason).splitlines()[0] for r in explained.break_reasons]
+    assert explained.graph_break_count == 0, reasons
+    assert explained.graph_count == 1
+
+
+@pytest.mark.parametrize("autocast_inside", [False, True], ids=["autocast-outside",
+                                                                 "autocast-inside"])
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiled_equals_eager(kind, recipe_name, autocast_inside):
+    if recipe_name == "bf16" and autocast_inside:
+        pytest.skip("without FP8 the autocast placement changes nothing")
+    make = RECIPES[recipe_name]
+    eager_module = _build(kind)
+    compiled_module = copy.deepcopy(eager_module)
+    xs, dys = _inputs(3, _out_features(kind))
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, make and make(), autocast_inside),
+                 make and make(), autocast_inside, xs, dys)
+    fp8_recipe = make and make()
+    if fp8_recipe is not None:
+        te.prepare_fp8(compiled_module, fp8_recipe)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, autocast_inside),
+                                backend="aot_eager", fullgraph=True)
+    compiled = _run(compiled_module, compiled_fn, fp8_recipe, autocast_inside, xs, dys)
+    assert len(eager) == len(compiled)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+
+
+class _CountingBackend:
+    """aot_eager that counts how often dynamo hands it a graph (a compile or a recompile)."""
+
+    def __init__(self):
+        self.compiles = 0
+        self._inner = torch._dynamo.lookup_backend("aot_eager")
+
+    def __call__(self, gm, example_inputs):
+        self.compiles += 1
+        return self._inner(gm, example_inputs)
+
+
+@pytest.mark.parametrize("kind", ["LayerNormMLP", "TransformerLayer"])
+def test_weight_caching_and_no_recompile(kind):
+    """Two steps of three micro-batches (is_first_microbatch True, False, False), fp8_autocast
+    outside: equal to eager, and the second step compiles nothing."""
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    eager_module = _build(kind)
+    compiled_module = copy.deepcopy(eager_module)
+    xs, dys = _inputs(6, H)
+    flags = [{"is_first_microbatch": f} for f in (True, False, False) * 2]
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, False), fp8_recipe, False,
+                 xs, dys, flags)
+    backend = _CountingBackend()
+    te.prepare_fp8(compiled_module, fp8_recipe)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, False), backend=backend,
+                                fullgraph=True)
+    first = _run(compiled_module, compiled_fn, fp8_recipe, False, xs[:3], dys[:3], flags[:3])
+    after_first_step = backend.compiles
+    second = _run(compiled_module, compiled_fn, fp8_recipe, False, xs[3:], dys[3:], flags[3:])
+    assert after_first_step >= 1 and backend.compiles == after_first_step
+    # outputs and input grads per micro-batch; then the parameter grads (accumulated over all
+    # six micro-batches in both) and the FP8 state after the second step
+    compiled = first[:6] + second
+    assert len(eager) == len(compiled)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+
+
+def test_fresh_module_breaks_once_where_its_state_is_made():
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    module = _build("LayerNormMLP")
+    forward = _step_fn(module, fp8_recipe, True)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(forward)(torch.randn(16, 2, H))
+    assert explained.graph_break_count == 1  # FP8Meta._make_states, under compiler.disable
+    te.prepare_fp8(module, fp8_recipe)
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(forward)(torch.randn(16, 2, H)).graph_break_count == 0
+    module = _build("LayerNormMLP")
+    backend = _CountingBackend()
+    compiled_fn = torch.compile(_step_fn(module, fp8_recipe, True), backend=backend)
+    counts = []
+    for _ in range(4):
+        compiled_fn(torch.randn(16, 2, H, requires_grad=True)).sum().backward()
+        counts.append(backend.compiles)
+    assert counts[0] >= 1 and counts[0] == counts[3]
+    with pytest.raises(TypeError, match="fp8_recipe must be a tritium recipe"):
+        te.prepare_fp8(module, "delayed")
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                    reason="Inductor's CPU backend needs a C compiler")
+def test_inductor_transformer_layer_fp8():
+    """The default backend (Inductor) on the whole layer under DelayedScaling: fp32 tolerance."""
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    eager_module = _build("TransformerLayer")
+    compiled_module = copy.deepcopy(eager_module)
+    xs, dys = _inputs(3, H)
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, False), fp8_recipe, False,
+                 xs, dys)
+    te.prepare_fp8(compiled_module, fp8_recipe)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, False), fullgraph=True)
+    compiled = _run(compiled_module, compiled_fn, fp8_recipe, False, xs, dys)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        torch.testing.assert_close(b, a, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
