@@ -234,6 +234,8 @@ def print_table(bench: str, rows: list[dict], baseline: str) -> None:
             continue
         if "ms" not in r:  # a row of other measurements (e.g. accuracy)
             continue
-        extra = "".join(f" {k}={r[k]}" for k in ("gpu_ms", "tflops", "gbps", "peak_mb", "peak_mb_in_network") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("gpu_ms", "tflops", "gbps", "peak_mb", "peak_mb_in_network",
+                                                  "vs_eager", "vs_torchao_compiled", "compile_s", "graphs")
+                        if k in r)
         print(f"{r['case']:<28} {r['variant']:<34} {r['ms']:8.3f} ms  x{r.get(key, float('nan')):.2f}"
               f"{extra}")
