@@ -7,19 +7,31 @@ Shape (issue 4, BASELINE.md): B2 x S4096 tokens, hidden 4096, 32 heads, 8 KV gro
   * the same block under torch.compile; under torchao float8 tensorwise (convert_to_float8_training)
     eager and compiled;
   * tritium TransformerLayer in bf16 and under fp8_autocast (DelayedScaling HYBRID, history 16,
-    "max"; and Float8CurrentScaling).
+    "max"; and Float8CurrentScaling);
+  * the same three tritium variants under `torch.compile(block, fullgraph=True)` (default mode),
+    fp8_autocast entered outside the compiled call as torchtitan does (issue 20). Each compiles
+    afresh (dynamo reset) in two warm-up steps, fwd and bwd (compile_s, graphs); a graph break
+    raises (an error row with fullgraph False, no eager fallback) and so does a recompile in the
+    timed steps. vs_eager = the eager variant's ms / ms, vs_torchao_compiled = torchao compiled's
+    ms / ms (FP8 rows).
 Reported: ms, tokens/s, peak MiB with the input resident and with the input made in the step.
+--only REGEX: the variants whose names match (the baseline always runs).
 """
 from __future__ import annotations
 
+import argparse
+import contextlib
 import copy
+import re
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, measure_fwd_bwd  # noqa: E402
+from harness import (add_ratio, compile_counts, error_fields, finish,  # noqa: E402
+                     fwd_bwd_step, measure_fwd_bwd, no_recompiles)
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -27,6 +39,7 @@ from tritium import recipe  # noqa: E402
 B, S, H, HEADS, GROUPS, FFN = 2, 4096, 4096, 32, 8, 14336
 D = H // HEADS
 EPS = 1e-5
+BASELINE = "bf16 eager Llama block"
 
 
 def _rms(x, w):
@@ -94,7 +107,25 @@ def _torchao(block, compile_it):
     return torch.compile(model) if compile_it else model
 
 
-def main():
+def _compiled(block, x, dy, ctx) -> tuple:
+    """(torch.compile(block, fullgraph=True), its warm-up fields): compiled afresh, warmed up by
+    two fwd+bwd steps (the first compiles the forward and the backward)."""
+    torch._dynamo.reset()
+    before = compile_counts()["graphs"]
+    compiled = torch.compile(block, fullgraph=True)
+    step, _ = fwd_bwd_step(compiled, x, dy, ctx)
+    t0 = time.perf_counter()
+    step()
+    step()
+    torch.cuda.synchronize()
+    return compiled, {"fullgraph": True, "compile_s": round(time.perf_counter() - t0, 1),
+                      "graphs": compile_counts()["graphs"] - before}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", default="", help="regex: variants to run (the baseline always runs)")
+    args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_block needs a CUDA GPU")
         return
@@ -104,30 +135,44 @@ def main():
     ours = TritiumBlock()
     delayed = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
                                     amax_compute_algo="max")
-    variants = [("bf16 eager Llama block", lambda: ref, None),
-                ("bf16 Llama block compiled", lambda: torch.compile(ref), None),
-                ("torchao fp8 tensorwise eager", lambda: _torchao(ref, False), None),
-                ("torchao fp8 tensorwise compiled", lambda: _torchao(ref, True), None),
-                ("tritium TransformerLayer bf16", lambda: ours, None),
-                ("tritium TransformerLayer fp8 delayed", lambda: ours,
-                 lambda: te.fp8_autocast(fp8_recipe=delayed)),
-                ("tritium TransformerLayer fp8 current", lambda: ours,
-                 lambda: te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()))]
+    fp8_delayed = lambda: te.fp8_autocast(fp8_recipe=delayed)  # noqa: E731
+    fp8_current = lambda: te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling())  # noqa: E731
+    variants = [  # (name, module factory, forward context, compiled by torch.compile here)
+        ("bf16 eager Llama block", lambda: ref, None, False),
+        ("bf16 Llama block compiled", lambda: torch.compile(ref), None, False),
+        ("torchao fp8 tensorwise eager", lambda: _torchao(ref, False), None, False),
+        ("torchao fp8 tensorwise compiled", lambda: _torchao(ref, True), None, False),
+        ("tritium TransformerLayer bf16", lambda: ours, None, False),
+        ("tritium TransformerLayer fp8 delayed", lambda: ours, fp8_delayed, False),
+        ("tritium TransformerLayer fp8 current", lambda: ours, fp8_current, False),
+        ("tritium TransformerLayer bf16 compiled", lambda: ours, None, True),
+        ("tritium TransformerLayer fp8 delayed compiled", lambda: ours, fp8_delayed, True),
+        ("tritium TransformerLayer fp8 current compiled", lambda: ours, fp8_current, True)]
+    variants = [v for v in variants if v[0] == BASELINE or re.search(args.only, v[0])]
     case = f"B{B} S{S} H{H} ffn{FFN}"
     rows = []
-    for name, make, ctx in variants:
+    for name, make, ctx, compile_it in variants:
+        extra = {}
         try:
-            res = measure_fwd_bwd(make(), x, dy, ctx, in_network=True)
+            module = make()
+            if compile_it:
+                module, extra = _compiled(module, x, dy, ctx)
+            with no_recompiles() if compile_it else contextlib.nullcontext():
+                res = measure_fwd_bwd(module, x, dy, ctx, in_network=True)
         except Exception as exc:
-            rows.append({"case": case, "variant": name, "error": repr(exc)[:400]})
+            rows.append({"case": case, "variant": name, **error_fields(exc)})
             print(rows[-1], flush=True)
             continue
         rows.append({"case": case, "variant": name, "ms": res["ms"],
                      "ktok_per_s": round(B * S / res["ms"], 1), "peak_mb": res["peak_mb"],
-                     "peak_mb_in_network": res["peak_mb_in_network"]})
+                     "peak_mb_in_network": res["peak_mb_in_network"], **extra})
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
-    finish("block", rows, baseline="bf16 eager Llama block")
+    ours_names = [v[0] for v in variants if v[3]]
+    add_ratio(rows, "vs_eager", [(v, v[:-len(" compiled")]) for v in ours_names])
+    add_ratio(rows, "vs_torchao_compiled", [(v, "torchao fp8 tensorwise compiled")
+                                            for v in ours_names if "fp8" in v])
+    finish("block", rows, baseline=BASELINE)
 
 
 if __name__ == "__main__":

@@ -11,17 +11,26 @@ every variant, as they must. Variants:
     torch.cuda.graph (grads zeroed in place);
   * two micro-batches per step with FP8 weight caching (eager is_first_microbatch vs the graphed
     device flag), graphed with the optimizer captured;
-  * bf16 eager and graphed for reference.
+  * bf16 eager and graphed for reference;
+  * "fp8 compiled reduce-overhead" (issue 20: >= 5x): torch.compile(model, mode="reduce-overhead",
+    fullgraph=True), fp8_autocast entered outside the compiled call; forward and backward run as
+    inductor's CUDA graphs (torch.compiler.cudagraph_mark_step_begin() before each forward), the
+    optimizer captured as above. The grads are allocated once before the first step and zeroed
+    in place, so the backward accumulates into tensors of their own, never into CUDA-graph
+    memory a later replay overwrites. A graph break, a CUDA graph skipped by inductor (a silent
+    eager fallback otherwise) or a recompile in the timed steps is an error row.
 Timing: triton.testing.do_bench median of whole steps (see harness.py).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, time_ms  # noqa: E402
+from harness import compile_counts, error_fields, finish, no_recompiles, time_ms  # noqa: E402
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -44,7 +53,9 @@ class Model(torch.nn.Module):
         return x
 
 
-def make_step(fp8: bool, graph: bool, capture_opt: bool, micro_batches: int = 1):
+def make_step(fp8: bool, graph, capture_opt: bool, micro_batches: int = 1):
+    """One training step; graph: False (eager), True (make_graphed_callables) or
+    "reduce-overhead" (torch.compile)."""
     torch.manual_seed(0)
     model = Model()
     rec = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
@@ -52,7 +63,13 @@ def make_step(fp8: bool, graph: bool, capture_opt: bool, micro_batches: int = 1)
     xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(micro_batches)]
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
     caching = fp8 and micro_batches > 1
-    if graph:
+    compiled = graph == "reduce-overhead"
+    if compiled:
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        torch._dynamo.reset()
+        model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    elif graph:
         model = make_graphed_callables(model, (xs[0],), fp8_enabled=fp8,
                                        fp8_recipe=rec if fp8 else None,
                                        fp8_weight_caching=caching)
@@ -61,9 +78,15 @@ def make_step(fp8: bool, graph: bool, capture_opt: bool, micro_batches: int = 1)
     def fwd_bwd():
         for mb, x in enumerate(xs):
             kw = {"is_first_microbatch": mb == 0} if caching else {}
+            if compiled:
+                torch.compiler.cudagraph_mark_step_begin()
             with te.fp8_autocast(enabled=fp8, fp8_recipe=rec):
                 y = model(x, **kw)
             y.backward(dy)
+
+    if compiled:  # warm-up and record inductor's CUDA graphs before the optimizer's capture
+        for _ in range(3):
+            fwd_bwd()
 
     if not capture_opt:
         def step():
@@ -93,7 +116,7 @@ def main():
         print("bench_graphs needs a CUDA GPU")
         return
     fp8_ok = torch.cuda.get_device_capability() >= (8, 9)
-    variants = [  # (case, variant, fp8, graph, capture optimizer, micro-batches)
+    variants = [  # (case, variant, fp8, graph (see make_step), capture optimizer, micro-batches)
         ("1 micro-batch", "fp8 eager", True, False, False, 1),
         ("1 micro-batch", "fp8 graphed fwd+bwd", True, True, False, 1),
         ("1 micro-batch", "fp8 graphed fwd+bwd+adam", True, True, True, 1),
@@ -101,6 +124,7 @@ def main():
         ("1 micro-batch", "bf16 graphed fwd+bwd+adam", False, True, True, 1),
         ("2 micro-batches, weight caching", "fp8 eager", True, False, False, 2),
         ("2 micro-batches, weight caching", "fp8 graphed fwd+bwd+adam", True, True, True, 2),
+        ("1 micro-batch", "fp8 compiled reduce-overhead", True, "reduce-overhead", True, 1),
     ]
     rows = []
     for case, name, fp8, graph, capture_opt, mbs in variants:
@@ -108,15 +132,25 @@ def main():
         if fp8 and not fp8_ok:
             rows.append({"case": full, "variant": name, "error": "no FP8 on this GPU"})
             continue
+        compiled = graph == "reduce-overhead"
+        extra = {}
         try:
+            before, t0 = compile_counts(), time.perf_counter()
             step = make_step(fp8, graph, capture_opt, mbs)
-            ms = time_ms(step)
+            if compiled:
+                extra = {"fullgraph": True, "compile_s": round(time.perf_counter() - t0, 1),
+                         "graphs": compile_counts()["graphs"] - before["graphs"]}
+            with no_recompiles() if compiled else contextlib.nullcontext():
+                ms = time_ms(step)
+            if compiled and compile_counts()["cudagraph_skips"] > before["cudagraph_skips"]:
+                raise RuntimeError("inductor skipped CUDA graphs for part of the step (run "
+                                   "with TORCH_LOGS=perf_hints for the reason)")
         except Exception as exc:  # a failing variant is a row, not a crash
-            rows.append({"case": full, "variant": name, "error": repr(exc)[:400]})
+            rows.append({"case": full, "variant": name, **error_fields(exc)})
             print(rows[-1], flush=True)
             continue
         rows.append({"case": full, "variant": name, "ms": ms,
-                     "ktok_per_s": round(mbs * SEQ * BATCH / ms, 1)})
+                     "ktok_per_s": round(mbs * SEQ * BATCH / ms, 1), **extra})
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     finish("graphs", rows, baseline="fp8 eager")

@@ -27,31 +27,42 @@ leak into the next one; --only picks some):
                  DelayedScaling(HYBRID, amax_history_len=16, "max") / Float8CurrentScaling()
   tritium_fp8_delayed_fp8head   the same with the lm_head GEMMs in FP8 (fp8_lm_head=True)
   tritium_fp8_delayed_fusedadam FP8 delayed with te.optimizers.FusedAdam(master_weights=True)
+  tritium_bf16_compile / tritium_fp8_delayed_compile   tritium_bf16 / tritium_fp8_delayed with
+                 every converted decoder layer compiled (issue 20): layer.compile(fullgraph=True),
+                 default mode, fp8_autocast outside the compiled calls. A graph break raises, so
+                 does hitting dynamo's recompile limit (64 here, as hf_compile: one graph per
+                 distinct layer is allowed) and any recompile after the warm-up steps: an error
+                 row, never an eager fallback. Choosing one also runs its eager self;
+                 vs_eager = the eager self's ms / ms.
 Reported per variant: ms per step and tokens_per_s (mean over the steps after the first
 WARMUP, which compile and autotune), peak_gib (torch.cuda.max_memory_allocated over the whole
 run: weights, grads, optimizer state, activations), loss_50 (the last step's loss) and
-loss_curve (every step). speedup_vs_hf_eager = hf_eager ms / ms.
+loss_curve (every step); compiled variants also fullgraph and graphs (how many dynamo compiled).
+speedup_vs_hf_eager = hf_eager ms / ms.
 
 --tiny: a small config (2 layers, hidden 64, vocab 512, B2 x S64), 3 steps: a smoke test that
 writes the same rows. Without a GPU it runs on the CPU, in this process, only the variants that
-run there (hf_eager and tritium_*; FP8 emulated).
+run there (hf_eager and tritium_*; FP8 emulated; the compiled ones through inductor's CPU
+backend).
 --profile VARIANT: that variant in this process under torch.profiler: wall time per step, GPU
 kernel time per step and the kernels that take it (is the step bound by kernels or the host?).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+import traceback
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import finish  # noqa: E402
+from harness import add_ratio, compile_counts, error_fields, finish, no_recompiles  # noqa: E402
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -65,9 +76,12 @@ LR, BETAS = 3e-4, (0.9, 0.95)
 BASELINE = "hf_eager"
 VARIANTS = ["hf_eager", "hf_liger", "hf_compile", "hf_torchao", "tritium_bf16",
             "tritium_fp8_delayed", "tritium_fp8_current", "tritium_fp8_delayed_fp8head",
-            "tritium_fp8_delayed_fusedadam"]
+            "tritium_fp8_delayed_fusedadam", "tritium_bf16_compile", "tritium_fp8_delayed_compile"]
 CPU_VARIANTS = ["hf_eager", "tritium_bf16", "tritium_fp8_delayed", "tritium_fp8_current",
-                "tritium_fp8_delayed_fusedadam"]
+                "tritium_fp8_delayed_fusedadam", "tritium_bf16_compile",
+                "tritium_fp8_delayed_compile"]
+EAGER_SELF = {"tritium_bf16_compile": "tritium_bf16",
+              "tritium_fp8_delayed_compile": "tritium_fp8_delayed"}
 
 
 def batches(n: int, batch: int, seq: int, seed: int = 0):
@@ -85,8 +99,6 @@ def batches(n: int, batch: int, seq: int, seed: int = 0):
 
 def build(variant: str, cfg: dict, device: torch.device):
     """(model, optimizer, context factory for the forward) for one variant."""
-    import contextlib
-
     import transformers
     if variant == "hf_liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
@@ -115,6 +127,12 @@ def build(variant: str, cfg: dict, device: torch.device):
         from tritium import recipe
         from tritium.integrations.hf import convert_llama
         convert_llama(model, fp8_lm_head=variant.endswith("fp8head"))
+        if variant in EAGER_SELF:
+            torch._dynamo.reset()  # the CPU smoke test runs variants in one process
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            torch._dynamo.config.fail_on_recompile_limit_hit = True
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True)
         if "fp8" in variant:
             rcp = recipe.Float8CurrentScaling() if "current" in variant else \
                 recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
@@ -138,12 +156,14 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
     # On the device before the first step: a copy from pageable host memory inside the loop
     # would wait for the GPU to drain at every step.
     data = [ids.to(device) for ids in batches(steps, b, s)]
+    graphs = compile_counts()["graphs"]
     model, opt, ctx = build(variant, cfg, device)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     losses, marks = [], []
-    for ids in data:
+
+    def step(ids):
         opt.zero_grad(set_to_none=True)
         with ctx():
             loss = model(input_ids=ids, labels=ids).loss
@@ -156,10 +176,16 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
             marks.append(ev)
         else:
             marks.append(time.perf_counter())
+
+    warm = min(WARMUP, max(steps - 2, 0))
+    for ids in data[:warm + 1]:
+        step(ids)
+    # the timed steps (after marks[warm]): a compiled variant's recompile there raises
+    with no_recompiles() if variant in EAGER_SELF else contextlib.nullcontext():
+        for ids in data[warm + 1:]:
+            step(ids)
     if cuda:
         torch.cuda.synchronize()
-    warm = min(WARMUP, max(steps - 2, 0))
-    if cuda:
         ms = marks[warm].elapsed_time(marks[-1]) / max(steps - 1 - warm, 1)
     else:
         ms = (marks[-1] - marks[warm]) * 1e3 / max(steps - 1 - warm, 1)
@@ -170,6 +196,8 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
                "fusedadam") else " (bf16 params, no masters)")}
     if cuda:
         row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if variant in EAGER_SELF:
+        row.update(fullgraph=True, graphs=compile_counts()["graphs"] - graphs)
     return row
 
 
@@ -250,7 +278,8 @@ def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
 
 
 def _child(variant: str, tiny: bool, steps: int, timeout: int) -> dict:
-    """run_variant in a fresh process; an error row when it fails."""
+    """run_variant in a fresh process; an error row when it fails (the child's own, with its
+    fields, when it wrote one)."""
     with tempfile.TemporaryDirectory() as tmp:
         dest = os.path.join(tmp, "row.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", variant, "--steps",
@@ -259,7 +288,7 @@ def _child(variant: str, tiny: bool, steps: int, timeout: int) -> dict:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             return {"variant": variant, "error": f"timed out after {timeout} s"}
-        if proc.returncode != 0 or not os.path.exists(dest):
+        if not os.path.exists(dest):
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
             return {"variant": variant, "error": " | ".join(tail)[-400:] or "failed"}
         with open(dest) as f:
@@ -282,10 +311,14 @@ def main(argv=None) -> int:
         profile_variant(args.profile)
         return 0
     if args.child:
-        row = run_variant(args.child, args.tiny, steps)
+        try:
+            row, rc = run_variant(args.child, args.tiny, steps), 0
+        except Exception as exc:
+            traceback.print_exc()
+            row, rc = {"variant": args.child, **error_fields(exc)}, 1
         with open(args.row_file, "w") as f:
             json.dump(row, f)
-        return 0
+        return rc
     if not args.tiny and not torch.cuda.is_available():
         print("bench_model needs a CUDA GPU (or --tiny for a CPU smoke test)")
         return 0
@@ -294,9 +327,11 @@ def main(argv=None) -> int:
         bad = [v for v in args.only if v not in VARIANTS]
         if bad:
             p.error(f"unknown variants {bad}; choose from {VARIANTS}")
-        names = [v for v in VARIANTS if v in args.only]
+        # speedups need the baseline and a compiled variant's eager self in the same run
+        wanted = set(args.only) | {EAGER_SELF[v] for v in args.only if v in EAGER_SELF}
+        names = [v for v in VARIANTS if v in wanted]
     if BASELINE not in names:
-        names = [BASELINE] + names  # speedups need the baseline in the same run
+        names = [BASELINE] + names
     case = ("tiny " if args.tiny else "Llama-3.2-1B ") + \
         (f"B{TINY_BATCH} S{TINY_SEQ}" if args.tiny else f"B{BATCH} S{SEQ}")
     rows = []
@@ -305,11 +340,12 @@ def main(argv=None) -> int:
             try:
                 row = run_variant(v, True, steps)
             except Exception as exc:  # a missing peer, a CPU without the op: an error row
-                row = {"variant": v, "error": repr(exc)[:400]}
+                row = {"variant": v, **error_fields(exc)}
         else:
             row = _child(v, args.tiny, steps, args.timeout)
         rows.append({"case": case, **row})
         print({k: x for k, x in rows[-1].items() if k != "loss_curve"}, flush=True)
+    add_ratio(rows, "vs_eager", EAGER_SELF.items())
     finish("model", rows, baseline=BASELINE)
     return 0
 

@@ -8,6 +8,12 @@ environment record (env_info) holds the date, versions, GPU and the git commit o
 run was made from. `python -m tritium bench --markdown` builds benchmarks/RESULTS.md from those
 files. Peers (torchao, liger) are optional imports: a missing peer becomes a row
 with an error instead of a crash.
+
+torch.compile variants (issue 20) are compiled with fullgraph=True, so a graph break raises
+instead of running part of the model eagerly; `error_fields` turns that into an error row with
+fullgraph False, `compile_counts` says how many graphs were compiled and how often
+mode="reduce-overhead" skipped CUDA graphs (a silent fallback the benches turn into an error),
+and the timed steps run under `no_recompiles()`: a recompile after the warm-up raises.
 """
 from __future__ import annotations
 
@@ -159,6 +165,45 @@ def measure_fwd_bwd(module, x, dy, ctx=None, in_network=False) -> dict:
     return out
 
 
+def add_ratio(rows: list[dict], field: str, pairs) -> None:
+    """For each (variant, versus) of pairs and each case where both have ms: the variant's row
+    gets `field` = versus ms / variant ms (how many times faster than `versus`, same run)."""
+    ms = {(r["case"], r["variant"]): r["ms"] for r in rows if "ms" in r}
+    for r in rows:
+        for variant, versus in pairs:
+            if r["variant"] == variant and "ms" in r and (r["case"], versus) in ms:
+                r[field] = round(ms[(r["case"], versus)] / r["ms"], 3)
+
+
+def compile_counts() -> dict:
+    """dynamo's count of graphs compiled so far in this process and inductor's count of CUDA
+    graphs skipped (mode="reduce-overhead" running a graph without CUDA graphs)."""
+    from torch._dynamo.utils import counters
+    return {"graphs": counters["stats"]["unique_graphs"],
+            "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+
+
+def no_recompiles():
+    """A context in which a recompile raises (torch._dynamo.config.error_on_recompile): the
+    timed steps of a compiled variant, after the warm-up that compiled it."""
+    return torch._dynamo.config.patch(error_on_recompile=True)
+
+
+def error_fields(exc: BaseException) -> dict:
+    """An error row's fields for a variant that raised: the exception, its head and tail kept
+    (dynamo names the user frame where it stopped at the end) without dynamo's closing hint;
+    dynamo failing to trace one graph under fullgraph=True (a graph break, a data-dependent
+    guard) also reads fullgraph False."""
+    from torch._dynamo.exc import Unsupported, UserError
+    text = f"{type(exc).__name__}: {exc}".split("\nSet TORCHDYNAMO_VERBOSE")[0].strip()
+    if len(text) > 700:
+        text = text[:350] + " [...] " + text[-350:]
+    out = {"error": text}
+    if isinstance(exc, (Unsupported, UserError)):
+        out["fullgraph"] = False
+    return out
+
+
 def finish(bench: str, rows: list[dict], baseline: str, gpus: int = 1) -> dict:
     """Add `speedup_vs_<baseline>` to every row with ms, then write {bench, baseline, env, rows}
     (env: env_info() and `gpus`, the number of GPUs the run used) and print a table."""
@@ -189,6 +234,8 @@ def print_table(bench: str, rows: list[dict], baseline: str) -> None:
             continue
         if "ms" not in r:  # a row of other measurements (e.g. accuracy)
             continue
-        extra = "".join(f" {k}={r[k]}" for k in ("gpu_ms", "tflops", "gbps", "peak_mb", "peak_mb_in_network") if k in r)
+        extra = "".join(f" {k}={r[k]}" for k in ("gpu_ms", "tflops", "gbps", "peak_mb", "peak_mb_in_network",
+                                                  "vs_eager", "vs_torchao_compiled", "compile_s", "graphs")
+                        if k in r)
         print(f"{r['case']:<28} {r['variant']:<34} {r['ms']:8.3f} ms  x{r.get(key, float('nan')):.2f}"
               f"{extra}")

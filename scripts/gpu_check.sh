@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [tests:EXPR]
+#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [tests:EXPR]
+#        [block:REGEX] [model:V1,V2]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
-# tests:EXPR runs the gpu tier with pytest -k EXPR.
+# tests:EXPR runs the gpu tier with pytest -k EXPR; block:REGEX the block bench's variants
+# matching REGEX (bench_block.py --only); model:V1,V2 bench_model.py --only V1 V2 (each with its
+# baseline, a compiled variant with its eager self).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -36,6 +39,9 @@ for s in $stages; do
     demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
             mkdir -p "$OUT/demo"; cp /tmp/demo/*.png /tmp/demo/*.csv /tmp/demo/*.md /tmp/demo/*.json "$OUT/demo/" 2>/dev/null ;;
     block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
+    block:*) python3 benchmarks/bench_block.py --only "${s#block:}" 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
+    model)  python3 benchmarks/bench_model.py 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
+    model:*) v=${s#model:}; python3 benchmarks/bench_model.py --only ${v//,/ } 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
     tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
 done

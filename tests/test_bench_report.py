@@ -10,6 +10,7 @@ with no spec is still rendered from its rows.
 """
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -148,3 +149,25 @@ def test_cli_markdown_needs_no_gpu(tmp_path, monkeypatch, capsys):
     assert (tmp_path / "README.md").read_text() == "no markers\n"
     assert main(["bench", "--markdown"]) == 0
     assert "already up to date" in capsys.readouterr().out
+
+
+def test_compile_targets_read_the_ratio_to_another_variant(tmp_path):
+    """Issue 20's targets compare two variants of one run: the bench writes the ratio into the
+    compiled row (harness.add_ratio: vs_eager, vs_torchao_compiled) and the spec reads it."""
+    spec = importlib.util.spec_from_file_location("harness", ROOT / "benchmarks" / "harness.py")
+    harness = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(harness)
+    case, base = "B2 S4096 H4096 ffn14336", "bf16 eager Llama block"
+    eager, torchao = "tritium TransformerLayer fp8 delayed", "torchao fp8 tensorwise compiled"
+    rows = [{"case": case, "variant": v, "ms": ms, "ktok_per_s": round(8192 / ms, 1),
+             f"speedup_vs_{base}": round(21.5 / ms, 3)}
+            for v, ms in ((base, 21.5), (torchao, 12.93), (eager, 12.72),
+                          (br.BLOCK_COMPILED, 11.4))]
+    harness.add_ratio(rows, "vs_eager", [(br.BLOCK_COMPILED, eager)])
+    harness.add_ratio(rows, "vs_torchao_compiled", [(br.BLOCK_COMPILED, torchao)])
+    assert [r.get("vs_eager") for r in rows] == [None, None, None, round(12.72 / 11.4, 3)]
+    _write(tmp_path, "b.json", _bench("block", "2026-11-24", "NVIDIA H200", rows, baseline=base))
+    table = br.bench_table("block", br.latest(br.load_runs(tmp_path))["block"])
+    assert "| 11.40 ms (1.89x, 719k tok/s; 1.12x eager, 1.13x torchao compiled) |" in table
+    assert f"{br.BLOCK_COMPILED} >= 1.1x its eager self: **met**" in table  # 1.116
+    assert f"{br.BLOCK_COMPILED} >= 1.15x torchao compiled: **not met**" in table  # 1.134
