@@ -47,6 +47,11 @@ class ScalingState:
         self._make_views()
 
     def _make_views(self):
+        # Static inputs for torch.compile (what torch._dynamo.mark_static_address(t) sets,
+        # without importing dynamo): the compiled step updates these buffers in place, which
+        # CUDA graphs (mode="reduce-overhead") allow only for inputs at fixed addresses.
+        for t in (self.amax_history, self.scale):
+            t._dynamo_static_input_type = "unguarded"
         n = self.scale.numel()
         self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
