@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tritium import _device
@@ -88,10 +90,16 @@ class _Recorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def check_case(case: Case, randn) -> None:
-    state = case.make(randn)
+def check_case(case: Case, randn, eager_package: str, device: str = "cpu") -> None:
+    """`eager_package`: where the eager module must come from ("tritium.ref" on the cpu tier,
+    "tritium.kernels" under the interpreter and on CUDA; the GEMM's eager site is
+    functional.gemm)."""
+    state = {k: v.to(device) for k, v in case.make(randn).items()}
     eager_state, op_state = _clone(state), _clone(state)
-    want = case.call(case.eager(eager_state), eager_state)
+    eager = case.eager(eager_state)
+    if eager is not fgemm:
+        assert eager.__name__.startswith(eager_package + "."), (case.name, eager.__name__)
+    want = case.call(eager, eager_state)
     with _Recorder() as rec:
         got = case.call(case.ops, op_state)
     assert rec.calls, f"{case.name}: the namespace called no tritium op"
@@ -117,6 +125,36 @@ def _utils(args) -> tuple:
 
 
 # ------------------------------------------------------------------------------ the cases
+def check_compiled_rmsnorm(randn, device: str = "cpu") -> None:
+    """A compiled RMSNorm forward + backward is one graph, with no break, that calls the two
+    norm ops, and equals eager bit for bit."""
+    x = randn(6, 32).to(device).requires_grad_(True)
+    w = (randn(32) + 1.0).to(device).requires_grad_(True)
+    dy = randn(6, 32).to(device)
+    seen = set()
+
+    def record(gm, _):
+        seen.update(str(n.target) for n in gm.graph.nodes if "tritium" in str(n.target))
+        return make_boxed_func(gm)
+
+    def step(x, w):
+        return fnorm.rms_norm(x, w, 1e-5)
+
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(step)(x, w)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=record, bw_compiler=record))
+    got = compiled(x, w)
+    got_grads = torch.autograd.grad(got, (x, w), dy)
+    assert seen == {"tritium.rmsnorm_fwd.default", "tritium.rmsnorm_bwd.default"}
+    want = step(x, w)
+    want_grads = torch.autograd.grad(want, (x, w), dy)
+    for g, e in zip((got, *got_grads), (want, *want_grads)):
+        assert torch.equal(g, e)
+
+
 def _x(randn, rows=20, cols=24, dtype=torch.bfloat16):
     return randn(rows, cols, scale=3.0, dtype=dtype)
 
