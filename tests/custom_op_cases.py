@@ -179,6 +179,12 @@ def _cast_cases():
                 lambda m, s, d=dtype, data=data, t=t: m.cast_transpose(
                     s["x"], s["scale"], s["hist"][0, 1:2], d, pad_rows_to=16, write_data=data,
                     write_transpose=t)))
+    cases.append(Case(  # one column: the twin's data_t is a view of data (the op clones it)
+        "cast_transpose delayed one column",
+        lambda r: {"x": _x(r, 20, 1), "scale": r(1).abs() + 1.0, "amax": _amax(r)},
+        lambda s: fcast._impl(s["x"]), ops.cast,
+        lambda m, s: m.cast_transpose(s["x"], s["scale"], s["amax"], E4M3, pad_rows_to=16,
+                                      write_transpose=True)))
     cases.append(Case(  # a cached weight: no amax recorded
         "cast_transpose delayed no amax",
         lambda r: {"x": _x(r, 16, 32, torch.float32), "scale": r(1).abs() + 1.0},

@@ -32,6 +32,7 @@ op too (not the ref function traced directly), so a compiled step runs the same 
 as eager on CUDA.
 
 Not supported under compile: the CUDA-graph extras of cast_transpose (`skip=`, `out=`): a clear
-error names them. Imports only go down: ops imports _device, _env, ref and (lazily, on first
+error names them. Not covered yet: the MoE, grouped-GEMM, block-scaling, flash-attention and
+optimizer kernels (their call sites still launch Triton directly). Imports only go down: ops imports _device, _env, ref and (lazily, on first
 use) kernels; fp8/ and functional/ import ops.
 """

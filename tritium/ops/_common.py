@@ -7,9 +7,9 @@ from typing import Optional
 import torch
 
 
-def placeholder(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The 0-element tensor an op returns where its Python twin returns None."""
-    return torch.empty(0, dtype=dtype, device=like.device)
+def filled(t: Optional[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t, or where the Python twin returned None, the 0-element tensor the op returns."""
+    return t if t is not None else torch.empty(0, dtype=dtype, device=like.device)
 
 
 def or_none(t: torch.Tensor, written: bool) -> Optional[torch.Tensor]:
@@ -18,15 +18,12 @@ def or_none(t: torch.Tensor, written: bool) -> Optional[torch.Tensor]:
 
 
 def fresh(outs, ins) -> tuple:
-    """outs (tensors; None becomes a 0-element fp32 placeholder) made contiguous, and cloned
-    where one shares memory with an input or an earlier output (e.g. ref's
-    `y.t().contiguous()` of a one-column y is y itself)."""
+    """outs (tensors) made contiguous, and cloned where one shares memory with an input or an
+    earlier output (e.g. ref's `y.t().contiguous()` of a one-column y is y itself)."""
     seen = {t.untyped_storage().data_ptr() for t in ins
             if isinstance(t, torch.Tensor) and t.numel()}
     res = []
     for t in outs:
-        if t is None:
-            t = torch.empty(0, dtype=torch.float32, device=ins[0].device)
         t = t.contiguous()
         if t.numel():
             if t.untyped_storage().data_ptr() in seen:

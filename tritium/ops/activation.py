@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import activation as ref_activation
-from ._common import fresh, or_none, placeholder
+from ._common import filled, fresh, or_none
 
 
 def _impl(t: Tensor):
@@ -72,8 +72,7 @@ def _fake_cast(t, rows, width, fp8_dtype, write_data, write_transpose, pad_rows_
 
 
 def _cast_outs(like, data, data_t, fp8_dtype):
-    return (data if data is not None else placeholder(like, fp8_dtype),
-            data_t if data_t is not None else placeholder(like, fp8_dtype))
+    return filled(data, like, fp8_dtype), filled(data_t, like, fp8_dtype)
 
 
 @torch.library.custom_op("tritium::activation_fwd_fp8", mutates_args=("amax",))
@@ -99,7 +98,7 @@ def _bwd_fp8(dy: Tensor, x: Tensor, kind: str, scale: Tensor, amax: Optional[Ten
     dx, data, data_t, scale_inv = _impl_fp8(x).activation_bwd_fp8(
         dy, x, kind, scale, amax, fp8_dtype, write_data=write_data,
         write_transpose=write_transpose, write_hp=write_hp, pad_rows_to=pad_rows_to)
-    return fresh((dx if dx is not None else placeholder(x, x.dtype),
+    return fresh((filled(dx, x, x.dtype),
                   *_cast_outs(x, data, data_t, fp8_dtype), scale_inv), (dy, x, scale, amax))
 
 

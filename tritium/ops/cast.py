@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import cast as ref_cast
-from ._common import or_none, placeholder, fresh
+from ._common import filled, fresh, or_none
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,10 +45,9 @@ def _fake_cast(x, fp8_dtype, pad_rows_to, write_data, write_transpose):
             x.new_empty((1,), dtype=torch.float32))
 
 
-def _fill(x, fp8_dtype, res, ins):
+def _filled(x, fp8_dtype, res) -> tuple:
     data, data_t, scale_inv = res
-    return fresh((data if data is not None else placeholder(x, fp8_dtype),
-                      data_t if data_t is not None else placeholder(x, fp8_dtype), scale_inv), ins)
+    return filled(data, x, fp8_dtype), filled(data_t, x, fp8_dtype), scale_inv
 
 
 # ------------------------------------------------------------------------------ single cast
@@ -58,7 +57,7 @@ def _cast_transpose(x: Tensor, scale: Tensor, amax: Optional[Tensor], fp8_dtype:
                     ) -> tuple[Tensor, Tensor, Tensor]:
     res = _impl(x).cast_transpose(x, scale, amax, fp8_dtype, pad_rows_to=pad_rows_to,
                                   write_data=write_data, write_transpose=write_transpose)
-    return _fill(x, fp8_dtype, res, (x, scale, amax))
+    return fresh(_filled(x, fp8_dtype, res), (x, scale, amax))
 
 
 @_cast_transpose.register_fake
@@ -73,7 +72,7 @@ def _cast_transpose_current(x: Tensor, amax: Tensor, fp8_dtype: torch.dtype, pad
     res = _impl(x).cast_transpose(x, None, amax, fp8_dtype, pad_rows_to=pad_rows_to,
                                   write_data=write_data, write_transpose=write_transpose,
                                   current=(amax_epsilon, power_2_scale))
-    return _fill(x, fp8_dtype, res, (x, amax))
+    return fresh(_filled(x, fp8_dtype, res), (x, amax))
 
 
 @_cast_transpose_current.register_fake
@@ -114,7 +113,7 @@ def _cast_pair(a: Tensor, a_scale: Tensor, a_amax: Optional[Tensor], a_pad: int,
     ra, rb = _impl(a).cast_transpose_pair((a, a_scale, a_amax, a_pad, a_data, a_t),
                                           (b, b_scale, b_amax, b_pad, b_data, b_t), fp8_dtype)
     ins = (a, a_scale, a_amax, b, b_scale, b_amax)
-    return fresh((*_fill(a, fp8_dtype, ra, ()), *_fill(b, fp8_dtype, rb, ())), ins)
+    return fresh((*_filled(a, fp8_dtype, ra), *_filled(b, fp8_dtype, rb)), ins)
 
 
 @_cast_pair.register_fake
@@ -132,7 +131,7 @@ def _cast_pair_current(a: Tensor, a_amax: Tensor, a_pad: int, a_data: bool, a_t:
                                           (b, None, b_amax, b_pad, b_data, b_t), fp8_dtype,
                                           (amax_epsilon, power_2_scale))
     ins = (a, a_amax, b, b_amax)
-    return fresh((*_fill(a, fp8_dtype, ra, ()), *_fill(b, fp8_dtype, rb, ())), ins)
+    return fresh((*_filled(a, fp8_dtype, ra), *_filled(b, fp8_dtype, rb)), ins)
 
 
 @_cast_pair_current.register_fake

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import norm as ref_norm
-from ._common import fresh, or_none, placeholder
+from ._common import filled, fresh, or_none
 
 MAX_HIDDEN = 65536  # == tritium.kernels.norm.MAX_HIDDEN (not imported: it would import triton)
 
@@ -57,7 +57,7 @@ def _ln_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
             zero_centered_gamma: bool, need_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _impl(dy).layernorm_bwd(dy, x, weight, mean, rstd, zero_centered_gamma,
                                          need_bias_grad=need_bias_grad)
-    return fresh((dx, dw, db if db is not None else placeholder(x, weight.dtype)),
+    return fresh((dx, dw, filled(db, x, weight.dtype)),
                  (dy, x, weight, mean, rstd))
 
 
@@ -115,8 +115,7 @@ def rmsnorm_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor, zero_center
 
 # ------------------------------------------------------------------------------ norm + FP8 cast
 def _fp8_outs(x, y, data, data_t, fp8_dtype):
-    return (y if y is not None else placeholder(x, x.dtype), data,
-            data_t if data_t is not None else placeholder(x, fp8_dtype))
+    return filled(y, x, x.dtype), data, filled(data_t, x, fp8_dtype)
 
 
 def _fake_fp8(x, fp8_dtype, write_transpose, write_hp, pad_rows_to):
