@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from .. import _device
+from ..ops import cast as ops_cast
 from ..ref import cast as ref_cast
 
 
@@ -25,6 +26,8 @@ def _kernels():
 
 
 def _impl(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_cast
     return _kernels() if _device.use_triton(t) else ref_cast
 
 

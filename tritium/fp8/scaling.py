@@ -18,6 +18,7 @@ import torch
 
 from .. import _device, _env
 from ..distributed.amax import reduce_amax_rows
+from ..ops import scaling as ops_scaling
 from ..ref import scaling as ref_scaling
 from .formats import fp8_max
 from .recipe import DelayedScaling, Recipe, recipe_from_dict
@@ -90,10 +91,14 @@ class ScalingState:
 
     def update(self) -> None:
         """The delayed-scaling rule, in place (see tritium.ref.scaling)."""
+        if torch.compiler.is_compiling():  # the custom op: no cached launch closure in a graph
+            if self.recipe.uses_callables:
+                return self._update_with_callables()
+            return ops_scaling.delayed_scaling_update(
+                self.amax_history, self.scale, fp8_max(self.fp8_dtype), self.recipe.margin,
+                self.recipe.amax_compute_algo)
         # The update is prepared once per recipe, history and FORCE_REF setting: it runs for
         # every state twice a step, and choosing the implementation each time is host time.
-        if torch.compiler.is_compiling():  # traced: no cached closure (a Python side effect)
-            return self._prepare_update()()
         key = (self.recipe, _env.force_ref())
         if self._update_for != key:
             self._update_fn, self._update_for = self._prepare_update(), key

@@ -26,6 +26,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device
+from ..ops import activation as ops_activation
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
 from .fused_cast import CastSpec, GradCastSpec, wrap_fp8
@@ -34,6 +35,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _impl(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_activation
     if _device.use_triton(t):
         from ..kernels import activation as kernel_activation
         return kernel_activation
@@ -41,6 +44,8 @@ def _impl(t: torch.Tensor):
 
 
 def _impl_fp8(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_activation
     if _device.use_triton(t):
         from ..kernels import act_cast as kernel_act_cast
         return kernel_act_cast

@@ -32,12 +32,15 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .. import _device
+from ..ops import cross_entropy as ops_ce
 from ..ref import cross_entropy as ref_ce
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _impl(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_ce
     if _device.use_triton(t):
         from ..kernels import cross_entropy as kernel_ce
         return kernel_ce

@@ -25,13 +25,16 @@ from typing import Optional
 import torch
 
 from .. import _device
+from ..ops import norm as ops_norm
 from ..ref import norm as ref_norm
 from .fused_cast import CastSpec, wrap_fp8
 
-_MAX_HIDDEN = 65536  # == tritium.kernels.norm.MAX_HIDDEN (not imported: it would import triton)
+_MAX_HIDDEN = ops_norm.MAX_HIDDEN
 
 
 def _impl(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_norm
     if t.shape[-1] <= _MAX_HIDDEN and _device.use_triton(t):
         from ..kernels import norm as kernel_norm
         return kernel_norm
@@ -39,6 +42,8 @@ def _impl(t: torch.Tensor):
 
 
 def _impl_fp8(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_norm
     if t.shape[-1] <= _MAX_HIDDEN and _device.use_triton(t):
         from ..kernels import norm_cast as kernel_norm_cast
         return kernel_norm_cast

@@ -38,6 +38,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device
+from ..ops import rope as ops_rope
 from ..ref import rope as ref_rope
 
 FORMATS = ("sbhd", "bshd", "thd")
@@ -45,6 +46,8 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _impl(t: torch.Tensor):
+    if torch.compiler.is_compiling():
+        return ops_rope
     if _device.use_triton(t):
         from ..kernels import rope as kernel_rope
         return kernel_rope

@@ -1,0 +1,116 @@
+"""The FP8 GEMM's device choice, and the custom ops behind `tritium.functional.gemm.fp8_gemm_tn`.
+
+Which GEMM runs where FP8 tensor cores are (TRITIUM_FP8_GEMM, default "auto"): fast accumulation
+(the forward GEMM) runs the Triton kernel `tritium.kernels.gemm`, as fast as cuBLASLt on Hopper
+and lighter on the host of an eager step; precise accumulation (dgrad, wgrad) runs cuBLASLt
+through `torch._scaled_mm`, ~20% faster there than Triton's split accumulation (measurements:
+docs/performance.md). Layouts TMA cannot take go to cuBLASLt. `tensor_core_gemm` is that choice;
+eager `fp8_gemm_tn` calls it directly, the ops call it (or the emulated GEMM of
+`tritium.ref.gemm` where there are no FP8 tensor cores) under torch.compile.
+
+Ops (tritium::...): fp8_gemm_tn (a new [M, N] result, nothing written in place) and
+fp8_gemm_tn_out (writes `out`, e.g. a row block of a larger result; no bias, as eager). The
+operand rules are checked by the caller (`functional.gemm.check_fp8_gemm_operands`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _device, _env
+from ..ref import gemm as ref_gemm
+from ._common import fresh
+
+# _scaled_mm fuses a bias only for 16-bit outputs of the bias's own dtype.
+_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+
+
+def _tma_ok(t: Optional[Tensor]) -> bool:
+    """A layout TMA takes: last dim contiguous, base and row stride 16-byte aligned."""
+    return t is None or (t.stride(-1) == 1 and not t.data_ptr() & 15
+                         and not (t.stride(0) * t.element_size()) & 15)
+
+
+def _use_triton_gemm(a, b, out, fast_accum: bool) -> bool:
+    """"auto": the Triton kernel for fast accumulation (fprop), cuBLASLt for precise (dgrad,
+    wgrad). Layouts TMA cannot take go to cuBLASLt."""
+    if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
+        return False
+    choice = _env.fp8_gemm()
+    if not (fast_accum if choice == "auto" else choice == "triton"):
+        return False
+    return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    """tritium.kernels.gemm, imported on first use (it imports triton)."""
+    from ..kernels import gemm as kernel_gemm
+    return kernel_gemm
+
+
+def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
+                     out_dtype: torch.dtype, bias: Optional[Tensor], fast_accum: bool,
+                     out: Optional[Tensor]) -> Tensor:
+    """The FP8 GEMM on FP8 tensor cores: the Triton kernel or cuBLASLt (module docstring)."""
+    if _use_triton_gemm(a, b, out, fast_accum):
+        return _kernels().fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                                       fast_accum, out)
+    fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
+    if out is None:
+        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                               bias=bias if fuse_bias else None, out_dtype=out_dtype,
+                               use_fast_accum=fast_accum)
+    else:
+        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                               out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
+    if bias is not None and not fuse_bias:
+        res = res + bias.to(out_dtype)
+    return res
+
+
+def _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out):
+    if not _device.fp8_tensor_cores(a):
+        return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
+                                    out)
+    return tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
+
+
+@torch.library.custom_op("tritium::fp8_gemm_tn", mutates_args=())
+def _op(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
+        bias: Optional[Tensor], fast_accum: bool) -> Tensor:
+    res = _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, None)
+    return fresh((res,), (a, b, a_scale_inv, b_scale_inv, bias))[0]
+
+
+@_op.register_fake
+def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
+
+
+@torch.library.custom_op("tritium::fp8_gemm_tn_out", mutates_args=("out",))
+def _op_out(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out: Tensor,
+            fast_accum: bool) -> None:
+    _gemm(a, b, a_scale_inv, b_scale_inv, out.dtype, None, fast_accum, out)
+
+
+@_op_out.register_fake
+def _(a, b, a_scale_inv, b_scale_inv, out, fast_accum):
+    return None
+
+
+def fp8_gemm_tn(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
+                out_dtype: torch.dtype, bias: Optional[Tensor] = None, fast_accum: bool = False,
+                out: Optional[Tensor] = None) -> Tensor:
+    """`tritium.ref.gemm.fp8_gemm_tn`'s signature, through the ops."""
+    if out is None:
+        return torch.ops.tritium.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                                             fast_accum)
+    torch.ops.tritium.fp8_gemm_tn_out(a, b, a_scale_inv, b_scale_inv, out, fast_accum)
+    return out
+
+
+__all__ = ["fp8_gemm_tn", "tensor_core_gemm"]
