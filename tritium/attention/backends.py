@@ -73,7 +73,7 @@ class AttnArgs:
 class DeviceFacts(NamedTuple):
     """What the checks need from a device and this torch build (constant for a process)."""
     cc: Optional[tuple]         # CUDA compute capability, None off CUDA
-    cudnn: bool                 # cuDNN available
+    cudnn: bool                 # cuDNN available in this torch build
     cudnn_version: int
     flash: bool                 # aten._flash_attention_forward exists
     flash_window: bool          # ... and takes window_size_left/right
@@ -88,12 +88,12 @@ def device_facts(device: torch.device) -> DeviceFacts:
     """`DeviceFacts` of a device, computed once (Dynamo runs this eagerly, as a constant)."""
     hit = _FACTS.get(device)
     if hit is None:
-        cuda = device.type == "cuda"
         aten = torch.ops.aten
+        cudnn = torch.backends.cudnn.is_available()
         hit = _FACTS[device] = DeviceFacts(
-            cc=tuple(torch.cuda.get_device_capability(device)) if cuda else None,
-            cudnn=cuda and torch.backends.cudnn.is_available(),
-            cudnn_version=(torch.backends.cudnn.version() or 0) if cuda else 0,
+            cc=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
+                else None),
+            cudnn=cudnn, cudnn_version=(torch.backends.cudnn.version() or 0) if cudnn else 0,
             flash=hasattr(aten, "_flash_attention_forward"), flash_window=_flash_has_window(),
             efficient=hasattr(aten, "_scaled_dot_product_efficient_attention"))
     return hit
