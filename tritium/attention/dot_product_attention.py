@@ -98,7 +98,7 @@ def _arbitrary(mask, batch, heads, sq, sk, where):
               f"masked out) broadcastable to [b, h, s_q, s_kv] = [{batch}, {heads}, {sq}, {sk}]",
               TypeError)
     want = (batch, heads, sq, sk)
-    if mask.dim() != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want)):
+    if mask.dim() != 4 or any(m != 1 and m != w for m, w in zip(mask.shape, want)):
         _fail(where, f"attention_mask has shape {tuple(mask.shape)}; an arbitrary mask must "
               f"broadcast to [b, h, s_q, s_kv] = {list(want)}")
     return mask
