@@ -29,6 +29,8 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import tritium as te
 import tritium.attention as A
 from tritium.attention import RotaryPositionEmbedding
+from tritium.attention import backends as B
+from tritium.attention.dot_product_attention import prepare
 
 from testlib import FP32_TOL
 
@@ -266,6 +268,71 @@ def test_explain_gives_the_choice_of_a_compiled_call(randn):
     ex = A.explain(q, k, v, qkv_format="bshd", attn_mask_type="causal")
     assert ex.backend == "torch", str(ex)
     assert "needs CUDA tensors" in ex.reasons["flash"] and "needs CUDA" in ex.reasons["cudnn"]
+
+
+@pytest.fixture
+def sm90_facts(monkeypatch):
+    """The CUDA backends' rules on CPU tensors: device checks pass, the device facts are a
+    Hopper's (sm90, cuDNN 9.10), as in test_attention_api.py (kernels are not run)."""
+    monkeypatch.setattr(B, "_cuda_reason", lambda q, name, dtypes, min_cc=(8, 0):
+                        None if q.dtype in dtypes else f"{name}: dtype")
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(B._FACTS, cpu, B.device_facts(cpu)._replace(
+        cc=(9, 0), cudnn=True, cudnn_version=91000, flash=True, flash_window=True))
+    monkeypatch.setattr(B, "_CACHE", {})   # choices made here must not outlive the test
+
+
+CHOICES = [  # (attn_mask_type, dropout, window, s_kv, deterministic, backend)
+    ("causal", 0.0, None, 8, False, "cudnn"),
+    ("causal", 0.0, None, 6, False, "efficient"),         # top-left causal, s_q != s_kv
+    ("no_mask", 0.1, None, 8, False, "flash"),            # cuDNN: dropout not k/16
+    ("no_mask", 0.125, None, 8, False, "cudnn"),
+    ("causal", 0.0, (4, 0), 8, False, "flash"),           # cuDNN: no window
+    ("causal", 0.0, (4, 0), 6, False, "efficient"),
+    ("no_mask", 0.0, None, 8, True, "flash")]             # cuDNN: not deterministic
+
+
+@pytest.mark.parametrize("case", CHOICES, ids=lambda c: f"{c[0]}-p{c[1]}-w{c[2]}-kv{c[3]}-det{c[4]}")
+def test_traced_choice_of_cuda_backends_is_the_eager_one(sm90_facts, case, randn):
+    """The checks of cudnn / flash / efficient (compute capability, cuDNN version, dropout,
+    windows, lengths, deterministic mode) trace without a graph break and choose what eager
+    explain() chooses."""
+    mask, dropout, window, sk, deterministic, backend = case
+
+    def choose(q, k, v):
+        qc, kc, vc, args = prepare(q, k, v, qkv_format="bshd", attn_mask_type=mask,
+                                   dropout_p=dropout, window_size=window)
+        return q + 1.0, B.choose_cached(qc, kc, vc, args).name
+
+    q = randn(2, 8, HEADS, 64, dtype=torch.bfloat16)
+    k, v = randn(2, sk, GROUPS, 64, dtype=torch.bfloat16), randn(2, sk, GROUPS, 64,
+                                                                  dtype=torch.bfloat16)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        want = A.explain(q, k, v, qkv_format="bshd", attn_mask_type=mask, dropout_p=dropout,
+                         window_size=window).backend
+        count, why = _breaks(choose, q, k, v)
+        assert count == 0, why
+        torch._dynamo.reset()
+        assert torch.compile(choose, fullgraph=True, backend="eager")(q, k, v)[1] == want
+        assert choose(q, k, v)[1] == want    # the eager cache too (keyed on deterministic)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert want == backend
+
+
+def test_cached_eager_choice_follows_deterministic_mode(sm90_facts, randn):
+    q, k, v = (randn(2, 8, HEADS, 64, dtype=torch.bfloat16) for _ in range(3))
+    qc, kc, vc, args = prepare(q, k, v, qkv_format="bshd", attn_mask_type="causal")
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(False)
+        assert B.choose_cached(qc, kc, vc, args).name == "cudnn"
+        torch.use_deterministic_algorithms(True)
+        assert B.choose_cached(qc, kc, vc, args).name == "flash"
+    finally:
+        torch.use_deterministic_algorithms(before)
 
 
 def test_impossible_forced_backend_raises_when_compiled(randn):

@@ -543,7 +543,8 @@ def choose_cached(q, k, v, a: AttnArgs, backend: str = "auto"):
     choice at DEBUG level), compiled ones make it at trace time (see the module note)."""
     if torch.compiler.is_compiling():
         return choose(q, k, v, a, backend)[0]
-    key = (backend, q.device, q.dtype, q.requires_grad, a.key())
+    key = (backend, q.device, q.dtype, q.requires_grad, a.key(),
+           torch.are_deterministic_algorithms_enabled())  # cudnn's check reads it
     hit = _CACHE.get(key)
     if hit is None:
         hit = choose(q, k, v, a, backend)
