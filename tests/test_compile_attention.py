@@ -87,6 +87,22 @@ def test_dot_product_attention_has_no_graph_break(fmt, mask, groups, randn):
     assert count == 0, why
 
 
+@pytest.mark.parametrize("mask,window,dtype", [
+    ("causal_bottom_right", None, torch.float32), ("causal", (3, 0), torch.float32),
+    ("arbitrary", None, torch.float32), ("causal", None, torch.bfloat16),
+    ("no_mask", None, torch.float16)])
+def test_other_masks_and_dtypes_have_no_graph_break(mask, window, dtype, randn):
+    """s_q 6 != s_kv 9: bottom-right diagonal, a sliding window, an arbitrary mask tensor;
+    16-bit inputs."""
+    q = randn(BATCH, 6, HEADS, D, dtype=dtype)
+    k, v = randn(BATCH, 9, GROUPS, D, dtype=dtype), randn(BATCH, 9, GROUPS, D, dtype=dtype)
+    kwargs = {"attention_mask": torch.rand(BATCH, 1, 6, 9) > 0.5} if mask == "arbitrary" else {}
+    dpa = A.DotProductAttention(HEADS, D, num_gqa_groups=GROUPS, qkv_format="bshd",
+                                attn_mask_type=mask, window_size=window)
+    count, why = _breaks(dpa, q, k, v, **kwargs)
+    assert count == 0, why
+
+
 @pytest.mark.parametrize("max_seqlen", [7, None], ids=["max_seqlen", "no_max_seqlen"])
 @pytest.mark.parametrize("mask", ["padding_causal", "padding"])
 def test_thd_has_no_graph_break(mask, max_seqlen, randn):
@@ -145,6 +161,17 @@ def test_multihead_attention_has_no_graph_break(case, randn):
     mha = _mha(fmt, mask, groups, ln, fuse)
     x, kwargs = _mha_call(fmt, mask, rope, randn)
     count, why = _breaks(mha, x, **kwargs)
+    assert count == 0, why
+
+
+def test_bf16_multihead_attention_with_a_rope_pair_has_no_graph_break(randn):
+    torch.manual_seed(5)
+    mha = te.MultiheadAttention(HIDDEN, HEADS, num_gqa_groups=GROUPS, device="cpu",
+                                params_dtype=torch.bfloat16, input_layernorm=True,
+                                attention_dropout=0.0)
+    freqs = RotaryPositionEmbedding(D)(S)
+    count, why = _breaks(mha, randn(S, BATCH, HIDDEN, dtype=torch.bfloat16),
+                         rotary_pos_emb=(freqs, freqs))
     assert count == 0, why
 
 

@@ -22,6 +22,9 @@ Context parallelism: with a cp_group of more than one rank, forward runs
 `attention.cp.context_parallel_attention` (the ring or all_gather strategy; inputs are the local
 load-balanced part of the sequence); attributes cp_mode / cp_fp32_accumulation pick precision.
 Not supported (clear errors): core attention bias / ALiBi, inference KV caches, FP8 attention.
+torch.compile: every format and mask traces without a graph break (backends.py says how the
+choice does); thd without max_seqlen_q/kv bounds them by the token count when compiling (the
+eager path reads cu_seqlens on the host). CP is one graph break (cp/__init__.py).
 """
 from __future__ import annotations
 
