@@ -286,6 +286,24 @@ def test_changing_lengths_compile_once_more_then_stay(randn):
         assert counter.frame_count == min(step + 1, 2), f"b={b} s={s}: {counter.frame_count}"
 
 
+@pytest.mark.parametrize("fmt", ["thd", "sbhd"])
+@pytest.mark.parametrize("cp_size,cp_rank", [(1, 0), (2, 1)])
+def test_compiled_rope_positions_equal_eager(fmt, cp_size, cp_rank, randn):
+    """RoPE's positions built in the graph (thd: from cu_seqlens on the device; context-parallel
+    load-balanced positions too) == the eager host-side ones, bit for bit."""
+    from tritium.attention import apply_rotary_pos_emb
+    cu = torch.tensor([0, 8, 12, 24], dtype=torch.int32)       # lengths divisible by 2 * cp
+    t = randn(24 // cp_size, HEADS, D) if fmt == "thd" else randn(S, BATCH, HEADS, D)
+    freqs = RotaryPositionEmbedding(D)(32)
+    kwargs = dict(tensor_format=fmt, cp_size=cp_size, cp_rank=cp_rank,
+                  cu_seqlens=cu if fmt == "thd" else None)
+
+    def rope(x):
+        return apply_rotary_pos_emb(x, freqs, **kwargs)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(rope, fullgraph=True, backend="aot_eager")(t), rope(t))
+
+
 # ------------------------------------------------------------------------ explain and errors
 def test_explain_gives_the_choice_of_a_compiled_call(randn):
     (q, k, v), _ = _dpa_inputs("bshd", "causal", GROUPS, randn)
@@ -319,7 +337,8 @@ CHOICES = [  # (attn_mask_type, dropout, window, s_kv, deterministic, backend)
     ("no_mask", 0.0, None, 8, True, "flash")]             # cuDNN: not deterministic
 
 
-@pytest.mark.parametrize("case", CHOICES, ids=lambda c: f"{c[0]}-p{c[1]}-w{c[2]}-kv{c[3]}-det{c[4]}")
+@pytest.mark.parametrize("case", CHOICES,
+                         ids=lambda c: f"{c[0]}-p{c[1]}-w{c[2]}-kv{c[3]}-det{c[4]}")
 def test_traced_choice_of_cuda_backends_is_the_eager_one(sm90_facts, case, randn):
     """The checks of cudnn / flash / efficient (compute capability, cuDNN version, dropout,
     windows, lengths, deterministic mode) trace without a graph break and choose what eager
@@ -381,8 +400,8 @@ def test_flash_attention_ops_opcheck(causal, randn):
     k, v = randn(1, 9, 2, 16, requires_grad=True), randn(1, 9, 2, 16, requires_grad=True)
     torch.library.opcheck(torch.ops.tritium.flash_attn_fwd.default, (q, k, v, causal, 0.25, True))
     out, lse = torch.ops.tritium.flash_attn_fwd(q, k, v, causal, 0.25)
-    args = (randn(*out.shape), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), causal,
-            0.25, True)
+    args = (randn(*out.shape), q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(),
+            causal, 0.25, True)
     torch.library.opcheck(torch.ops.tritium.flash_attn_bwd.default, args)
 
 

@@ -28,10 +28,11 @@ training step pays a dict lookup, not the checks.
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
 (the choice is made once, at trace time, and guarded like any other Python branch); what they
 need from the device and the torch build (compute capability, cuDNN version, which ATen ops
-exist; the cuDNN GQA probe) comes from `device_facts` (`cudnn_native_gqa`), which Dynamo runs eagerly and treats as a
-constant (`torch.compiler.assume_constant_result`). Under compile the per-signature cache and
-the debug log are skipped (a dict write and a logger call inside a traced region are graph
-breaks); `explain()` gives the same choice and reasons outside the compiled region.
+exist; the cuDNN GQA probe) comes from `device_facts` and `cudnn_native_gqa`, which Dynamo runs
+eagerly and treats as constants (`torch.compiler.assume_constant_result`). Under compile the
+per-signature cache and the debug log are skipped (a dict write and a logger call inside a
+traced region are graph breaks); `explain()` gives the same choice and reasons outside the
+compiled region.
 """
 from __future__ import annotations
 

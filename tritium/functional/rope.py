@@ -25,11 +25,11 @@ cu_seqlens / start_positions on the host once per call (a sync, as TE's unfused 
 check that freqs is long enough.
 
 torch.compile: everything here traces without a graph break for sbhd / bshd / thd without
-start_positions. Under compile the positions of dense formats are built in the graph (no
-lru_cache), the cos/sin tables are not reused across calls (no Python-side cache), and thd
-positions come from cu_seqlens on the device (`_thd_positions_traced`, no host read); the
-freqs-length check of thd, which needs that read, is then skipped (a too-short freqs fails in
-the gather instead).
+start_positions. Under compile the positions of dense formats are built in the graph on the
+device (no lru_cache, no host-to-device copy), the cos/sin tables are not reused across calls
+(no Python-side cache), and thd positions come from cu_seqlens on the device
+(`_thd_positions_traced`, no host read); the freqs-length check of thd, which needs that
+read, is then skipped (a too-short freqs fails in the gather instead).
 
 Every argument after tensor_format is keyword-only: TE has reordered them between releases
 (start_positions, interleaved, fused), so a positional call is ambiguous.
@@ -126,9 +126,12 @@ def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
             raise ValueError(f"with cp_size={cp_size} the local sequence length must be even (two "
                              f"chunks per rank), got {s}")
         if start_positions is None:
-            dense = (_dense_positions.__wrapped__ if torch.compiler.is_compiling()
-                     else _dense_positions)
-            pos = dense(s, cp_size, cp_rank, dev).expand(s, b)
+            if torch.compiler.is_compiling():  # built in the graph, on the device
+                i = torch.arange(s, dtype=torch.int32, device=dev)
+                pos = _cp_positions(s, i, cp_size, cp_rank).to(torch.int32)[:, None]
+            else:
+                pos = _dense_positions(s, cp_size, cp_rank, dev)
+            pos = pos.expand(s, b)
             return t, (pos if s_dim == 0 else pos.t()), s * cp_size
         start = _check_start(start_positions, b, dev, "batch size")
         pos = (torch.arange(s, device=dev)[:, None] + start[None, :]).to(torch.int32)
