@@ -2,8 +2,13 @@
 
   * `torch._dynamo.explain` finds 0 graph breaks for every qkv_format (sbhd, bshd, thd with and
     without max_seqlen), the mask types a Llama / GPT uses (causal, no_mask, padding and
-    padding_causal with a mask tensor), MHA and GQA, RoPE, input_layernorm and fuse_qkv_params
-    both ways, checkpoint_core_attention.
+    padding_causal with a mask tensor; also bottom-right, windows, arbitrary), MHA and GQA,
+    fp32 / bf16 / fp16, RoPE (one table or a pair), input_layernorm and fuse_qkv_params both
+    ways, checkpoint_core_attention.
+  * The CUDA backends' rules (cuDNN / flash / efficient), traced on CPU tensors with a Hopper's
+    device facts, choose what eager explain() chooses (the kernels are not run; the gpu tier
+    tests/gpu/test_gpu_compile_attention.py runs them compiled).
+  * RoPE positions built in the graph (thd, context-parallel positions) == the eager ones.
   * `torch.compile(fullgraph=True, backend="aot_eager")` == eager over 3 SGD steps of fresh
     data: outputs, input grads and every parameter grad, bit for bit (fp32 parameters; the
     aot_eager graph runs the same ATen ops in the same order). Where the compiled call cannot
