@@ -57,7 +57,8 @@ def fake_cuda(monkeypatch):
     """CUDA device checks pass on CPU tensors; everything else is each backend's own rule."""
     monkeypatch.setattr(B, "_cuda_reason", lambda q, name, dtypes, min_cc=(8, 0):
                         None if q.dtype in dtypes else f"{name}: dtype")
-    monkeypatch.setattr(torch.backends.cudnn, "is_available", lambda: True)
+    facts = B.device_facts
+    monkeypatch.setattr(B, "device_facts", lambda device: facts(device)._replace(cudnn=True))
     monkeypatch.setattr(B, "_order", lambda q, fmt=None: (
         ("flash", "cudnn", "efficient", "torch") if fmt == "thd"
         else ("cudnn", "flash", "efficient", "torch")))

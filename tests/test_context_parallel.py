@@ -5,7 +5,8 @@ runs every case; rank 0 saves the unsharded CP results and the single-process re
 same full-sequence inputs, and the tests compare them here. Cases: both comm types, causal and
 no_mask, GQA, sbhd and bshd, fp32/bf16/fp16, exact and fast modes, the DotProductAttention module,
 MultiheadAttention with RoPE and TransformerLayer through set_context_parallel_group (parameter
-grads all-reduced over the group), and the error messages.
+grads all-reduced over the group), the error messages, and torch.compile of a CP
+MultiheadAttention (one graph break, compiled == eager).
 
 Tolerances:
   * fp32: TE's fp32 tolerance (only the summation order differs).
@@ -130,6 +131,35 @@ def _module_case(name, group, world, rank):
     return {"got": got + got_p, "want": want + want_p}
 
 
+def _compile_case(group, world, rank):
+    """MultiheadAttention (+RoPE) with context parallelism under torch.compile: graphs compiled,
+    graph-break reasons (Dynamo's counters), and compiled (aot_eager) vs eager input grad /
+    param grads on this rank's shard."""
+    import torch.distributed as dist
+    from torch._dynamo.testing import CompileCounterWithBackend
+    from torch._dynamo.utils import counters
+    import tritium as te
+    torch.manual_seed(_seed("compile", world))
+    s, hidden = 2 * world * C, H * D
+    mod = te.MultiheadAttention(hidden, H, num_gqa_groups=HK, input_layernorm=True,
+                                attention_dropout=0.0, device="cpu")
+    mod.set_context_parallel_group(group, dist.get_process_group_ranks(group), None, "p2p")
+    kw = {"rotary_pos_emb": A.RotaryPositionEmbedding(D)(s)}
+    x, dy = torch.randn(s // world, B, hidden), torch.randn(s // world, B, hidden)
+
+    def run(fn):
+        leaf = x.clone().requires_grad_(True)
+        mod.zero_grad()
+        fn(leaf, **kw).backward(dy)
+        return [leaf.grad] + [p.grad.clone() for p in mod.parameters()]
+    torch._dynamo.reset()
+    counters.clear()
+    counter = CompileCounterWithBackend("aot_eager")
+    got = run(torch.compile(mod, backend=counter))
+    return {"graphs": counter.frame_count, "reasons": list(counters["graph_break"]),
+            "got": got, "want": run(mod)}
+
+
 def _errors(group, world, rank):
     """(name, exception type name, message) for each misuse."""
     import torch.distributed as dist
@@ -188,6 +218,7 @@ def _worker(rank, world, port, out_dir, cases):
             for name in MODULES:
                 results["module-" + name] = _module_case(name, group, world, rank)
             results["errors"] = _errors(group, world, rank)
+            results["compile"] = _compile_case(group, world, rank)
         from tritium.attention.cp import accuracy
         rows = accuracy.measure(group, b=1, s=512, h=4, hk=2, d=32, causal=True,
                                 dtype=torch.bfloat16, seed=_seed("accuracy", world))
@@ -269,6 +300,17 @@ def test_modules_with_set_context_parallel_group(world2, name):
 def test_errors(world2, name, exc, fragment):
     got_exc, msg = world2["errors"][name]
     assert got_exc == exc and fragment in msg, (got_exc, msg)
+
+
+def test_compiled_context_parallel_has_one_graph_break(world2):
+    """torch.compile of a CP MultiheadAttention: exactly one graph break, at the
+    compiler.disable'd context_parallel_attention (the ring runs eagerly), two graphs around
+    it; compiled == eager bit for bit (input and parameter grads, rank 0's shard)."""
+    res = world2["compile"]
+    assert res["graphs"] == 2 and len(res["reasons"]) == 1, res["reasons"]
+    assert "disable" in res["reasons"][0], res["reasons"]
+    for i, (a, b) in enumerate(zip(res["got"], res["want"])):
+        assert torch.equal(a, b), f"tensor {i}: max diff {(a - b).abs().max()}"
 
 
 def _accuracy_rows(rows):

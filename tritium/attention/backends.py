@@ -24,13 +24,22 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
 the faster one) and takes the first whose check passes; each rejection reason is kept for
 `explain()` and for the error when nothing fits. The choice is cached per call signature, so a
 training step pays a dict lookup, not the checks.
+
+torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
+(the choice is made once, at trace time, and guarded like any other Python branch); what they
+need from the device and the torch build (compute capability, cuDNN version, which ATen ops
+exist; the cuDNN GQA probe) comes from `device_facts` and `cudnn_native_gqa`, which Dynamo runs
+eagerly and treats as constants (`torch.compiler.assume_constant_result`). Under compile the
+per-signature cache and the debug log are skipped (a dict write and a logger call inside a
+traced region are graph breaks); `explain()` gives the same choice and reasons outside the
+compiled region.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -62,13 +71,42 @@ class AttnArgs:
                 self.q_pad is not None, self.mask is not None, self.same_lengths)
 
 
+class DeviceFacts(NamedTuple):
+    """What the checks need from a device and this torch build (constant for a process)."""
+    cc: Optional[tuple]         # CUDA compute capability, None off CUDA
+    cudnn: bool                 # cuDNN available in this torch build
+    cudnn_version: int
+    flash: bool                 # aten._flash_attention_forward exists
+    flash_window: bool          # ... and takes window_size_left/right
+    efficient: bool             # aten._scaled_dot_product_efficient_attention exists
+
+
+_FACTS: dict = {}
+
+
+@torch.compiler.assume_constant_result
+def device_facts(device: torch.device) -> DeviceFacts:
+    """`DeviceFacts` of a device, computed once (Dynamo runs this eagerly, as a constant)."""
+    hit = _FACTS.get(device)
+    if hit is None:
+        aten = torch.ops.aten
+        cudnn = torch.backends.cudnn.is_available()
+        hit = _FACTS[device] = DeviceFacts(
+            cc=(tuple(torch.cuda.get_device_capability(device)) if device.type == "cuda"
+                else None),
+            cudnn=cudnn, cudnn_version=(torch.backends.cudnn.version() or 0) if cudnn else 0,
+            flash=hasattr(aten, "_flash_attention_forward"), flash_window=_flash_has_window(),
+            efficient=hasattr(aten, "_scaled_dot_product_efficient_attention"))
+    return hit
+
+
 def _cuda_reason(q: torch.Tensor, name: str, dtypes, min_cc=(8, 0)) -> Optional[str]:
     if q.device.type != "cuda":
         return f"{name}: needs CUDA tensors (inputs are on {q.device.type})"
     if q.dtype not in dtypes:
         kinds = "/".join(str(d).replace("torch.", "") for d in dtypes)
         return f"{name}: {str(q.dtype).replace('torch.', '')} input, needs {kinds}"
-    cc = torch.cuda.get_device_capability(q.device)
+    cc = device_facts(q.device).cc
     if cc < min_cc:
         return f"{name}: compute capability {cc[0]}.{cc[1]} < {min_cc[0]}.{min_cc[1]}"
     return None
@@ -157,9 +195,6 @@ def _flash_has_window() -> bool:
     return any(arg.name == "window_size_left" for arg in op.default._schema.arguments)
 
 
-_FLASH_VARLEN_LSE_PADDED = [False]   # older torch: varlen lse [b, h, max_s_q], newer [h, t]
-
-
 class FlashBackend(_Backend):
     name = "flash"
 
@@ -167,7 +202,8 @@ class FlashBackend(_Backend):
         reason = _cuda_reason(q, "flash", _HALF)
         if reason:
             return reason
-        if not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        facts = device_facts(q.device)
+        if not facts.flash:
             return "flash: this torch build has no aten._flash_attention_forward"
         if a.d_qk != a.d_v:
             return f"flash: head dims differ (d_qk {a.d_qk}, d_v {a.d_v})"
@@ -181,7 +217,7 @@ class FlashBackend(_Backend):
         if (a.causal or a.has_window) and not a.bottom_right and not a.same_lengths:
             return ("flash: top-left causal/window with s_q != s_kv (flash aligns the diagonal "
                     "bottom-right)")
-        if a.has_window and not _flash_has_window():
+        if a.has_window and not facts.flash_window:
             return "flash: this torch's flash op takes no window_size"
         return None
 
@@ -192,23 +228,24 @@ class FlashBackend(_Backend):
 
     def fwd(self, q, k, v, a):
         op = torch.ops.aten._flash_attention_forward
+        padded = False      # older torch: varlen lse [b, h, max_s_q], newer [h, t]
         if a.fmt == "thd":
             out, lse, rng, unused, _ = op(q, k, v, a.cu_q, a.cu_kv, a.sq, a.sk, a.dropout,
                                           a.causal, False, scale=a.scale, **self._window(a))
             if lse.dim() == 3:
-                _FLASH_VARLEN_LSE_PADDED[0] = True
+                padded = True
                 lse = M.pack(lse.transpose(1, 2), M.thd_index(a.cu_q, q.shape[0])).t()
         else:
             out, lse, rng, unused, _ = op(q, k, v, None, None, a.sq, a.sk, a.dropout, a.causal,
                                           False, scale=a.scale, **self._window(a))
         # rows with no visible key: flash writes +inf, the convention here is -inf
         lse = lse.masked_fill(lse == _INF, -_INF)
-        return out, lse, (rng, unused)
+        return out, lse, (rng, unused, padded)
 
     def bwd(self, dout, q, k, v, out, lse, aux, a):
-        rng, unused = aux
+        rng, unused, padded = aux
         lse = lse.masked_fill(lse == -_INF, _INF)
-        if a.fmt == "thd" and _FLASH_VARLEN_LSE_PADDED[0]:
+        if padded:
             lse = M.unpack(lse.t(), M.thd_index(a.cu_q, q.shape[0]), a.batch, a.sq)
             lse = lse.transpose(1, 2)
         lse = lse.contiguous()
@@ -234,6 +271,12 @@ def _sum_groups(dx: torch.Tensor, groups: int) -> torch.Tensor:
         return dx
     b, s, h, d = dx.shape
     return dx.view(b, s, h // groups, groups, d).sum(3)
+
+
+@torch.compiler.assume_constant_result
+def cudnn_native_gqa(device: torch.device) -> bool:
+    """`_cudnn_native_gqa` of a CUDA device (a constant for Dynamo, like `device_facts`)."""
+    return _cudnn_native_gqa(device.index)
 
 
 @functools.lru_cache(maxsize=None)
@@ -268,7 +311,8 @@ class CudnnBackend(_Backend):
         reason = _cuda_reason(q, "cudnn", _HALF)
         if reason:
             return reason
-        if not torch.backends.cudnn.is_available():
+        facts = device_facts(q.device)
+        if not facts.cudnn:
             return "cudnn: cuDNN is not available in this torch build"
         if a.mask is not None:
             return "cudnn: arbitrary mask tensors are not supported"
@@ -288,7 +332,7 @@ class CudnnBackend(_Backend):
         if a.dropout > 0:
             if a.dropout * 16 != math.floor(a.dropout * 16):
                 return f"cudnn: dropout {a.dropout} is not a multiple of 1/16"
-            ver = torch.backends.cudnn.version() or 0
+            ver = facts.cudnn_version
             if 91100 < ver < 91400:
                 return f"cudnn: cuDNN {ver} has no SDPA dropout (9.11-9.13)"
         if torch.are_deterministic_algorithms_enabled():
@@ -297,7 +341,7 @@ class CudnnBackend(_Backend):
 
     def _inputs(self, q, k, v, a):
         groups = a.heads // a.kv_heads
-        if groups > 1 and _cudnn_native_gqa(q.get_device()):
+        if groups > 1 and cudnn_native_gqa(q.device):
             groups = 1
         q, k, v = (_bshd_contiguous(x) for x in (q, k, v))
         return q, _repeat_kv(k, groups), _repeat_kv(v, groups), groups
@@ -376,7 +420,7 @@ class EfficientBackend(_Backend):
         reason = _cuda_reason(q, "efficient", _HALF + (torch.float32,))
         if reason:
             return reason
-        if not hasattr(torch.ops.aten, "_scaled_dot_product_efficient_attention"):
+        if not device_facts(q.device).efficient:
             return "efficient: this torch build has no mem-efficient attention op"
         align = 8 if q.dtype in _HALF else 4
         if a.d_qk % align or a.d_v % align:
@@ -450,8 +494,8 @@ ALIASES = {"math": "torch", "ref": "torch", "fused": "cudnn"}
 def _order(q: torch.Tensor, fmt: Optional[str] = None) -> tuple[str, ...]:
     """cuDNN first on sm90/sm100 (fastest there, BASELINE.md), except for thd, where flash has
     a native varlen kernel and cuDNN runs one call per sequence."""
-    if fmt != "thd" and q.device.type == "cuda" \
-            and torch.cuda.get_device_capability(q.device)[0] in (9, 10):
+    cc = device_facts(q.device).cc
+    if fmt != "thd" and cc is not None and cc[0] in (9, 10):
         return ("cudnn", "flash", "efficient", "torch")
     return ("flash", "cudnn", "efficient", "torch")
 
@@ -496,7 +540,12 @@ _CACHE: dict = {}
 
 
 def choose_cached(q, k, v, a: AttnArgs, backend: str = "auto"):
-    key = (backend, q.device, q.dtype, q.requires_grad, a.key())
+    """The chosen backend object; eager calls look it up by call signature (and log a new
+    choice at DEBUG level), compiled ones make it at trace time (see the module note)."""
+    if torch.compiler.is_compiling():
+        return choose(q, k, v, a, backend)[0]
+    key = (backend, q.device, q.dtype, q.requires_grad, a.key(),
+           torch.are_deterministic_algorithms_enabled())  # cudnn's check reads it
     hit = _CACHE.get(key)
     if hit is None:
         hit = choose(q, k, v, a, backend)
@@ -509,4 +558,5 @@ def choose_cached(q, k, v, a: AttnArgs, backend: str = "auto"):
     return hit[0]
 
 
-__all__ = ["AttnArgs", "BACKENDS", "choose", "choose_cached", "resolve_name"]
+__all__ = ["AttnArgs", "BACKENDS", "DeviceFacts", "choose", "choose_cached", "device_facts",
+           "resolve_name"]

@@ -22,6 +22,9 @@ Context parallelism: with a cp_group of more than one rank, forward runs
 `attention.cp.context_parallel_attention` (the ring or all_gather strategy; inputs are the local
 load-balanced part of the sequence); attributes cp_mode / cp_fp32_accumulation pick precision.
 Not supported (clear errors): core attention bias / ALiBi, inference KV caches, FP8 attention.
+torch.compile: every format and mask traces without a graph break (backends.py says how the
+choice does); thd without max_seqlen_q/kv bounds them by the token count when compiling (the
+eager path reads cu_seqlens on the host). CP is one graph break (cp/__init__.py).
 """
 from __future__ import annotations
 
@@ -82,13 +85,23 @@ def _cu(cu, name, batch, device, where):
     return cu if cu.is_contiguous() else cu.contiguous()
 
 
+def _max_seqlen(cu, given, tokens: int) -> int:
+    """max_seqlen_q/kv of a thd call: the given one, else read from cu_seqlens (a host sync);
+    under torch.compile, where that read is a graph break, the token count bounds it."""
+    if given is not None:
+        return int(given)
+    if torch.compiler.is_compiling():
+        return tokens
+    return int((cu[1:] - cu[:-1]).max())
+
+
 def _arbitrary(mask, batch, heads, sq, sk, where):
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         _fail(where, "attn_mask_type='arbitrary' needs attention_mask, a bool tensor (True = "
               f"masked out) broadcastable to [b, h, s_q, s_kv] = [{batch}, {heads}, {sq}, {sk}]",
               TypeError)
     want = (batch, heads, sq, sk)
-    if mask.dim() != 4 or any(m not in (1, w) for m, w in zip(mask.shape, want)):
+    if mask.dim() != 4 or any(m != 1 and m != w for m, w in zip(mask.shape, want)):
         _fail(where, f"attention_mask has shape {tuple(mask.shape)}; an arbitrary mask must "
               f"broadcast to [b, h, s_q, s_kv] = {list(want)}")
     return mask
@@ -131,12 +144,12 @@ def prepare(q, k, v, *, qkv_format="sbhd", attn_mask_type="causal", attention_ma
         batch = cu_q.numel() - 1
         cu_kv = cu_q if cu_seqlens_kv is cu_seqlens_q else _cu(cu_seqlens_kv, "cu_seqlens_kv",
                                                                 batch, q.device, where)
-        sq = int((cu_q[1:] - cu_q[:-1]).max()) if max_seqlen_q is None else int(max_seqlen_q)
+        sq = _max_seqlen(cu_q, max_seqlen_q, q.shape[0])
         sk = (sq if cu_kv is cu_q and max_seqlen_kv is None else
-              int((cu_kv[1:] - cu_kv[:-1]).max()) if max_seqlen_kv is None
-              else int(max_seqlen_kv))
+              _max_seqlen(cu_kv, max_seqlen_kv, k.shape[0]))
         same = cu_kv is cu_q
-        if (causal or left >= 0 or right >= 0) and not br and not same:
+        if (causal or left >= 0 or right >= 0) and not br and not same \
+                and not torch.compiler.is_compiling():
             same = bool(torch.equal(cu_q, cu_kv))
     else:
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]

@@ -91,7 +91,8 @@ def _pad_vector(mask, batch: int, s: int, what: str) -> torch.Tensor:
                         f"got {type(mask).__name__}")
     if mask.dtype != torch.bool:
         raise TypeError(f"{what} must have dtype torch.bool (True = masked out), got {mask.dtype}")
-    if tuple(mask.shape) not in ((batch, 1, 1, s), (batch, s)):
+    shape = tuple(mask.shape)  # `==`, not `in`: Dynamo mis-evaluates `in` on symbolic shapes
+    if shape != (batch, 1, 1, s) and shape != (batch, s):
         raise ValueError(f"{what} has shape {tuple(mask.shape)}; a padding mask is "
                          f"[b, 1, 1, s] = [{batch}, 1, 1, {s}]")
     return mask.reshape(batch, s)

@@ -24,6 +24,13 @@ contiguous tensor. No gradient flows to freqs (as in TE). thd and start_position
 cu_seqlens / start_positions on the host once per call (a sync, as TE's unfused path does) to
 check that freqs is long enough.
 
+torch.compile: everything here traces without a graph break for sbhd / bshd / thd without
+start_positions. Under compile the positions of dense formats are built in the graph on the
+device (no lru_cache, no host-to-device copy), the cos/sin tables are not reused across calls
+(no Python-side cache), and thd positions come from cu_seqlens on the device
+(`_thd_positions_traced`, no host read); the freqs-length check of thd, which needs that
+read, is then skipped (a too-short freqs fails in the gather instead).
+
 Every argument after tensor_format is keyword-only: TE has reordered them between releases
 (start_positions, interleaved, fused), so a positional call is ambiguous.
 """
@@ -113,7 +120,7 @@ def _check_freqs(freqs, t, d: int) -> torch.Tensor:
 
 
 def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
-    """(x4 view of t, int32 pos [N1, N2] on t's device, number of table rows used)."""
+    """(x4 view of t, int32 pos [N1, N2] on t's device, number of table rows used or None)."""
     dev = t.device
     if tensor_format != "thd":
         s_dim = 0 if tensor_format == "sbhd" else 1
@@ -122,7 +129,12 @@ def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
             raise ValueError(f"with cp_size={cp_size} the local sequence length must be even (two "
                              f"chunks per rank), got {s}")
         if start_positions is None:
-            pos = _dense_positions(s, cp_size, cp_rank, dev).expand(s, b)
+            if torch.compiler.is_compiling():  # built in the graph, on the device
+                i = torch.arange(s, dtype=torch.int32, device=dev)
+                pos = _cp_positions(s, i, cp_size, cp_rank).to(torch.int32)[:, None]
+            else:
+                pos = _dense_positions(s, cp_size, cp_rank, dev)
+            pos = pos.expand(s, b)
             return t, (pos if s_dim == 0 else pos.t()), s * cp_size
         start = _check_start(start_positions, b, dev, "batch size")
         pos = (torch.arange(s, device=dev)[:, None] + start[None, :]).to(torch.int32)
@@ -135,6 +147,9 @@ def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
             or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError("cu_seqlens must be a 1D integer tensor [n + 1] (cumulative sequence "
                          f"lengths, starting at 0), got {cu_seqlens!r:.80}")
+    if torch.compiler.is_compiling() and start_positions is None:
+        pos = _thd_positions_traced(cu_seqlens, t.shape[0], cp_size, cp_rank)
+        return t.unsqueeze(1), pos.to(dev), None  # None: every row of freqs
     cu = cu_seqlens.to("cpu", torch.int64)
     lengths = cu[1:] - cu[:-1]
     if cu[0] != 0 or (lengths < 0).any():
@@ -158,6 +173,16 @@ def _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank):
     return t.unsqueeze(1), pos.to(torch.int32).to(dev)[:, None], rows
 
 
+def _thd_positions_traced(cu_seqlens: torch.Tensor, total: int, cp_size: int, cp_rank: int):
+    """int32 [total, 1] positions of thd tokens, computed on cu_seqlens' device (no host read)."""
+    local = (cu_seqlens[1:] - cu_seqlens[:-1]).to(torch.int64) // cp_size
+    ends = torch.cumsum(local, 0)
+    i = torch.arange(total, device=cu_seqlens.device)
+    seq = torch.searchsorted(ends, i, right=True).clamp_(max=local.numel() - 1)
+    pos = _cp_positions(local[seq], i - (ends - local)[seq], cp_size, cp_rank)
+    return pos.to(torch.int32)[:, None]
+
+
 def _check_start(start_positions, n: int, dev, what: str) -> torch.Tensor:
     if not isinstance(start_positions, torch.Tensor) or start_positions.is_floating_point() \
             or tuple(start_positions.shape) != (n,):
@@ -174,7 +199,10 @@ _last_tables: list = [None]  # (weakref to freqs, its version, rows, cos, sin)
 
 def _tables(freqs: torch.Tensor, f2: torch.Tensor, rows: int):
     """fp32 cos and sin of freqs' first `rows` positions, contiguous [rows, rot_dim]. The last
-    result is kept for the same, unmodified freqs tensor (q and k of a layer share it)."""
+    result is kept for the same, unmodified freqs tensor (q and k of a layer share it), except
+    under torch.compile (a Python-side cache in a traced region is a graph break)."""
+    if torch.compiler.is_compiling():
+        return _cos_sin(f2, rows)
     try:
         version = freqs._version
     except RuntimeError:  # inference tensors have no version counter: no reuse
@@ -183,11 +211,15 @@ def _tables(freqs: torch.Tensor, f2: torch.Tensor, rows: int):
     if version is not None and hit is not None and hit[0]() is freqs and hit[1] == version \
             and hit[2] == rows:
         return hit[3], hit[4]
-    angles = f2[:rows].detach().float()
-    cos, sin = torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
+    cos, sin = _cos_sin(f2, rows)
     if version is not None:
         _last_tables[0] = (weakref.ref(freqs), version, rows, cos, sin)
     return cos, sin
+
+
+def _cos_sin(f2: torch.Tensor, rows: int):
+    angles = f2[:rows].detach().float()
+    return torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
 
 
 def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: str = "sbhd", *,
@@ -220,6 +252,8 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
         raise ValueError("start_positions (inference) cannot be combined with cp_size > 1")
     f2 = _check_freqs(freqs, t, t.shape[-1])
     x4, pos, rows = _positions(t, tensor_format, start_positions, cu_seqlens, cp_size, cp_rank)
+    if rows is None:    # thd under compile: the lengths were not read on the host
+        rows = f2.shape[0]
     if rows > f2.shape[0]:
         raise ValueError(f"freqs covers {f2.shape[0]} positions but this call needs {rows} "
                          f"(sequence length{' x cp_size' if cp_size > 1 else ''}"

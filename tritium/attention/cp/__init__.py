@@ -23,6 +23,11 @@ Supported: self-attention with equal local q/kv lengths, attn_mask_type no_mask 
 (causal_bottom_right is the same thing here), dropout (not bit-equal to a single-device run).
 Clear errors for: thd, padding / arbitrary masks, sliding windows, a local length that is odd
 (global length not divisible by 2*cp), cp_global_ranks that disagree with cp_group.
+
+torch.compile: `context_parallel_attention` is wrapped in `torch.compiler.disable`, so a compiled
+model with context parallelism has exactly one graph break per attention call, here, and the
+ring (host-side schedule, P2P sends and receives, per-block backend choice) runs eagerly as it
+does without compile. Everything around it (projections, RoPE, the MLP) still compiles.
 """
 from __future__ import annotations
 
@@ -97,6 +102,7 @@ def _use_kernel(q, k, v, dropout: float, backend: str) -> bool:
     return FA.supported(q, k, v)
 
 
+@torch.compiler.disable(reason="context-parallel attention runs eagerly (one graph break)")
 def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
                                cp_global_ranks: Optional[Sequence[int]] = None, *,
                                cp_comm_type: str = "p2p", qkv_format: str = "sbhd",

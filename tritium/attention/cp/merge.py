@@ -63,6 +63,18 @@ class Precision:
         return x
 
 
+def _flash_kernel():
+    """(fwd, bwd) of the Triton flash attention: the launchers, or under torch.compile the
+    `tritium::flash_attn_fwd/_bwd` custom ops (tritium/ops/attention.py, registered on this
+    first import). The CP entry point is compile-disabled today, so only code that traces a
+    Runner itself reaches the op branch."""
+    if torch.compiler.is_compiling():
+        from ...ops import attention as ops
+        return ops.flash_attn_fwd, ops.flash_attn_bwd
+    from ...kernels import flash_attention as FA
+    return FA.flash_attention_fwd, FA.flash_attention_bwd
+
+
 class Runner:
     """Runs blocks through the attention backends; keeps each block's backward state."""
 
@@ -82,8 +94,7 @@ class Runner:
         """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV."""
         qs, ks, vs = q[:, blk.q], k[:, blk.kv], v[:, blk.kv]
         if self.p.kernel:
-            from ...kernels.flash_attention import flash_attention_fwd
-            out, lse = flash_attention_fwd(qs, ks, vs, blk.causal, self.scale)
+            out, lse = _flash_kernel()[0](qs, ks, vs, blk.causal, self.scale)
             return out, lse, (_FLASH, None, None)
         args = self._args(qs, ks, vs, blk.causal)
         backend = self.fp32_backend if qs.dtype == torch.float32 else self.backend
@@ -97,9 +108,8 @@ class Runner:
         be, aux, args = state
         rows = blk.q
         if be == _FLASH:
-            from ...kernels.flash_attention import flash_attention_bwd
-            return flash_attention_bwd(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
-                                       out[:, rows], lse[:, :, rows], blk.causal, self.scale)
+            return _flash_kernel()[1](dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
+                                      out[:, rows], lse[:, :, rows], blk.causal, self.scale)
         return attention_backward(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
                                   out[:, rows], lse[:, :, rows], (be, aux), args)
 
