@@ -153,7 +153,9 @@ class Linear(FP8Module):
         self._check_input(inp, weight)
         if not self._fp8_dims_ok and is_fp8_enabled():  # before _fp8_plan registers the module
             self._check_fp8_dims()
-            self._fp8_dims_ok = True  # the sizes never change: checked once
+            # the sizes never change: checked once (in eager: a compiled graph would guard on
+            # the flag and compile again once it flips)
+            self._fp8_dims_ok = not torch.compiler.is_compiling()
         plan = self._fp8_plan(inp.device, is_first_microbatch)
         main_grad = ()
         if self.fuse_wgrad_accumulation and torch.is_grad_enabled():
