@@ -56,7 +56,7 @@ def fused_casts(enabled: bool):
 
 def fusable_state(inp: torch.Tensor) -> Optional[AutocastState]:
     """The active autocast state when the fused casts apply to a module call on `inp`."""
-    if not _enabled:
+    if not _enabled or torch.compiler.is_compiling():  # compiled: the unfused casts (compile.md)
         return None
     state = current_autocast()
     if state is None or not state.enabled or not isinstance(state.recipe, DelayedScaling):

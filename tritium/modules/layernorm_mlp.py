@@ -131,8 +131,6 @@ class LayerNormMLP(FP8Module):
                             plan.recipe.fp8_format.forward_dtype, fc2_need_t)
         fc1_bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
         grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
-        if torch.compiler.is_compiling():  # an fp8 gradient cannot cross a compiled graph's
-            grad_cast = None               # autograd edge (docs/compile.md): fc1 casts it
         return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
