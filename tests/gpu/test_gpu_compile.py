@@ -4,8 +4,10 @@ cuBLASLt FP8 GEMMs), Inductor, against eager.
   * Linear, LayerNormMLP and a TransformerLayer (bf16 params) under DelayedScaling and
     Float8CurrentScaling, `torch.compile(fullgraph=True)` vs eager over 3 steps: outputs, input
     and parameter gradients, FP8 scales and amax histories. The GEMMs and casts are the same
-    kernels in both; Inductor only compiles the glue between them, so the FP8 state must agree
-    bit for bit and the tensors at bf16 tolerance;
+    kernels in both; Inductor compiles the glue between them (it may keep an intermediate in
+    fp32 where eager rounds it to bf16, and FP8 rounding magnifies such a difference in the few
+    elements it flips), so the FP8 state must agree bit for bit and each tensor within 1%
+    relative error (Frobenius norm);
   * mode="reduce-overhead" (CUDA graphs through Inductor) of a 2-layer FP8 model: the same
     comparison, and Inductor did not skip CUDA graphs (the FP8 state buffers are static inputs).
 Attention runs on the deterministic "torch" backend (cuDNN / flash backward may reduce in another
@@ -30,7 +32,11 @@ pytestmark = [pytest.mark.gpu,
 
 H, FFN, HEADS, SEQ, BATCH = 128, 256, 4, 64, 2
 BF16 = torch.bfloat16
-BF16_TOL = dict(rtol=1.6e-2, atol=1e-5)
+
+
+def _assert_close_rel(actual, expected, what: str, limit: float = 1e-2) -> None:
+    err = ((actual - expected).norm() / expected.norm()).item()
+    assert err < limit, f"{what}: relative error {err:.2e} >= {limit}"
 
 
 def _build(kind: str) -> torch.nn.Module:
@@ -78,7 +84,7 @@ def test_compiled_equals_eager_on_cuda(kind, recipe_name):
     for i, (a, b) in enumerate(zip(eager_state, compiled_state)):
         assert torch.equal(a, b), f"FP8 state tensor {i} differs"
     for i, (a, b) in enumerate(zip(eager, compiled)):
-        torch.testing.assert_close(b, a, **BF16_TOL, msg=lambda m: f"tensor {i}: {m}")
+        _assert_close_rel(b, a, f"tensor {i}")
 
 
 def test_reduce_overhead_fp8_model():
@@ -102,4 +108,4 @@ def test_reduce_overhead_fp8_model():
     for i, (a, b) in enumerate(zip(eager_state, graphed_state)):
         assert torch.equal(a, b), f"FP8 state tensor {i} differs"
     for i, (a, b) in enumerate(zip(eager, graphed)):
-        torch.testing.assert_close(b, a, **BF16_TOL, msg=lambda m: f"tensor {i}: {m}")
+        _assert_close_rel(b, a, f"tensor {i}")
