@@ -68,6 +68,8 @@ def make_step(fp8: bool, graph, capture_opt: bool, micro_batches: int = 1):
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         torch._dynamo.reset()
+        if fp8:
+            te.prepare_fp8(model, rec)  # the FP8 state outside the graphs (docs/compile.md)
         model = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     elif graph:
         model = make_graphed_callables(model, (xs[0],), fp8_enabled=fp8,

@@ -138,6 +138,8 @@ def build(variant: str, cfg: dict, device: torch.device):
                 recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
                                       amax_compute_algo="max")
             ctx = lambda: te.fp8_autocast(enabled=True, fp8_recipe=rcp)  # noqa: E731
+            if variant in EAGER_SELF:
+                te.prepare_fp8(model, rcp)  # the FP8 state outside the graphs (docs/compile.md)
     params = [p for p in model.parameters() if p.requires_grad]
     if variant.endswith("fusedadam"):
         import tritium as te
