@@ -92,6 +92,8 @@ def test_reduce_overhead_fp8_model():
     eager_model = torch.nn.Sequential(_build("TransformerLayer"), _build("TransformerLayer"))
     graphed_model = copy.deepcopy(eager_model)
     te.prepare_fp8(graphed_model, fp8_recipe)
+    for p in graphed_model.parameters():  # accumulate into eager memory, not into a CUDA
+        p.grad = torch.zeros_like(p)     # graph's output that the next replay overwrites
     xs = [torch.randn(SEQ, BATCH, H, device="cuda", dtype=BF16) for _ in range(4)]
     dys = [torch.randn(SEQ, BATCH, H, device="cuda", dtype=BF16) for _ in range(4)]
     torch._dynamo.reset()

@@ -122,8 +122,11 @@ class _LayerInputs:
         self.key, self.value = None, None
 
     def get(self, wrapper, hidden_states, attention_mask, position_ids):
-        inv_freq = wrapper._rotary_emb.inv_freq
         b, s = hidden_states.shape[:2]
+        if torch.compiler.is_compiling():  # each layer's graph makes its own (no shared cache,
+            return _layer_inputs(wrapper, hidden_states, attention_mask, position_ids, b, s,
+                                 sync=False)  # no device sync: docs/compile.md)
+        inv_freq = wrapper._rotary_emb.inv_freq
         key = (position_ids, _version(position_ids), attention_mask, _version(attention_mask),
                inv_freq, _version(inv_freq), b, s, hidden_states.device)
         old = self.key
@@ -131,19 +134,24 @@ class _LayerInputs:
                 and all(x is y or (not isinstance(x, torch.Tensor) and x == y)
                         for x, y in zip(old, key))):
             return self.value
-        if position_ids is None:
-            position_ids = torch.arange(s, device=hidden_states.device)[None]
-        mask, mask_type = _te_mask(attention_mask)
-        if position_ids.shape[0] == 1:
-            freqs = wrapper._freqs(position_ids.expand(b, s)[0])
-        else:
-            position_ids = position_ids.expand(b, s)
-            if bool((position_ids == position_ids[:1]).all()):  # a device sync, once
-                freqs = wrapper._freqs(position_ids[0])
-            else:
-                freqs = [wrapper._freqs(position_ids[i]) for i in range(b)]
-        self.key, self.value = key, (mask, mask_type, freqs)
+        self.key = key
+        self.value = _layer_inputs(wrapper, hidden_states, attention_mask, position_ids, b, s,
+                                   sync=True)
         return self.value
+
+
+def _layer_inputs(wrapper, hidden_states, attention_mask, position_ids, b, s, sync: bool):
+    """(TE mask, mask type, RoPE angles). With several position_ids rows, `sync` checks on the
+    host whether they are all equal (one table then); without it each row gets its table."""
+    if position_ids is None:
+        position_ids = torch.arange(s, device=hidden_states.device)[None]
+    mask, mask_type = _te_mask(attention_mask)
+    if position_ids.shape[0] == 1:
+        return mask, mask_type, wrapper._freqs(position_ids.expand(b, s)[0])
+    position_ids = position_ids.expand(b, s)
+    if sync and bool((position_ids == position_ids[:1]).all()):  # a device sync, once
+        return mask, mask_type, wrapper._freqs(position_ids[0])
+    return mask, mask_type, [wrapper._freqs(position_ids[i]) for i in range(b)]
 
 
 class TritiumLlamaDecoderLayer(torch.nn.Module):
