@@ -105,8 +105,12 @@ class Float8Tensor(QuantizedTensor):
             self._transpose = None
 
     def __repr__(self, *, tensor_contents=None):
-        return (f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
-                f"nominal_dtype={self.dtype}, data={self.dequantize()})")
+        head = f"Float8Tensor(fp8_dtype={self._fp8_dtype}, nominal_dtype={self.dtype}"
+        try:
+            return (f"{head}, scale_inv={self._scale_inv.item():.6g}, "
+                    f"data={self.dequantize()})")
+        except Exception:  # no values to show: a fake or symbolic tensor (torch.compile tracing)
+            return f"{head}, shape={tuple(self.shape)})"
 
     def __tensor_flatten__(self):
         names = ["_data", "_scale_inv"] + [n for n in ("_transpose", "_scale")
