@@ -24,17 +24,6 @@ from .formats import fp8_max
 from .recipe import DelayedScaling, Recipe, recipe_from_dict
 
 
-@torch.library.custom_op("tritium::read_scale", mutates_args=())
-def read_scale(scale: torch.Tensor) -> torch.Tensor:
-    """A copy of `scale` taken now (see ScalingState.scale_slot)."""
-    return scale.clone()
-
-
-@read_scale.register_fake
-def _(scale):
-    return torch.empty_like(scale)
-
-
 class ScalingState:
     """amax_history [L, n] and scale [n] for one module and one direction."""
 
@@ -73,7 +62,7 @@ class ScalingState:
 
     def scale_slot(self, i: int) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return read_scale(self.scale[i:i + 1])
+            return ops_scaling.read_scale(self.scale[i:i + 1])
         return self._scale_views[i]
 
     def resize_history(self, length: int) -> None:

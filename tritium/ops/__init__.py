@@ -1,7 +1,8 @@
 """tritium's kernels as PyTorch custom operators, so `torch.compile` traces every module whole.
 
 What. Each family of device work (ops/cast.py, norm.py, activation.py, rope.py, scaling.py,
-gemm.py, cross_entropy.py) registers `torch.library.custom_op("tritium::<name>")` ops. An op's
+gemm.py, cross_entropy.py) registers `tritium::<name>` ops through `_common.tritium_op`
+(custom_op's schema inference, registered with the dispatcher directly: see its note). An op's
 real implementation calls exactly what eager calls: the Triton launcher in `tritium.kernels`
 where `_device.use_triton(t)` says so (CUDA, or the CPU under TRITON_INTERPRET=1; with the same
 extra conditions as the eager site, e.g. norm's MAX_HIDDEN), its twin in `tritium.ref`
@@ -19,7 +20,7 @@ None where a Python flag said "not written"; flags are constants at trace time).
 layer's `_impl(t)` returns this module instead of the kernel or ref module when
 `torch.compiler.is_compiling()`: eager never goes through an op and stays as it was.
 
-Why `custom_op` and not `triton_op`: the launchers do host work (tile choice, cached launch
+Why not `triton_op`: the launchers do host work (tile choice, cached launch
 closures, kernel-or-twin choice) that is not traceable, and one op covers both implementations;
 inductor treats the op as an opaque call.
 

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import activation as ref_activation
-from ._common import filled, fresh, or_none
+from ._common import filled, fresh, or_none, tritium_op
 
 
 def _impl(t: Tensor):
@@ -36,7 +36,7 @@ def _width(x: Tensor, kind: str) -> int:
     return x.shape[1] // 2 if kind in ref_activation.GATED else x.shape[1]
 
 
-@torch.library.custom_op("tritium::activation_fwd", mutates_args=())
+@tritium_op("tritium::activation_fwd", mutates_args=())
 def _fwd(x: Tensor, kind: str) -> Tensor:
     return fresh((_impl(x).activation_fwd(x, kind),), (x,))[0]
 
@@ -46,7 +46,7 @@ def _(x, kind):
     return x.new_empty((x.shape[0], _width(x, kind)))
 
 
-@torch.library.custom_op("tritium::activation_bwd", mutates_args=())
+@tritium_op("tritium::activation_bwd", mutates_args=())
 def _bwd(dy: Tensor, x: Tensor, kind: str) -> Tensor:
     return fresh((_impl(x).activation_bwd(dy, x, kind),), (dy, x))[0]
 
@@ -75,7 +75,7 @@ def _cast_outs(like, data, data_t, fp8_dtype):
     return filled(data, like, fp8_dtype), filled(data_t, like, fp8_dtype)
 
 
-@torch.library.custom_op("tritium::activation_fwd_fp8", mutates_args=("amax",))
+@tritium_op("tritium::activation_fwd_fp8", mutates_args=("amax",))
 def _fwd_fp8(x: Tensor, kind: str, scale: Tensor, amax: Optional[Tensor],
              fp8_dtype: torch.dtype, write_data: bool, write_transpose: bool,
              pad_rows_to: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -91,7 +91,7 @@ def _(x, kind, scale, amax, fp8_dtype, write_data, write_transpose, pad_rows_to)
                       pad_rows_to)
 
 
-@torch.library.custom_op("tritium::activation_bwd_fp8", mutates_args=("amax",))
+@tritium_op("tritium::activation_bwd_fp8", mutates_args=("amax",))
 def _bwd_fp8(dy: Tensor, x: Tensor, kind: str, scale: Tensor, amax: Optional[Tensor],
              fp8_dtype: torch.dtype, write_data: bool, write_transpose: bool, write_hp: bool,
              pad_rows_to: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import cast as ref_cast
-from ._common import filled, fresh, or_none
+from ._common import filled, fresh, or_none, tritium_op
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,7 +51,7 @@ def _filled(x, fp8_dtype, res) -> tuple:
 
 
 # ------------------------------------------------------------------------------ single cast
-@torch.library.custom_op("tritium::cast_transpose", mutates_args=("amax",))
+@tritium_op("tritium::cast_transpose", mutates_args=("amax",))
 def _cast_transpose(x: Tensor, scale: Tensor, amax: Optional[Tensor], fp8_dtype: torch.dtype,
                     pad_rows_to: int, write_data: bool, write_transpose: bool
                     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -65,7 +65,7 @@ def _(x, scale, amax, fp8_dtype, pad_rows_to, write_data, write_transpose):
     return _fake_cast(x, fp8_dtype, pad_rows_to, write_data, write_transpose)
 
 
-@torch.library.custom_op("tritium::cast_transpose_current", mutates_args=())
+@tritium_op("tritium::cast_transpose_current", mutates_args=())
 def _cast_transpose_current(x: Tensor, amax: Tensor, fp8_dtype: torch.dtype, pad_rows_to: int,
                             write_data: bool, write_transpose: bool, amax_epsilon: float,
                             power_2_scale: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -106,7 +106,7 @@ def cast_transpose(x: Tensor, scale: Optional[Tensor], amax: Optional[Tensor],
 _PAIR = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-@torch.library.custom_op("tritium::cast_transpose_pair", mutates_args=("a_amax", "b_amax"))
+@tritium_op("tritium::cast_transpose_pair", mutates_args=("a_amax", "b_amax"))
 def _cast_pair(a: Tensor, a_scale: Tensor, a_amax: Optional[Tensor], a_pad: int, a_data: bool,
                a_t: bool, b: Tensor, b_scale: Tensor, b_amax: Optional[Tensor], b_pad: int,
                b_data: bool, b_t: bool, fp8_dtype: torch.dtype) -> _PAIR:
@@ -123,7 +123,7 @@ def _(a, a_scale, a_amax, a_pad, a_data, a_t, b, b_scale, b_amax, b_pad, b_data,
             *_fake_cast(b, fp8_dtype, b_pad, b_data, b_t))
 
 
-@torch.library.custom_op("tritium::cast_transpose_pair_current", mutates_args=())
+@tritium_op("tritium::cast_transpose_pair_current", mutates_args=())
 def _cast_pair_current(a: Tensor, a_amax: Tensor, a_pad: int, a_data: bool, a_t: bool,
                        b: Tensor, b_amax: Tensor, b_pad: int, b_data: bool, b_t: bool,
                        fp8_dtype: torch.dtype, amax_epsilon: float, power_2_scale: bool) -> _PAIR:
@@ -160,7 +160,7 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
 
 
 # ------------------------------------------------------------------------------ amax, dequantize
-@torch.library.custom_op("tritium::amax_into", mutates_args=("amax",))
+@tritium_op("tritium::amax_into", mutates_args=("amax",))
 def _amax_into(x: Tensor, amax: Tensor) -> None:
     _impl(x).amax_into(x, amax)
 
@@ -174,7 +174,7 @@ def amax_into(x: Tensor, amax: Tensor) -> None:
     torch.ops.tritium.amax_into(x, amax)
 
 
-@torch.library.custom_op("tritium::dequantize", mutates_args=())
+@tritium_op("tritium::dequantize", mutates_args=())
 def _dequantize(data: Tensor, scale_inv: Tensor, out_dtype: torch.dtype) -> Tensor:
     return fresh((_impl(data).dequantize(data, scale_inv, out_dtype),), (data, scale_inv))[0]
 

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import cross_entropy as ref_ce
-from ._common import fresh
+from ._common import fresh, tritium_op
 
 
 def _impl(t: Tensor):
@@ -29,7 +29,7 @@ def _impl(t: Tensor):
     return ref_ce
 
 
-@torch.library.custom_op("tritium::ce_stats", mutates_args=())
+@tritium_op("tritium::ce_stats", mutates_args=())
 def _stats(x: Tensor, target: Tensor, vocab_start: int) -> Tensor:
     return fresh((_impl(x).ce_stats(x, target, vocab_start),), (x, target))[0]
 
@@ -43,7 +43,7 @@ def ce_stats(x: Tensor, target: Tensor, vocab_start: int = 0) -> Tensor:
     return torch.ops.tritium.ce_stats(x, target, vocab_start)
 
 
-@torch.library.custom_op("tritium::ce_grad", mutates_args=("grad",))
+@tritium_op("tritium::ce_grad", mutates_args=("grad",))
 def _grad(x: Tensor, target: Tensor, lse: Tensor, grad: Tensor, scale: Tensor, ignore_index: int,
           vocab_start: int, vocab_size: int, label_smoothing: float,
           lse_square_scale: float) -> None:
@@ -51,7 +51,7 @@ def _grad(x: Tensor, target: Tensor, lse: Tensor, grad: Tensor, scale: Tensor, i
                      label_smoothing, lse_square_scale)
 
 
-@torch.library.custom_op("tritium::ce_grad_in_x", mutates_args=("x",))
+@tritium_op("tritium::ce_grad_in_x", mutates_args=("x",))
 def _grad_in_x(x: Tensor, target: Tensor, lse: Tensor, scale: Tensor, ignore_index: int,
                vocab_start: int, vocab_size: int, label_smoothing: float,
                lse_square_scale: float) -> None:
@@ -82,14 +82,14 @@ def ce_grad(x: Tensor, target: Tensor, lse: Tensor, grad: Tensor, scale: Tensor,
                                   vocab_size, label_smoothing, lse_square_scale)
 
 
-@torch.library.custom_op("tritium::ce_fused", mutates_args=("grad",))
+@tritium_op("tritium::ce_fused", mutates_args=("grad",))
 def _fused(x: Tensor, target: Tensor, grad: Optional[Tensor], scale: Tensor, ignore_index: int,
            label_smoothing: float, lse_square_scale: float) -> tuple[Tensor, Tensor]:
     return fresh(_impl(x).ce_fused(x, target, grad, scale, ignore_index, label_smoothing,
                                    lse_square_scale), (x, target, grad, scale))
 
 
-@torch.library.custom_op("tritium::ce_fused_in_x", mutates_args=("x",))
+@tritium_op("tritium::ce_fused_in_x", mutates_args=("x",))
 def _fused_in_x(x: Tensor, target: Tensor, scale: Tensor, ignore_index: int,
                 label_smoothing: float, lse_square_scale: float) -> tuple[Tensor, Tensor]:
     return fresh(_impl(x).ce_fused(x, target, x, scale, ignore_index, label_smoothing,

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from .. import _device, _env
 from ..ref import gemm as ref_gemm
-from ._common import fresh
+from ._common import fresh, tritium_op
 
 # _scaled_mm fuses a bias only for 16-bit outputs of the bias's own dtype.
 _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
@@ -79,7 +79,7 @@ def _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out):
     return tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
 
 
-@torch.library.custom_op("tritium::fp8_gemm_tn", mutates_args=())
+@tritium_op("tritium::fp8_gemm_tn", mutates_args=())
 def _op(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out_dtype: torch.dtype,
         bias: Optional[Tensor], fast_accum: bool) -> Tensor:
     res = _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, None)
@@ -91,7 +91,7 @@ def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=out_dtype)
 
 
-@torch.library.custom_op("tritium::fp8_gemm_tn_out", mutates_args=("out",))
+@tritium_op("tritium::fp8_gemm_tn_out", mutates_args=("out",))
 def _op_out(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out: Tensor,
             fast_accum: bool) -> None:
     _gemm(a, b, a_scale_inv, b_scale_inv, out.dtype, None, fast_accum, out)

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import norm as ref_norm
-from ._common import filled, fresh, or_none
+from ._common import filled, fresh, or_none, tritium_op
 
 MAX_HIDDEN = 65536  # == tritium.kernels.norm.MAX_HIDDEN (not imported: it would import triton)
 
@@ -40,7 +40,7 @@ def _stats(x):
 
 
 # ------------------------------------------------------------------------------ LayerNorm
-@torch.library.custom_op("tritium::layernorm_fwd", mutates_args=())
+@tritium_op("tritium::layernorm_fwd", mutates_args=())
 def _ln_fwd(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
             zero_centered_gamma: bool) -> tuple[Tensor, Tensor, Tensor]:
     return fresh(_impl(x).layernorm_fwd(x, weight, bias, eps, zero_centered_gamma),
@@ -52,7 +52,7 @@ def _(x, weight, bias, eps, zero_centered_gamma):
     return torch.empty_like(x, memory_format=torch.contiguous_format), _stats(x), _stats(x)
 
 
-@torch.library.custom_op("tritium::layernorm_bwd", mutates_args=())
+@tritium_op("tritium::layernorm_bwd", mutates_args=())
 def _ln_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor,
             zero_centered_gamma: bool, need_bias_grad: bool) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _impl(dy).layernorm_bwd(dy, x, weight, mean, rstd, zero_centered_gamma,
@@ -81,7 +81,7 @@ def layernorm_bwd(dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Ten
 
 
 # ------------------------------------------------------------------------------ RMSNorm
-@torch.library.custom_op("tritium::rmsnorm_fwd", mutates_args=())
+@tritium_op("tritium::rmsnorm_fwd", mutates_args=())
 def _rms_fwd(x: Tensor, weight: Tensor, eps: float,
              zero_centered_gamma: bool) -> tuple[Tensor, Tensor]:
     return fresh(_impl(x).rmsnorm_fwd(x, weight, eps, zero_centered_gamma), (x, weight))
@@ -92,7 +92,7 @@ def _(x, weight, eps, zero_centered_gamma):
     return torch.empty_like(x, memory_format=torch.contiguous_format), _stats(x)
 
 
-@torch.library.custom_op("tritium::rmsnorm_bwd", mutates_args=())
+@tritium_op("tritium::rmsnorm_bwd", mutates_args=())
 def _rms_bwd(dy: Tensor, x: Tensor, weight: Tensor, rstd: Tensor,
              zero_centered_gamma: bool) -> tuple[Tensor, Tensor]:
     return fresh(_impl(dy).rmsnorm_bwd(dy, x, weight, rstd, zero_centered_gamma),
@@ -127,7 +127,7 @@ def _fake_fp8(x, fp8_dtype, write_transpose, write_hp, pad_rows_to):
             x.new_empty((1,), dtype=torch.float32))
 
 
-@torch.library.custom_op("tritium::layernorm_fwd_fp8", mutates_args=("amax",))
+@tritium_op("tritium::layernorm_fwd_fp8", mutates_args=("amax",))
 def _ln_fwd_fp8(x: Tensor, weight: Tensor, bias: Optional[Tensor], eps: float,
                 zero_centered_gamma: bool, scale: Tensor, amax: Optional[Tensor],
                 fp8_dtype: torch.dtype, write_transpose: bool, write_hp: bool,
@@ -146,7 +146,7 @@ def _(x, weight, bias, eps, zero_centered_gamma, scale, amax, fp8_dtype, write_t
             _stats(x))
 
 
-@torch.library.custom_op("tritium::rmsnorm_fwd_fp8", mutates_args=("amax",))
+@tritium_op("tritium::rmsnorm_fwd_fp8", mutates_args=("amax",))
 def _rms_fwd_fp8(x: Tensor, weight: Tensor, eps: float, zero_centered_gamma: bool,
                  scale: Tensor, amax: Optional[Tensor], fp8_dtype: torch.dtype,
                  write_transpose: bool, write_hp: bool,

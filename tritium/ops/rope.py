@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import rope as ref_rope
-from ._common import fresh
+from ._common import fresh, tritium_op
 
 
 def _impl(t: Tensor):
@@ -18,12 +18,12 @@ def _impl(t: Tensor):
     return ref_rope
 
 
-@torch.library.custom_op("tritium::rope_fwd", mutates_args=())
+@tritium_op("tritium::rope_fwd", mutates_args=())
 def _fwd(x: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
     return fresh((_impl(x).rope_fwd(x, cos, sin, pos, interleaved),), (x, cos, sin, pos))[0]
 
 
-@torch.library.custom_op("tritium::rope_bwd", mutates_args=())
+@tritium_op("tritium::rope_bwd", mutates_args=())
 def _bwd(dy: Tensor, cos: Tensor, sin: Tensor, pos: Tensor, interleaved: bool) -> Tensor:
     return fresh((_impl(dy).rope_bwd(dy, cos, sin, pos, interleaved),), (dy, cos, sin, pos))[0]
 

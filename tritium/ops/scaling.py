@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import _device
 from ..ref import scaling as ref_scaling
+from ._common import tritium_op
 
 
 def _update(amax_history: Tensor, scale: Tensor, fp8_max: float, margin: int, algo: str):
@@ -25,7 +26,7 @@ def _update(amax_history: Tensor, scale: Tensor, fp8_max: float, margin: int, al
     return ref_scaling.delayed_scaling_update(amax_history, scale, fp8_max, margin, algo)
 
 
-@torch.library.custom_op("tritium::delayed_scaling_update",
+@tritium_op("tritium::delayed_scaling_update",
                          mutates_args=("amax_history", "scale"))
 def _op(amax_history: Tensor, scale: Tensor, fp8_max: float, margin: int, algo: str) -> None:
     _update(amax_history, scale, fp8_max, margin, algo)
@@ -45,3 +46,17 @@ def delayed_scaling_update(amax_history: Tensor, scale: Tensor, fp8_max: float, 
 
 
 __all__ = ["delayed_scaling_update"]
+
+
+@tritium_op("tritium::read_scale")
+def read_scale(scale: Tensor) -> Tensor:
+    """A copy of `scale` taken now. Compiled graphs read delayed-scaling scales through it: the
+    partitioner may recompute a cast in backward from its inputs, and a scale is changed in
+    place (when fp8_autocast exits) between the forward and the backward; an op's output it
+    cannot recompute, so it saves it."""
+    return scale.clone()
+
+
+@read_scale.register_fake
+def _(scale):
+    return torch.empty_like(scale)
