@@ -62,7 +62,7 @@ class ScalingState:
 
     def scale_slot(self, i: int) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return ops_scaling.read_scale(self.scale[i:i + 1])
+            return ops_scaling.read_scale(self.scale)[i:i + 1]  # one read per state (CSE)
         return self._scale_views[i]
 
     def resize_history(self, length: int) -> None:

@@ -6,6 +6,8 @@ from typing import Optional
 
 import torch
 
+from .. import _device
+
 
 def filled(t: Optional[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """t, or where the Python twin returned None, the 0-element tensor the op returns."""
@@ -19,7 +21,13 @@ def or_none(t: torch.Tensor, written: bool) -> Optional[torch.Tensor]:
 
 def fresh(outs, ins) -> tuple:
     """outs (tensors) made contiguous, and cloned where one shares memory with an input or an
-    earlier output (e.g. ref's `y.t().contiguous()` of a one-column y is y itself)."""
+    earlier output (e.g. ref's `y.t().contiguous()` of a one-column y is y itself).
+    The Triton launchers allocate every output themselves (contiguous, never an alias): where
+    they ran (`_device.use_triton` of the first input, the choice the ops make) nothing is
+    checked, since the checks cost more host time than the op (see docs/compile.md)."""
+    first = next((t for t in ins if isinstance(t, torch.Tensor)), None)
+    if first is not None and _device.use_triton(first):
+        return tuple(outs)
     seen = {t.untyped_storage().data_ptr() for t in ins
             if isinstance(t, torch.Tensor) and t.numel()}
     res = []
