@@ -213,3 +213,24 @@ def test_inductor_transformer_layer_fp8():
     compiled = _run(compiled_module, compiled_fn, fp8_recipe, False, xs, dys)
     for i, (a, b) in enumerate(zip(eager, compiled)):
         torch.testing.assert_close(b, a, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP"])
+def test_fp8_params_compiled_equals_eager(kind):
+    """Modules built under fp8_model_init (Float8Tensor weights, graph inputs of a traceable
+    subclass): compiled == eager over 3 steps, as above."""
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    with te.fp8_model_init(recipe=fp8_recipe):
+        eager_module = _build(kind)
+    compiled_module = copy.deepcopy(eager_module)
+    te.prepare_fp8(compiled_module, fp8_recipe)
+    xs, dys = _inputs(3, _out_features(kind))
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, False), fp8_recipe, False,
+                 xs, dys)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, False),
+                                backend="aot_eager", fullgraph=True)
+    compiled = _run(compiled_module, compiled_fn, fp8_recipe, False, xs, dys)
+    assert len(eager) == len(compiled)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
