@@ -29,7 +29,7 @@ from .. import _device
 from ..ops import activation as ops_activation
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
-from .fused_cast import CastSpec, GradCastSpec, wrap_fp8
+from .fused_cast import CastSpec, GradCastSpec, carrier_outputs, from_carrier, wrap_fp8
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -85,11 +85,13 @@ class _Activation(torch.autograd.Function):
         data, data_t, scale_inv = _impl_fp8(x2).activation_fwd_fp8(
             x2, kind, fp8_out.scale, fp8_out.amax, fp8_out.fp8_dtype,
             write_transpose=fp8_out.write_transpose)
+        if torch.compiler.is_compiling():  # no Float8Tensor output in a traced Function
+            return carrier_outputs(ctx, shape, x.dtype, data, data_t, scale_inv)
         return wrap_fp8(data, data_t, scale_inv, fp8_out.fp8_dtype, x.dtype, shape)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, dy: torch.Tensor):
+    def backward(ctx, dy: torch.Tensor, *fp8_grads):  # fp8_grads: a carrier's other outputs
         (x,) = ctx.saved_tensors
         x2, dy2 = _rows(x), _rows(dy)
         g = ctx.fp8_grad
@@ -110,7 +112,12 @@ def activation(x: torch.Tensor, kind: str, *, fp8_out: Optional[CastSpec] = None
     """TE activation `kind` of x [..., F] (plain) or [..., 2F] (gated) -> [..., F].
     `fp8_out` / `fp8_grad`: the fused FP8 casts of LayerNormMLP (module docstring)."""
     _validate(x, kind)
-    return _Activation.apply(x, kind, fp8_out, fp8_grad)
+    if not torch.compiler.is_compiling():
+        return _Activation.apply(x, kind, fp8_out, fp8_grad)
+    # compiled: the fp8 output through a carrier, and no fp8 gradient (a Float8Tensor returned
+    # as a gradient crosses the traced graph as a plain tensor; fc1 casts it): compile.md
+    out = _Activation.apply(x, kind, fp8_out, None)
+    return out if fp8_out is None else from_carrier(out, fp8_out.fp8_dtype, out[0].shape)
 
 
 __all__ = ["ACTIVATIONS", "GATED", "activation"]

@@ -56,7 +56,7 @@ def fused_casts(enabled: bool):
 
 def fusable_state(inp: torch.Tensor) -> Optional[AutocastState]:
     """The active autocast state when the fused casts apply to a module call on `inp`."""
-    if not _enabled or torch.compiler.is_compiling():  # compiled: the unfused casts (compile.md)
+    if not _enabled:
         return None
     state = current_autocast()
     if state is None or not state.enabled or not isinstance(state.recipe, DelayedScaling):
@@ -103,6 +103,28 @@ def wrap_fp8(data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torc
     return t
 
 
+def carrier_outputs(ctx, x_shape, dtype, data, data_t, scale_inv):
+    """Under torch.compile a fused producer's Function returns its fp8 operand as plain
+    tensors: (carrier, data, data_t, scale_inv). dynamo traces a Function's backward with a
+    gradient made like its output, and a Float8Tensor output would get a Float8Tensor gradient
+    in the trace (a plain tensor at run time). The carrier, a zero-stride high-precision tensor
+    of the operand's shape (no memory), is the differentiable output: the GEMM's Function takes
+    it as its input and returns the gradient for it (docs/compile.md)."""
+    carrier = data.new_zeros((), dtype=dtype).expand(x_shape)
+    pieces = [t for t in (data, data_t, scale_inv) if t is not None]
+    ctx.mark_non_differentiable(*pieces)
+    ctx.carrier = True  # backward: only the first output's gradient counts
+    return carrier, data, data_t, scale_inv
+
+
+def from_carrier(outputs, fp8_dtype, shape) -> Float8Tensor:
+    """The Float8Tensor of `carrier_outputs`, made outside the Function, carrying its carrier."""
+    carrier, data, data_t, scale_inv = outputs
+    t = wrap_fp8(data, data_t, scale_inv, fp8_dtype, carrier.dtype, shape)
+    t._carrier = carrier
+    return t
+
+
 def fp8_operands(t: Float8Tensor, need_transpose: bool):
     """(data [Tp, K], data_t [K, Tp] or None, scale_inv) of a Float8Tensor GEMM operand,
     Tp = rows rounded up to 16 with zero rows."""
@@ -121,5 +143,5 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
     return data, data_t, t._scale_inv
 
 
-__all__ = ["CastSpec", "GradCastSpec", "fused_casts", "fused_casts_enabled", "fusable_state",
-           "fp8_operands", "wrap_fp8"]
+__all__ = ["CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier", "fused_casts",
+           "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]

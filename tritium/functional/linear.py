@@ -301,7 +301,13 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
-                main_grad: Sequence[MainGradTarget], column: Optional[TPSpec] = None):
+                main_grad: Sequence[MainGradTarget], column: Optional[TPSpec] = None,
+                fp8_inp: Optional[Float8Tensor] = None):
+        # fp8_inp (torch.compile): a fused producer's fp8 output; `inp` is then its carrier,
+        # which only takes the gradient (fused_cast.carrier_outputs)
+        carrier_shape = inp.shape
+        if fp8_inp is not None:
+            inp = fp8_inp
         shape = inp.shape
         x2d = inp if len(shape) == 2 else inp.reshape(-1, shape[-1])
         tokens = x2d.shape[0]
@@ -347,7 +353,7 @@ class _LinearFunction(torch.autograd.Function):
             out = F.linear(x2d, weight, bias)
             ctx.save_for_backward(x2d if need_wgrad else None, weight if need_dgrad else None)
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
-        ctx.shape, ctx.in_shape, ctx.need = shape, inp.shape, (need_dgrad, need_wgrad)
+        ctx.shape, ctx.in_shape, ctx.need = shape, carrier_shape, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
         return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
 
@@ -406,7 +412,7 @@ class _LinearFunction(torch.autograd.Function):
                   else all_reduce(dx, group))
         if dx is not None and len(ctx.in_shape) != 2:
             dx = dx.view(ctx.in_shape)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 _apply_linear = fast_apply(_LinearFunction)
@@ -483,6 +489,10 @@ def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     if fp8 is not None and fp8.is_first_microbatch and fp8.weight_cache is not None \
             and fp8.compute_in_fp8 and torch.compiler.is_compiling():
         fp8 = _cache_weight_outside(fp8, weight)
+    carrier = getattr(inp, "_carrier", None)  # torch.compile: a fused producer's Float8Tensor
+    if carrier is not None:
+        bias = None if bias is None else bias.to(carrier.dtype)
+        return _apply_linear(carrier, weight, bias, fp8, tuple(main_grad), column, inp)
     # block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling): their own Function
     apply = (apply_block_linear if fp8 is not None and fp8.compute_in_fp8
              and is_block_recipe(fp8.recipe) else _apply_linear)

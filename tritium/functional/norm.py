@@ -27,7 +27,7 @@ import torch
 from .. import _device
 from ..ops import norm as ops_norm
 from ..ref import norm as ref_norm
-from .fused_cast import CastSpec, wrap_fp8
+from .fused_cast import CastSpec, carrier_outputs, from_carrier, wrap_fp8
 
 _MAX_HIDDEN = ops_norm.MAX_HIDDEN
 
@@ -55,6 +55,12 @@ def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
     if cast is None:
         return y.view(x.shape)
     data, data_t, scale_inv = fp8_out
+    if torch.compiler.is_compiling():  # no Float8Tensor output in a traced Function
+        if return_hp:
+            raise NotImplementedError(
+                "tritium: a fused FP8 norm with return_hp=True under torch.compile; call it "
+                "without fp8_cast (the GEMM then casts its input) or outside the compiled region")
+        return carrier_outputs(ctx, x.shape, x.dtype, data, data_t, scale_inv)
     out = wrap_fp8(data, data_t, scale_inv, cast.fp8_dtype, x.dtype, x.shape)
     if not return_hp:
         return out
@@ -63,11 +69,21 @@ def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
 
 
 def _grad(ctx, grads):
-    """The one gradient of the norm's output (fused with return_hp: two outputs, summed)."""
+    """The one gradient of the norm's output (fused with return_hp: two outputs, summed; a
+    compiled fused norm: the carrier's, the fp8 outputs take none)."""
+    if getattr(ctx, "carrier", False):
+        return grads[0]
     given = [g for g in grads if g is not None]
     if not given:
         return None
     return given[0] if len(given) == 1 else given[0] + given[1]
+
+
+def _fp8_result(out, cast: Optional[CastSpec], x):
+    """The Float8Tensor of a compiled fused norm (see fused_cast.carrier_outputs)."""
+    if cast is None or not torch.compiler.is_compiling():
+        return out
+    return from_carrier(out, cast.fp8_dtype, x.shape)
 
 
 class _LayerNormFunction(torch.autograd.Function):
@@ -136,8 +152,9 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. bias may be None.
     With `fp8_cast` the output is a Float8Tensor written by the fused kernel (and with
     `return_hp`, the pair (Float8Tensor, high-precision output))."""
-    return _LayerNormFunction.apply(x, weight, bias, float(eps), bool(zero_centered_gamma),
-                                    fp8_cast, bool(return_hp))
+    out = _LayerNormFunction.apply(x, weight, bias, float(eps), bool(zero_centered_gamma),
+                                   fp8_cast, bool(return_hp))
+    return _fp8_result(out, fp8_cast, x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
@@ -146,8 +163,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     """RMSNorm over the last dim of x: (x * rsqrt(mean(x^2) + eps)) * gamma, in fp32, rounded
     once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. `fp8_cast`,
     `return_hp`: as for layer_norm."""
-    return _RMSNormFunction.apply(x, weight, float(eps), bool(zero_centered_gamma), fp8_cast,
-                                  bool(return_hp))
+    out = _RMSNormFunction.apply(x, weight, float(eps), bool(zero_centered_gamma), fp8_cast,
+                                 bool(return_hp))
+    return _fp8_result(out, fp8_cast, x)
 
 
 __all__ = ["layer_norm", "rms_norm"]

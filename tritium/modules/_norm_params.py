@@ -58,7 +58,8 @@ def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
     is the fused norm's Float8Tensor and the second is written only when `want_hp`."""
     args = (module, inp, module.normalization, module.eps, module.zero_centered_gamma)
     kw = {"tp": tp} if tp is not None and tp.sequence_parallel else {}
-    if fp8_cast is None:
+    if fp8_cast is None or (want_hp and torch.compiler.is_compiling()):
+        # (compiled: a fused norm gives its fp8 output alone, see fused_cast.carrier_outputs)
         ln_out = apply_norm(*args, **kw)
         return ln_out, ln_out
     if want_hp:
