@@ -205,15 +205,43 @@ KERNELS = {
         dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
 }
 _FA_TYPES = {"q_ptr": BF16P, "k_ptr": BF16P, "v_ptr": BF16P, "do_ptr": BF16P, "qk_scale": "fp32",
-             "scale": "fp32"}
+             "scale": "fp32", "o_ptr": BF16P, "dq_ptr": BF16P, "dk_ptr": BF16P, "dv_ptr": BF16P}
+# the speed mode (split=False, 16-bit out/grads) with its GPU config; the TMA operands as
+# descriptors of the [b, s, h * d] view where the config asks for them, pointers otherwise
+# (VARIANTS below compile the other loads and the split, fp32-output mode)
+_FA_SRC = {"_fwd_kernel": ("k_src", "v_src"), "_dkdv_kernel": ("q_src", "do_src"),
+           "_dq_kernel": ("k_src", "v_src")}
+_FA_CFG = {}
 for _kind, _name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_dq_kernel")):
-    _bm, _bn, _w, _s = _fa.GPU_CFG[_kind][128]
+    _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
+    _box = _c.block_m if _kind == "dkdv" else _c.block_n
+    _types = {**_FA_TYPES, **{n: (f"tensordesc<bf16[1, {_box}, 128]>" if _c.tma else BF16P)
+                              for n in _FA_SRC[_name]}}
     KERNELS[("flash_attention", _name)] = (
-        {k: v for k, v in _FA_TYPES.items() if k in getattr(_fa, _name).arg_names},
-        dict(CAUSAL=True, SPLIT=True, PREC="tf32", D=128, BLOCK_M=_bm, BLOCK_N=_bn),
-        dict(num_warps=_w, num_stages=_s))
+        {k: v for k, v in _types.items() if k in getattr(_fa, _name).arg_names},
+        dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
+             BLOCK_N=_c.block_n, TMA=_c.tma, **(dict(WS=_c.ws and _c.tma) if _kind == "fwd" else {})),
+        dict(num_warps=_c.warps, num_stages=_c.stages))
 KERNELS[("flash_attention", "_delta_kernel")] = (
-    {"do_ptr": BF16P}, dict(D=128, BLOCK_M=_fa.GPU_CFG["dq"][128][0]), dict(num_warps=4))
+    {"do_ptr": BF16P, "o_ptr": BF16P}, dict(D=128, BLOCK_M=_FA_CFG["_dq_kernel"].block_m),
+    dict(num_warps=4))
+
+
+def _fa_variants(name: str, kind: str) -> list:
+    """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized) and the
+    split mode with fp32 outputs at its own config."""
+    c = _FA_CFG[name]
+    box = c.block_m if kind == "dkdv" else c.block_n
+    flip = {n: (BF16P if c.tma else f"tensordesc<bf16[1, {box}, 128]>") for n in _FA_SRC[name]}
+    ws = dict(WS=not c.tma) if kind == "fwd" else {}
+    s = _fa.GPU_CFG[kind][(128, True)]
+    f32 = {n: F32P for n in ("o_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+           if n in getattr(_fa, name).arg_names}
+    return [dict(TMA=not c.tma, _types=flip, **ws),
+            dict(SPLIT=True, TMA=False, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                 _types={**f32, **{n: BF16P for n in _FA_SRC[name]}},
+                 _options=dict(num_warps=s.warps, num_stages=s.stages),
+                 **(dict(WS=False) if kind == "fwd" else {}))]
 
 
 # Second constexpr sets for kernels whose constexpr branches prune large parts of the code
@@ -224,7 +252,10 @@ VARIANTS = {
              W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
-    ("flash_attention", "_fwd_kernel"): [dict(CAUSAL=False, SPLIT=False)],
+    ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel", "fwd")
+    + [dict(CAUSAL=False)],
+    ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel", "dkdv"),
+    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel", "dq"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
                                          GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],
@@ -292,8 +323,11 @@ def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, every run
     fn = LAUNCHED[key]
     types, constexprs, options = KERNELS[key]
-    if variant:
-        constexprs = {**constexprs, **VARIANTS[key][variant - 1]}
+    if variant:  # constexprs, plus argument types ("_types") and options ("_options")
+        over = dict(VARIANTS[key][variant - 1])
+        types = {**types, **over.pop("_types", {})}
+        options = {**options, **over.pop("_options", {})}
+        constexprs = {**constexprs, **over}
     src = ASTSource(fn, _signature(fn, types, constexprs), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], f"{key}: empty cubin"

@@ -31,9 +31,12 @@ rows and walks the key blocks. A row whose lse is -inf (no visible key) gets P =
 """
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -65,12 +68,30 @@ def _load_tile(ptr, b, h, sb, sh, ss, sd, rows, offs_d, ok):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+def _rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d,
+          MASK: tl.constexpr, TMA: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK of head h, batch b: through a TMA descriptor of the [b, s, h * d]
+    view (rows past n read 0 by the descriptor's bounds) or by pointers (masked if MASK)."""
+    if TMA:
+        return src.load([b.to(tl.int32), r0, (h * D).to(tl.int32)]).reshape(BLOCK, D)
+    else:
+        rows = r0 + tl.arange(0, BLOCK)
+        ptrs = src + b * sb + h * sh + rows[:, None] * ss + offs_d[None, :] * sd
+        if MASK:
+            return tl.load(ptrs, mask=(rows < n)[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _fwd_kernel(q_ptr, k_src, v_src, o_ptr, lse_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sob, sos, soh, sod, slb, slh, sls,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                TMA: tl.constexpr, WS: tl.constexpr):
+    """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
@@ -78,10 +99,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-
     q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
-    k_base = k_ptr + b * skb + hk * skh + offs_d[None, :] * skd
-    v_base = v_ptr + b * svb + hk * svh + offs_d[None, :] * svd
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -94,10 +112,9 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         hi = s_kv
         full = (s_kv // BLOCK_N) * BLOCK_N
     # key blocks every row of this tile sees whole: no mask
-    for n0 in range(0, full, BLOCK_N):
-        rows = n0 + offs_n
-        k = tl.load(k_base + rows[:, None] * sks)
-        v = tl.load(v_base + rows[:, None] * svs)
+    for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -109,8 +126,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     for n0 in range(full, hi, BLOCK_N):
         rows = n0 + offs_n
         n_ok = rows < s_kv
-        k = tl.load(k_base + rows[:, None] * sks, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] * svs, mask=n_ok[:, None], other=0.0)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         ok = n_ok[None, :]
         if CAUSAL:
@@ -127,8 +144,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod, out,
-             mask=m_ok[:, None])
+    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
     tl.store(lse_ptr + b * slb + h * slh + offs_m * sls, lse, mask=m_ok)
 
 
@@ -149,18 +166,43 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q, offs_n, offs_d,
+               sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, qk_scale,
+               DIAG: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+               D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed)."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    m_ok = rows < s_q
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
+    do = _rows(do_src, b, h, sdb, sdh, sds, sdd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
+    lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    pt = tl.exp2(st - lse[None, :])
+    if DIAG:  # query i sees key j iff j <= i
+        pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
+    dv = _mm(pt, do, dv, SPLIT, PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk = _mm(dst, q, dk, SPLIT, PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                  sdb, sds, sdh, sdd, slb, slh, sls,
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk, dv (fp32, contiguous like k) for BLOCK_N keys of one kv head, summed over its group."""
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TMA: tl.constexpr):
+    """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
+    its group."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, hk, _ = _heads(bh, H_KV, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     n_ok = offs_n < s_kv
     k = _load_tile(k_ptr, b, hk, skb, skh, sks, skd, offs_n, offs_d, n_ok)
@@ -177,55 +219,33 @@ def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         mid = 0
     for g in range(0, G):
         h = hk * G + g
-        q_base = q_ptr + b * sqb + h * sqh + offs_d[None, :] * sqd
-        do_base = do_ptr + b * sdb + h * sdh + offs_d[None, :] * sdd
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
-        # the diagonal band (causal only): query i sees key j iff j <= i
+        # the diagonal band (causal only)
         for m0 in range(lo, mid, BLOCK_M):
-            rows = m0 + offs_m
-            m_ok = rows < s_q
-            q = tl.load(q_base + rows[:, None] * sqs, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sds, mask=m_ok[:, None], other=0.0)
-            lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            pt = tl.exp2(st - lse[None, :])
-            pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
-            dv = _mm(pt, do, dv, SPLIT, PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = _mm(dst, q, dk, SPLIT, PREC)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q,
+                                offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
+                                qk_scale, True, SPLIT, PREC, TMA, D, BLOCK_M)
         # rows that see every key of this block (or no mask at all)
         for m0 in range(mid, s_q, BLOCK_M):
-            rows = m0 + offs_m
-            m_ok = rows < s_q
-            q = tl.load(q_base + rows[:, None] * sqs, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sds, mask=m_ok[:, None], other=0.0)
-            lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            pt = tl.exp2(st - lse[None, :])
-            dv = _mm(pt, do, dv, SPLIT, PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = _mm(dst, q, dk, SPLIT, PREC)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q,
+                                offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
+                                qk_scale, False, SPLIT, PREC, TMA, D, BLOCK_M)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
-    tl.store(dk_ptr + out_off, dk * scale, mask=n_ok[:, None])
-    tl.store(dv_ptr + out_off, dv, mask=n_ok[:, None])
+    tl.store(dk_ptr + out_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _dq_kernel(q_ptr, k_src, v_src, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                s_q, s_kv, H, G, qk_scale, scale,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                sdb, sds, sdh, sdd, slb, slh, sls,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq (fp32, contiguous like q) for BLOCK_M query rows of one head."""
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TMA: tl.constexpr):
+    """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
@@ -238,8 +258,6 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     lse = tl.load(lse_ptr + b * slb + h * slh + offs_m * sls, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
-    k_base = k_ptr + b * skb + hk * skh + offs_d[None, :] * skd
-    v_base = v_ptr + b * svb + hk * svh + offs_d[None, :] * svd
     dq = tl.zeros([BLOCK_M, D], tl.float32)
 
     if CAUSAL:
@@ -249,9 +267,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         hi = s_kv
         full = (s_kv // BLOCK_N) * BLOCK_N
     for n0 in range(0, full, BLOCK_N):
-        rows = n0 + offs_n
-        k = tl.load(k_base + rows[:, None] * sks)
-        v = tl.load(v_base + rows[:, None] * svs)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -260,8 +277,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     for n0 in range(full, hi, BLOCK_N):
         rows = n0 + offs_n
         n_ok = rows < s_kv
-        k = tl.load(k_base + rows[:, None] * sks, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] * svs, mask=n_ok[:, None], other=0.0)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         ok = n_ok[None, :]
         if CAUSAL:
@@ -272,7 +289,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         dq = _mm(ds, k, dq, SPLIT, PREC)
 
     tl.store(dq_ptr + b * (s_q * H * D) + h * D + offs_m[:, None] * (H * D) + offs_d[None, :],
-             dq * scale, mask=m_ok[:, None])
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,22 +298,40 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 _HEAD_DIMS = (16, 32, 64, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, on the GPU; tuning code
-# (benchmarks/bench_flash_attention.py --cfg) may replace entries of this table. D=128 from
-# `--sweep` on an H100 (2026-11-22): one CP=2 rank's blocks at S=32768 went from 22.4 to 19.7 ms.
+
+class Cfg(NamedTuple):
+    """One kernel's launch: tile sizes, warps, pipeline stages, K/V (fwd, dq) or Q/dO (dkdv)
+    loads through TMA descriptors, and warp specialization of the forward's unmasked loop."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool = False
+    ws: bool = False
+
+
+# per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
+# --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
+# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms); split=False (the speed mode) starts from
+# Hopper-sized tiles: 128-row forward tiles on two warpgroups, a 128-key dk/dv tile walking
+# narrow query blocks, a 128-row dq tile walking narrow key blocks.
 GPU_CFG = {
-    "fwd": {128: (64, 64, 4, 3), 64: (128, 64, 4, 3)},
-    "dkdv": {128: (64, 64, 4, 2), 64: (64, 128, 8, 2)},
-    "dq": {128: (128, 64, 8, 3), 64: (128, 64, 8, 2)},
+    "fwd": {(128, True): Cfg(64, 64, 4, 3), (64, True): Cfg(128, 64, 4, 3),
+            (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 4, 3)},
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (64, True): Cfg(64, 128, 8, 2),
+             (128, False): Cfg(32, 128, 4, 3), (64, False): Cfg(64, 128, 8, 2)},
+    "dq": {(128, True): Cfg(128, 64, 8, 3), (64, True): Cfg(128, 64, 8, 2),
+           (128, False): Cfg(128, 32, 4, 3), (64, False): Cfg(128, 64, 8, 2)},
 }
-_INTERP_BLOCK = 16  # the interpreter: small tiles (tail masks exercised at s = 16..48)
+# the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
+INTERP_CFG = Cfg(16, 16, 4, 1)
 
 
-def _cfg(kind: str, d: int, device_is_cuda: bool):
+def _cfg(kind: str, d: int, split: bool, device_is_cuda: bool) -> Cfg:
     if not device_is_cuda:
-        return _INTERP_BLOCK, _INTERP_BLOCK, 4, 1
+        return INTERP_CFG
     table = GPU_CFG[kind]
-    return table.get(d, table[128] if d > 64 else (64, 64, 4, 2))
+    return table.get((d, split)) or table.get((128 if d > 64 else 64, split))
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -309,71 +344,103 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
-def _check(q, k, v):
+def _check(q, k, v, out_dtype, name):
     if not supported(q, k, v):
         raise ValueError(f"flash_attention: unsupported q{tuple(q.shape)} {q.dtype}, "
                          f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd, same "
                          f"dtype in {_DTYPES}, head dim in {_HEAD_DIMS}, d_v == d_qk, h % h_kv == 0)")
+    if out_dtype not in (None, torch.float32, q.dtype):
+        raise ValueError(f"flash_attention: {name}={out_dtype} must be None, torch.float32 or "
+                         f"the input dtype {q.dtype}")
+    return out_dtype or torch.float32
 
 
 def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _src(x: torch.Tensor, block: int, cfg: Cfg):
+    """x itself, or (cfg.tma and a TMA-compatible layout) a descriptor of its [b, s, h * d]
+    view with [1, block, d] boxes: unit-stride d, heads packed, 16-byte aligned strides/base."""
+    b, s, h, d = x.shape
+    sb, ss, sh, sd = x.stride()
+    esz = x.element_size()
+    if not (cfg.tma and sd == 1 and (sh == d or h == 1) and (sb * esz) % 16 == 0
+            and (ss * esz) % 16 == 0 and x.data_ptr() % 16 == 0):
+        return x, False
+    return TensorDescriptor(x, [b, s, h * d], [sb, ss, 1], [1, block, d]), True
+
+
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float, split: bool = True):
-    """-> (out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q], natural log)."""
-    _check(q, k, v)
+                        scale: float, split: bool = True,
+                        out_dtype: Optional[torch.dtype] = None):
+    """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
+    out_dtype = _check(q, k, v, out_dtype, "out_dtype")
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty(b, s_q, h, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
-    bm, bn, warps, stages = _cfg("fwd", d, q.is_cuda)
-    grid = (triton.cdiv(s_q, bm), b * h)
-    _fwd_kernel[grid](q, k, v, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
+    if out.numel() == 0 or s_kv == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = _cfg("fwd", d, split, q.is_cuda)
+    (k_src, tma), (v_src, tma_v) = _src(k, cfg.block_n, cfg), _src(v, cfg.block_n, cfg)
+    if tma != tma_v:
+        k_src, v_src, tma = k, v, False
+    grid = (triton.cdiv(s_q, cfg.block_m), b * h)
+    _fwd_kernel[grid](q, k_src, v_src, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                       CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d,
-                      BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
+                      num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                        split: bool = True):
-    """-> (dq, dk, dv) fp32, shaped like q, k, v. out (any float dtype) and lse (fp32
-    [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's merged ones)."""
-    _check(q, k, v)
+                        split: bool = True, grad_dtype: Optional[torch.dtype] = None):
+    """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v. out (any float dtype)
+    and lse (fp32 [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's
+    merged ones)."""
+    grad_dtype = _check(q, k, v, grad_dtype, "grad_dtype")
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, s_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse [b, h, s_q]")
     dev, f32 = q.device, torch.float32
-    dq = torch.zeros(b, s_q, h, d, dtype=f32, device=dev)
-    dk = torch.zeros(b, s_kv, h_kv, d, dtype=f32, device=dev)
-    dv = torch.zeros(b, s_kv, h_kv, d, dtype=f32, device=dev)
+    dq = torch.empty(b, s_q, h, d, dtype=grad_dtype, device=dev)
+    dk = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    dv = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq, dk, dv
+        return dq.zero_(), dk.zero_(), dv.zero_()
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     delta = torch.empty(b, h, s_q, dtype=f32, device=dev)
     cuda = q.is_cuda
-    bm, _, _, _ = _cfg("dq", d, cuda)
-    _delta_kernel[(triton.cdiv(s_q, bm), b * h)](out, dout, delta, s_q, h, *out.stride(),
-                                                  *dout.stride(), D=d, BLOCK_M=bm,
-                                                  num_warps=4 if cuda else 1)
+    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
+    _delta_kernel[(triton.cdiv(s_q, dq_cfg.block_m), b * h)](
+        out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
+        num_warps=4 if cuda else 1)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
     flags = dict(CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d)
-    bm, bn, warps, stages = _cfg("dkdv", d, cuda)
-    _dkdv_kernel[(triton.cdiv(s_kv, bn), b * h_kv)](
-        q, k, v, dout, lse, delta, dk, dv, s_q, s_kv, h_kv, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = _cfg("dq", d, cuda)
-    _dq_kernel[(triton.cdiv(s_q, bm), b * h)](
-        q, k, v, dout, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+    cfg = dkdv_cfg
+    (q_src, tma), (do_src, tma_do) = _src(q, cfg.block_m, cfg), _src(dout, cfg.block_m, cfg)
+    if tma != tma_do:
+        q_src, do_src, tma = q, dout, False
+    _dkdv_kernel[(triton.cdiv(s_kv, cfg.block_n), b * h_kv)](
+        q_src, k, v, do_src, lse, delta, dk, dv, s_q, s_kv, h_kv, h // h_kv, scale * LOG2E,
+        scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+        num_warps=cfg.warps, num_stages=cfg.stages)
+
+    cfg = dq_cfg
+    (k_src, tma), (v_src, tma_v) = _src(k, cfg.block_n, cfg), _src(v, cfg.block_n, cfg)
+    if tma != tma_v:
+        k_src, v_src, tma = k, v, False
+    _dq_kernel[(triton.cdiv(s_q, cfg.block_m), b * h)](
+        q, k_src, v_src, dout, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
+        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, dk, dv
 
 
@@ -383,4 +450,4 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "flops"]
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "flops", "Cfg", "GPU_CFG"]
