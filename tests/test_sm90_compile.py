@@ -217,10 +217,13 @@ for _kind, _name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_
     _box = _c.block_m if _kind == "dkdv" else _c.block_n
     _types = {**_FA_TYPES, **{n: (f"tensordesc<bf16[1, {_box}, 128]>" if _c.tma else BF16P)
                               for n in _FA_SRC[_name]}}
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma), "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
+    if _kind == "dkdv":
+        _types["dq_ptr"] = F32P  # the atomic dq accumulates in fp32
     KERNELS[("flash_attention", _name)] = (
         {k: v for k, v in _types.items() if k in getattr(_fa, _name).arg_names},
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
-             BLOCK_N=_c.block_n, TMA=_c.tma, **(dict(WS=_c.ws and _c.tma) if _kind == "fwd" else {})),
+             BLOCK_N=_c.block_n, TMA=_c.tma, **_extra[_kind]),
         dict(num_warps=_c.warps, num_stages=_c.stages))
 KERNELS[("flash_attention", "_delta_kernel")] = (
     {"do_ptr": BF16P, "o_ptr": BF16P}, dict(D=128, BLOCK_M=_FA_CFG["_dq_kernel"].block_m),
@@ -254,7 +257,8 @@ VARIANTS = {
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
     ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel", "fwd")
     + [dict(CAUSAL=False)],
-    ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel", "dkdv"),
+    ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel", "dkdv")
+    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel", "dq"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,

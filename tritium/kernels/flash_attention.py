@@ -54,10 +54,30 @@ def _mm(a, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _mm_t(at, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """acc + at^T @ b for an fp32 `at`: only its 16-bit head / tail are transposed."""
+    hi = at.to(b.dtype)
+    acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
+    if SPLIT:
+        lo = (at - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _heads(bh, H, G):
     """Program axis 1 -> (batch, query head, kv head) as int64 offsets (G query heads per kv)."""
     h = bh % H
     return (bh // H).to(tl.int64), h.to(tl.int64), (h // G).to(tl.int64)
+
+
+@triton.jit
+def _row_block(s_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query row of this program; causal: the last (busiest) row blocks start first."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        pid = tl.cdiv(s_q, BLOCK_M) - 1 - pid
+    return pid * BLOCK_M
 
 
 @triton.jit
@@ -92,7 +112,7 @@ def _fwd_kernel(q_ptr, k_src, v_src, o_ptr, lse_ptr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TMA: tl.constexpr, WS: tl.constexpr):
     """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head."""
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -115,10 +135,10 @@ def _fwd_kernel(q_ptr, k_src, v_src, o_ptr, lse_ptr,
     for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
         k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
         v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _mm(p, v, acc * alpha[:, None], SPLIT, PREC)
         m_i = m_new
@@ -166,11 +186,12 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
 
 
 @triton.jit
-def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q, offs_n, offs_d,
-               sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, qk_scale,
+def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, s_q, offs_n,
+               offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, dq_rows, qk_scale, scale,
                DIAG: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-               D: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed)."""
+               ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed); with
+    ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds."""
     rows = m0 + tl.arange(0, BLOCK_M)
     m_ok = rows < s_q
     q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
@@ -186,19 +207,24 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q, offs
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
     dst = pt * (dpt - delta[None, :])
     dk = _mm(dst, q, dk, SPLIT, PREC)
+    if ATOMIC_DQ:
+        dq = _mm_t(dst, k, tl.zeros([BLOCK_M, D], tl.float32), SPLIT, PREC)
+        tl.atomic_add(dq_base + rows[:, None] * dq_rows + offs_d[None, :], dq * scale,
+                      mask=m_ok[:, None], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                  sdb, sds, sdh, sdd, slb, slh, sls,
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TMA: tl.constexpr):
+                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
-    its group."""
+    its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
+    (contiguous like q)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, hk, _ = _heads(bh, H_KV, 1)
@@ -221,16 +247,19 @@ def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         h = hk * G + g
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
+        dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
         # the diagonal band (causal only)
         for m0 in range(lo, mid, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q,
-                                offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
-                                qk_scale, True, SPLIT, PREC, TMA, D, BLOCK_M)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
+                                s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
+                                H_KV * G * D, qk_scale, scale, True, SPLIT, PREC, TMA,
+                                ATOMIC_DQ, D, BLOCK_M)
         # rows that see every key of this block (or no mask at all)
         for m0 in range(mid, s_q, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, b, h, m0, s_q,
-                                offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
-                                qk_scale, False, SPLIT, PREC, TMA, D, BLOCK_M)
+            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
+                                s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
+                                H_KV * G * D, qk_scale, scale, False, SPLIT, PREC, TMA,
+                                ATOMIC_DQ, D, BLOCK_M)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
     tl.store(dk_ptr + out_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -246,7 +275,7 @@ def _dq_kernel(q_ptr, k_src, v_src, do_ptr, lse_ptr, delta_ptr, dq_ptr,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                TMA: tl.constexpr):
     """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -301,13 +330,15 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class Cfg(NamedTuple):
     """One kernel's launch: tile sizes, warps, pipeline stages, K/V (fwd, dq) or Q/dO (dkdv)
-    loads through TMA descriptors, and warp specialization of the forward's unmasked loop."""
+    loads through TMA descriptors, warp specialization of the forward's unmasked loop (fwd, with
+    tma), dq by fp32 atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
     block_m: int
     block_n: int
     warps: int
     stages: int
     tma: bool = False
     ws: bool = False
+    atomic_dq: bool = False
 
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
@@ -407,17 +438,20 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, s_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse [b, h, s_q]")
     dev, f32 = q.device, torch.float32
-    dq = torch.empty(b, s_q, h, d, dtype=grad_dtype, device=dev)
+    cuda = q.is_cuda
+    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
+    atomic = dkdv_cfg.atomic_dq  # dq summed in fp32 over the key blocks: zeroed first
+    dq = torch.empty(b, s_q, h, d, dtype=f32 if atomic else grad_dtype, device=dev)
     dk = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
     dv = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    if atomic or dq.numel() == 0 or dk.numel() == 0:
+        dq.zero_()
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.to(grad_dtype), dk.zero_(), dv.zero_()
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     delta = torch.empty(b, h, s_q, dtype=f32, device=dev)
-    cuda = q.is_cuda
-    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
     _delta_kernel[(triton.cdiv(s_q, dq_cfg.block_m), b * h)](
         out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
         num_warps=4 if cuda else 1)
@@ -429,9 +463,11 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if tma != tma_do:
         q_src, do_src, tma = q, dout, False
     _dkdv_kernel[(triton.cdiv(s_kv, cfg.block_n), b * h_kv)](
-        q_src, k, v, do_src, lse, delta, dk, dv, s_q, s_kv, h_kv, h // h_kv, scale * LOG2E,
-        scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
-        num_warps=cfg.warps, num_stages=cfg.stages)
+        q_src, k, v, do_src, lse, delta, dk, dv, dq, s_q, s_kv, h_kv, h // h_kv,
+        scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
+    if atomic:
+        return dq.to(grad_dtype), dk, dv
 
     cfg = dq_cfg
     (k_src, tma), (v_src, tma_v) = _src(k, cfg.block_n, cfg), _src(v, cfg.block_n, cfg)
