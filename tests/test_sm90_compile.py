@@ -230,6 +230,9 @@ KERNELS[("flash_attention", "_delta_kernel")] = (
     dict(num_warps=4))
 
 
+_FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
+
+
 def _fa_variants(name: str, kind: str) -> list:
     """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized) and the
     split mode with fp32 outputs at its own config."""
@@ -256,7 +259,10 @@ VARIANTS = {
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
     ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel", "fwd")
-    + [dict(CAUSAL=False)],
+    + [dict(CAUSAL=False),
+       dict(D=256, TMA=False, WS=False, BLOCK_M=_FA256.block_m, BLOCK_N=_FA256.block_n,
+            _types={"k_src": BF16P, "v_src": BF16P},
+            _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))],
     ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel", "dkdv")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel", "dq"),

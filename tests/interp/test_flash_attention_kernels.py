@@ -121,6 +121,21 @@ def test_16bit_outputs_match_twin(causal, split, option, gen, monkeypatch):
         close(g.float(), r.float(), name, **tol)
 
 
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+def test_head_dim_256_forward(causal, gen):
+    """d=256: the forward (both modes, 16-bit out too); the backward refuses it."""
+    q, k, v, do = data(20, 24, 2, 1, 256, torch.float16, gen)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.0625)
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.0625)
+    close(out, r_out, "out")
+    close(lse, r_lse, "lse")
+    out16, _ = K.flash_attention_fwd(q, k, v, causal, 0.0625, split=False, out_dtype=q.dtype)
+    close(out16.float(), r_out, "out (nosplit, fp16)", rtol=0.0, atol=4e-3)
+    assert K.supported(q, k, v, backward=False) and not K.supported(q, k, v)
+    with pytest.raises(ValueError, match="head dim"):
+        K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.0625)
+
+
 def test_strided_views_gqa(gen):
     q, k, v, do = data(33, 33, 4, 2, 16, torch.float16, gen, strided=True)
     assert not q.is_contiguous()

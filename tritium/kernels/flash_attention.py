@@ -1,16 +1,19 @@
-"""Triton flash attention that reads 16-bit q/k/v and returns fp32 partial results (for the exact
-mode of context-parallel attention, tritium/attention/cp/merge.py).
+"""Triton flash attention: 16-bit q/k/v in; fp32 partial results for the exact mode of
+context-parallel attention (tritium/attention/cp/merge.py), or 16-bit results (the speed mode,
+what an attention backend returns).
 
 Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math). Contract:
-  * q [b, s_q, h, d], k/v [b, s_kv, h_kv, d] (bshd, any strides, d a power of two <= 128, d_v ==
-    d_qk), h % h_kv == 0, query head i reads kv head i // (h // h_kv). fp16, bf16 or fp32.
+  * q [b, s_q, h, d], k/v [b, s_kv, h_kv, d] (bshd, any strides, d a power of two <= 128, or
+    256 for the forward alone, d_v == d_qk), h % h_kv == 0, query head i reads kv head
+    i // (h // h_kv) (K/V are never repeated). fp16, bf16 or fp32.
   * causal = top-left (key j visible to query i iff j <= i), any s_q / s_kv; else no mask.
-  * forward -> out fp32 [b, s_q, h, d] (never rounded to 16 bits), lse fp32 [b, h, s_q] (natural
-    log). backward(dout, q, k, v, out, lse) -> dq, dk, dv fp32 shaped like q, k, v. The backward
-    is FlashAttention-2's: P = exp(S - lse), D = rowsum(dO * out), dS = P * (dO v^T - D); it only
+  * forward -> out [b, s_q, h, d] in out_dtype (None = fp32, never rounded to 16 bits; or the
+    input dtype, rounded once), lse fp32 [b, h, s_q] (natural log). backward(dout, q, k, v,
+    out, lse) -> dq, dk, dv shaped like q, k, v in grad_dtype (same choice). The backward is
+    FlashAttention-2's: P = exp(S - lse), D = rowsum(dO * out), dS = P * (dO v^T - D); it only
     needs an (out, lse) pair of the same softmax rows, so context parallelism passes the merged
-    out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32, inside
-    one program (no atomics).
+    out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
+    inside one program.
 
 Precision. Scores are exact products of the 16-bit inputs summed in fp32 (tensor cores). The
 fp32 operands of the other products (P in P@V and P^T@dO, dS in dS@K and dS^T@Q) are split into
@@ -18,16 +21,27 @@ a 16-bit head plus a 16-bit tail (SPLIT=True, the default): two tensor-core prod
 carries ~16 (bf16) / ~22 (fp16) bits of the operand instead of 8 / 11, so the partials stay
 close to fp32 math (the twin agrees to ~1e-5 relative) at ~1.5x the tensor-core work.
 SPLIT=False rounds P / dS once to the input dtype (what cuDNN does; faster, error like a 16-bit
-kernel without the final rounding). fp32 inputs use IEEE fp32 products (interpreter tests,
-fallback).
+kernel). fp32 inputs use IEEE fp32 products (interpreter tests, fallback).
 
 Tiling. Forward: a program owns BLOCK_M query rows of one head and walks the key blocks with
-the online softmax (exp2 with log2(e) folded into the scale); key blocks strictly below the
-diagonal run without a mask, the rest (diagonal band, key tail) with one. Backward: a
-preprocess kernel writes D (fp32); the dk/dv kernel owns BLOCK_N keys of one kv head and walks
-the query blocks of every head of its group, computing S^T directly (K Q^T) so that no fp32
-tile is ever transposed (see the Triton 3.6 note in cast.py); the dq kernel owns BLOCK_M query
-rows and walks the key blocks. A row whose lse is -inf (no visible key) gets P = 0.
+the online softmax (exp2, log2(e) folded into the scale, one FMA per score); key blocks strictly
+below the diagonal run without a mask, the rest (diagonal band, key tail) with one; causal key
+blocks past the diagonal are never visited, and the busiest row blocks are launched first.
+Backward: a preprocess kernel writes D (fp32); the dk/dv kernel owns BLOCK_N keys of one kv head
+and walks the query blocks of every head of its group, computing S^T directly (K Q^T) so that
+no fp32 tile is ever transposed (see the Triton 3.6 note in cast.py); dq either comes from a
+dq kernel that owns BLOCK_M query rows and walks the key blocks (no atomics, deterministic,
+~1.4x the backward's matmuls) or (Cfg.atomic_dq) from the dk/dv kernel itself, by fp32 atomic
+adds of dS^T-transposed 16-bit tiles into a zeroed buffer (5 matmuls per tile pair, order of
+the sums not fixed). A row whose lse is -inf (no visible key) gets P = 0.
+
+Launch options (`Cfg`, per kernel and (head dim, split) in GPU_CFG; benchmarks/
+bench_flash_attention.py --sweep picks them on a GPU): tile sizes, warps, pipeline stages,
+the streamed operands (K/V in forward and dq, Q/dO in dk/dv) loaded through TMA descriptors of
+the [b, s, h * d] view (where the layout allows: unit-stride d, packed heads, 16-byte aligned
+strides; pointer loads otherwise), `tl.range(warp_specialize=True)` on the forward's unmasked
+loop (with TMA). Deliberately not here: dropout, sliding windows, padding masks, bottom-right
+causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
 """
 from __future__ import annotations
 
@@ -348,7 +362,8 @@ class Cfg(NamedTuple):
 # narrow query blocks, a 128-row dq tile walking narrow key blocks.
 GPU_CFG = {
     "fwd": {(128, True): Cfg(64, 64, 4, 3), (64, True): Cfg(128, 64, 4, 3),
-            (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 4, 3)},
+            (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 4, 3),
+            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2)},
     "dkdv": {(128, True): Cfg(64, 64, 4, 2), (64, True): Cfg(64, 128, 8, 2),
              (128, False): Cfg(32, 128, 4, 3), (64, False): Cfg(64, 128, 8, 2)},
     "dq": {(128, True): Cfg(128, 64, 8, 3), (64, True): Cfg(128, 64, 8, 2),
@@ -362,24 +377,28 @@ def _cfg(kind: str, d: int, split: bool, device_is_cuda: bool) -> Cfg:
     if not device_is_cuda:
         return INTERP_CFG
     table = GPU_CFG[kind]
-    return table.get((d, split)) or table.get((128 if d > 64 else 64, split))
+    return table.get((d, split)) or table[(128 if d > 64 else 64, split)]
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Can this kernel run these bshd tensors? (dtype, head dims, GQA ratio)."""
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool = True) -> bool:
+    """Can this kernel run these bshd tensors? (dtype, head dims, GQA ratio); backward=False:
+    the forward alone (which also takes head dim 256)."""
+    dims = _HEAD_DIMS if backward else _HEAD_DIMS + (256,)
     return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4
             and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] in _HEAD_DIMS and k.shape[-1] == q.shape[-1]
+            and q.shape[-1] in dims and k.shape[-1] == q.shape[-1]
             and v.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0] == v.shape[0]
             and k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2]
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
-def _check(q, k, v, out_dtype, name):
-    if not supported(q, k, v):
+def _check(q, k, v, out_dtype, name, backward=True):
+    if not supported(q, k, v, backward):
+        dims = _HEAD_DIMS if backward else _HEAD_DIMS + (256,)
         raise ValueError(f"flash_attention: unsupported q{tuple(q.shape)} {q.dtype}, "
                          f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd, same "
-                         f"dtype in {_DTYPES}, head dim in {_HEAD_DIMS}, d_v == d_qk, h % h_kv == 0)")
+                         f"dtype in {_DTYPES}, head dim in {dims}"
+                         f"{'' if backward else ' (forward)'}, d_v == d_qk, h % h_kv == 0)")
     if out_dtype not in (None, torch.float32, q.dtype):
         raise ValueError(f"flash_attention: {name}={out_dtype} must be None, torch.float32 or "
                          f"the input dtype {q.dtype}")
@@ -406,7 +425,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         scale: float, split: bool = True,
                         out_dtype: Optional[torch.dtype] = None):
     """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
-    out_dtype = _check(q, k, v, out_dtype, "out_dtype")
+    out_dtype = _check(q, k, v, out_dtype, "out_dtype", backward=False)
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q.device)
