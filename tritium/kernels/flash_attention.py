@@ -392,6 +392,11 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool 
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
+def deterministic(q: torch.Tensor, split: bool) -> bool:
+    """Is the backward for q's head dim and device bit-reproducible (no atomic dq)?"""
+    return not _cfg("dkdv", q.shape[-1], split, q.is_cuda).atomic_dq
+
+
 def _check(q, k, v, out_dtype, name, backward=True):
     if not supported(q, k, v, backward):
         dims = _HEAD_DIMS if backward else _HEAD_DIMS + (256,)
@@ -505,4 +510,5 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "flops", "Cfg", "GPU_CFG"]
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "deterministic", "flops",
+           "Cfg", "GPU_CFG"]
