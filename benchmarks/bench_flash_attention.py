@@ -89,6 +89,8 @@ def _steps(blocks, variant):
     split = variant.endswith(" split")
     scale = 1 / math.sqrt(D)
     dt = None if split else torch.bfloat16
+    configs = " ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)[6:]
+                       for kind in ("fwd", "dkdv", "dq"))
 
     def fwd():
         for q, k, v, _, c in blocks:
@@ -98,7 +100,7 @@ def _steps(blocks, variant):
         for q, k, v, do, c in blocks:
             out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
             FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)
-    return fwd, fwd_bwd, {}
+    return fwd, fwd_bwd, {"configs": configs}
 
 
 def _cases(args, g):
@@ -156,11 +158,11 @@ def _parse_cfg(spec: str):
     return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
 
 
-def _cfg_arg(kind, cfg):
+def _cfg_arg(kind, cfg, split=False):
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
     while flags and not flags[-1]:
         flags.pop()
-    return f"--cfg {kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
+    return f"--cfg {'split:' if split else ''}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
 
 
 # speed mode (split=False), D=128: candidates around the defaults
@@ -268,9 +270,6 @@ def main():
         sweep()
     rows = []
     _run(rows, args)
-    cfgs = {f"{kind} {'split' if s else 'nosplit'}": list(FA.GPU_CFG[kind][(D, s)])
-            for kind in FA.GPU_CFG for s in (False, True)}
-    rows.append({"case": "configs (D=128)", "variant": "tritium flash", **cfgs})
     finish("flash_attention", rows, baseline="sdpa cudnn")
 
 

@@ -358,16 +358,17 @@ class Cfg(NamedTuple):
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
 # --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
 # one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms); split=False (the speed mode) starts from
-# Hopper-sized tiles: 128-row forward tiles on two warpgroups, a 128-key dk/dv tile walking
-# narrow query blocks, a 128-row dq tile walking narrow key blocks.
+# Hopper-sized tiles on two warpgroups (8 warps: a 128 x 128 fp32 accumulator is 64 registers
+# a thread; dk + dv of a 128-key tile on 4 warps would need 256): 128-row forward tiles, a
+# 128-key dk/dv tile walking 64-row query blocks, a 128-row dq tile walking 64-key blocks.
 GPU_CFG = {
     "fwd": {(128, True): Cfg(64, 64, 4, 3), (64, True): Cfg(128, 64, 4, 3),
             (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 4, 3),
             (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2)},
     "dkdv": {(128, True): Cfg(64, 64, 4, 2), (64, True): Cfg(64, 128, 8, 2),
-             (128, False): Cfg(32, 128, 4, 3), (64, False): Cfg(64, 128, 8, 2)},
+             (128, False): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2)},
     "dq": {(128, True): Cfg(128, 64, 8, 3), (64, True): Cfg(128, 64, 8, 2),
-           (128, False): Cfg(128, 32, 4, 3), (64, False): Cfg(128, 64, 8, 2)},
+           (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 8, 2)},
 }
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
