@@ -84,7 +84,7 @@ def test_launch_options_match_twin(option, case, gen, monkeypatch):
     s_q, s_kv, h, h_kv, d, causal = case
     q, k, v, do = data(s_q, s_kv, h, h_kv, d, torch.float16, gen)
     if option.startswith("tma"):
-        assert K._src(k, 16, OPTIONS[option])[1], "the TMA path must be taken"
+        assert K._srcs(OPTIONS[option], q, k, v)[1], "the TMA path must be taken"
     out, lse = K.flash_attention_fwd(q, k, v, causal, 0.25)
     r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.25)
     close(out, r_out, "out")

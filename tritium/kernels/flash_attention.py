@@ -28,19 +28,22 @@ the online softmax (exp2, log2(e) folded into the scale, one FMA per score); key
 below the diagonal run without a mask, the rest (diagonal band, key tail) with one; causal key
 blocks past the diagonal are never visited, and the busiest row blocks are launched first.
 Backward: a preprocess kernel writes D (fp32); the dk/dv kernel owns BLOCK_N keys of one kv head
-and walks the query blocks of every head of its group, computing S^T directly (K Q^T) so that
-no fp32 tile is ever transposed (see the Triton 3.6 note in cast.py); dq either comes from a
-dq kernel that owns BLOCK_M query rows and walks the key blocks (no atomics, deterministic,
-~1.4x the backward's matmuls) or (Cfg.atomic_dq) from the dk/dv kernel itself, by fp32 atomic
-adds of dS^T-transposed 16-bit tiles into a zeroed buffer (5 matmuls per tile pair, order of
-the sums not fixed). A row whose lse is -inf (no visible key) gets P = 0.
+and walks the query blocks of every head of its group (causal: from the first that sees one of
+its keys, masked in one loop), computing S^T directly (K Q^T) so that no fp32 tile is ever
+transposed (see the Triton 3.6 note in cast.py). dq comes either from a dq kernel that owns
+BLOCK_M query rows and walks the key blocks (no atomics, deterministic, 7 matmuls per tile pair
+in the whole backward) or (Cfg.atomic_dq) from the dk/dv kernel itself: dS K by fp32 atomic
+adds into a zeroed buffer, dS^T's 16-bit head / tail transposed, never an fp32 tile (5 matmuls,
+order of the sums not fixed). A row whose lse is -inf (no visible key) gets P = 0.
 
 Launch options (`Cfg`, per kernel and (head dim, split) in GPU_CFG; benchmarks/
 bench_flash_attention.py --sweep picks them on a GPU): tile sizes, warps, pipeline stages,
-the streamed operands (K/V in forward and dq, Q/dO in dk/dv) loaded through TMA descriptors of
-the [b, s, h * d] view (where the layout allows: unit-stride d, packed heads, 16-byte aligned
-strides; pointer loads otherwise), `tl.range(warp_specialize=True)` on the forward's unmasked
-loop (with TMA). Deliberately not here: dropout, sliding windows, padding masks, bottom-right
+q/k/v/dO loaded through TMA descriptors of their [b, s, h * d] views (where the layout allows:
+unit-stride d, packed heads, 16-byte aligned strides; pointer loads otherwise: their address
+tiles cost registers, a 128 x 128 forward tile spills on sm90 without TMA), and
+`tl.range(warp_specialize=True)` on the forward's unmasked loop (with TMA; Triton 3.6 compiles
+it for sm90 at 8 warps, not at 4).
+Deliberately not here: dropout, sliding windows, padding masks, bottom-right
 causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
 """
 from __future__ import annotations
@@ -118,7 +121,7 @@ def _rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d,
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_src, v_src, o_ptr, lse_ptr,
+def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sob, sos, soh, sod, slb, slh, sls,
@@ -133,7 +136,7 @@ def _fwd_kernel(q_ptr, k_src, v_src, o_ptr, lse_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -202,7 +205,7 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
 @triton.jit
 def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, s_q, offs_n,
                offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, dq_rows, qk_scale, scale,
-               DIAG: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
                ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
     """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed); with
     ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds."""
@@ -215,7 +218,7 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
     delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
     st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
     pt = tl.exp2(st - lse[None, :])
-    if DIAG:  # query i sees key j iff j <= i
+    if CAUSAL:  # query i sees key j iff j <= i
         pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
     dv = _mm(pt, do, dv, SPLIT, PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -229,7 +232,7 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
 
 
 @triton.jit
-def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
+def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                  sdb, sds, sdh, sdd, slb, slh, sls,
@@ -245,34 +248,24 @@ def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     n_ok = offs_n < s_kv
-    k = _load_tile(k_ptr, b, hk, skb, skh, sks, skd, offs_n, offs_d, n_ok)
-    v = _load_tile(v_ptr, b, hk, svb, svh, svs, svd, offs_n, offs_d, n_ok)
+    k = _rows(k_src, b, hk, skb, skh, sks, skd, start_n, s_kv, offs_d, True, TMA, BLOCK_N, D)
+    v = _rows(v_src, b, hk, svb, svh, svs, svd, start_n, s_kv, offs_d, True, TMA, BLOCK_N, D)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
 
-    if CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = lo + tl.cdiv(start_n + BLOCK_N - lo, BLOCK_M) * BLOCK_M
-        mid = tl.minimum(mid, s_q)
-    else:
-        lo = 0
-        mid = 0
+    # causal: query blocks before the first that sees a key of this block are skipped; the
+    # mask is applied to every tile after that (one loop: two, diagonal and below, as in the
+    # forward, hold more registers than the sm90 register file has: spills)
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for g in range(0, G):
         h = hk * G + g
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
         dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
-        # the diagonal band (causal only)
-        for m0 in range(lo, mid, BLOCK_M):
+        for m0 in range(lo, s_q, BLOCK_M):
             dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
                                 s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
-                                H_KV * G * D, qk_scale, scale, True, SPLIT, PREC, TMA,
-                                ATOMIC_DQ, D, BLOCK_M)
-        # rows that see every key of this block (or no mask at all)
-        for m0 in range(mid, s_q, BLOCK_M):
-            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
-                                s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
-                                H_KV * G * D, qk_scale, scale, False, SPLIT, PREC, TMA,
+                                H_KV * G * D, qk_scale, scale, CAUSAL, SPLIT, PREC, TMA,
                                 ATOMIC_DQ, D, BLOCK_M)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
@@ -281,7 +274,7 @@ def _dkdv_kernel(q_src, k_ptr, v_ptr, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_src, v_src, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                s_q, s_kv, H, G, qk_scale, scale,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                sdb, sds, sdh, sdd, slb, slh, sls,
@@ -296,8 +289,8 @@ def _dq_kernel(q_ptr, k_src, v_src, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
-    do = _load_tile(do_ptr, b, h, sdb, sdh, sds, sdd, offs_m, offs_d, m_ok)
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
+    do = _rows(do_src, b, h, sdb, sdh, sds, sdd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
     lse = tl.load(lse_ptr + b * slb + h * slh + offs_m * sls, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
@@ -357,18 +350,19 @@ class Cfg(NamedTuple):
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
 # --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
-# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms); split=False (the speed mode) starts from
-# Hopper-sized tiles on two warpgroups (8 warps: a 128 x 128 fp32 accumulator is 64 registers
-# a thread; dk + dv of a 128-key tile on 4 warps would need 256): 128-row forward tiles, a
-# 128-key dk/dv tile walking 64-row query blocks, a 128-row dq tile walking 64-key blocks.
+# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode) at D=128:
+# TMA loads and two warpgroups, chosen by ptxas's register counts for sm90 (no GPU timing yet):
+# forward 128 x 64 tiles 169 registers, no spill; dk/dv 64 keys x 64 query rows 255 registers,
+# 12 bytes of spill (128 keys: 340); dq 128 x 64 173 registers. Pointer loads at the same tiles
+# use 255 registers (their address tiles), and spill at 128 x 128.
 GPU_CFG = {
     "fwd": {(128, True): Cfg(64, 64, 4, 3), (64, True): Cfg(128, 64, 4, 3),
-            (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 4, 3),
+            (128, False): Cfg(128, 64, 8, 3, tma=True), (64, False): Cfg(128, 64, 4, 3),
             (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2)},
     "dkdv": {(128, True): Cfg(64, 64, 4, 2), (64, True): Cfg(64, 128, 8, 2),
-             (128, False): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2)},
+             (128, False): Cfg(64, 64, 8, 2, tma=True), (64, False): Cfg(64, 128, 8, 2)},
     "dq": {(128, True): Cfg(128, 64, 8, 3), (64, True): Cfg(128, 64, 8, 2),
-           (128, False): Cfg(128, 64, 8, 3), (64, False): Cfg(128, 64, 8, 2)},
+           (128, False): Cfg(128, 64, 8, 3, tma=True), (64, False): Cfg(128, 64, 8, 2)},
 }
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
@@ -415,16 +409,22 @@ def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
-def _src(x: torch.Tensor, block: int, cfg: Cfg):
-    """x itself, or (cfg.tma and a TMA-compatible layout) a descriptor of its [b, s, h * d]
-    view with [1, block, d] boxes: unit-stride d, heads packed, 16-byte aligned strides/base."""
-    b, s, h, d = x.shape
-    sb, ss, sh, sd = x.stride()
-    esz = x.element_size()
-    if not (cfg.tma and sd == 1 and (sh == d or h == 1) and (sb * esz) % 16 == 0
-            and (ss * esz) % 16 == 0 and x.data_ptr() % 16 == 0):
-        return x, False
-    return TensorDescriptor(x, [b, s, h * d], [sb, ss, 1], [1, block, d]), True
+def _srcs(cfg: Cfg, *tensors):
+    """(q, k, v[, dout]) as the kernels read them: with cfg.tma and a TMA-compatible layout for
+    all (unit-stride d, heads packed, 16-byte aligned base and strides), TMA descriptors of
+    each's [b, s, h * d] view with [1, rows, d] boxes (q / dout: block_m rows, k / v: block_n);
+    else the tensors themselves (pointer loads). -> (sources, tma)."""
+    descs = []
+    for i, x in enumerate(tensors):
+        b, s, h, d = x.shape
+        sb, ss, sh, sd = x.stride()
+        esz = x.element_size()
+        if not (cfg.tma and sd == 1 and (sh == d or h == 1) and (sb * esz) % 16 == 0
+                and (ss * esz) % 16 == 0 and x.data_ptr() % 16 == 0):
+            return tensors, False
+        rows = cfg.block_n if i in (1, 2) else cfg.block_m
+        descs.append(TensorDescriptor(x, [b, s, h * d], [sb, ss, 1], [1, rows, d]))
+    return tuple(descs), True
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -439,11 +439,9 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if out.numel() == 0 or s_kv == 0:
         return out.zero_(), lse.fill_(float("-inf"))
     cfg = _cfg("fwd", d, split, q.is_cuda)
-    (k_src, tma), (v_src, tma_v) = _src(k, cfg.block_n, cfg), _src(v, cfg.block_n, cfg)
-    if tma != tma_v:
-        k_src, v_src, tma = k, v, False
+    srcs, tma = _srcs(cfg, q, k, v)
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
-    _fwd_kernel[grid](q, k_src, v_src, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
+    _fwd_kernel[grid](*srcs, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                       CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
@@ -484,22 +482,18 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     flags = dict(CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d)
 
     cfg = dkdv_cfg
-    (q_src, tma), (do_src, tma_do) = _src(q, cfg.block_m, cfg), _src(dout, cfg.block_m, cfg)
-    if tma != tma_do:
-        q_src, do_src, tma = q, dout, False
+    srcs, tma = _srcs(cfg, q, k, v, dout)
     _dkdv_kernel[(triton.cdiv(s_kv, cfg.block_n), b * h_kv)](
-        q_src, k, v, do_src, lse, delta, dk, dv, dq, s_q, s_kv, h_kv, h // h_kv,
+        *srcs, lse, delta, dk, dv, dq, s_q, s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
     if atomic:
         return dq.to(grad_dtype), dk, dv
 
     cfg = dq_cfg
-    (k_src, tma), (v_src, tma_v) = _src(k, cfg.block_n, cfg), _src(v, cfg.block_n, cfg)
-    if tma != tma_v:
-        k_src, v_src, tma = k, v, False
+    srcs, tma = _srcs(cfg, q, k, v, dout)
     _dq_kernel[(triton.cdiv(s_q, cfg.block_m), b * h)](
-        q, k_src, v_src, dout, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
+        *srcs, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
         *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, dk, dv
