@@ -6,7 +6,9 @@ cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row 
 kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN does,
 out and grads in bf16 like SDPA's), "tritium flash split" (the exact mode context parallelism
 runs: head/tail split of P / dS, fp32 out and grads). TFLOP/s count useful FLOPs (causal half;
-fwd+bwd = 3.5x fwd).
+fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
+cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
+a wrong config shows here).
 
 --seq adds B1 H12 D128 causal cases at those lengths and --cp the blocks one rank computes in a
 cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),
@@ -88,7 +90,7 @@ def _steps(blocks, variant):
         return fwd, fwd_bwd, ({"kv_repeated": True} if repeated else {})
     split = variant.endswith(" split")
     scale = 1 / math.sqrt(D)
-    dt = None if split else torch.bfloat16
+    dt = None if split else blocks[0][0].dtype  # the speed mode: out / grads like SDPA's
     configs = " ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)[6:]
                        for kind in ("fwd", "dkdv", "dq"))
 
@@ -100,7 +102,26 @@ def _steps(blocks, variant):
         for q, k, v, do, c in blocks:
             out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
             FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)
-    return fwd, fwd_bwd, {"configs": configs}
+
+    # the first block's out and dq against cuDNN's (relative to their max): a wrong config
+    # must not pass as a fast one
+    q, k, v, do, c = blocks[0]
+    out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
+    dq = FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)[0]
+    err = _rel_err((out, dq), _sdpa_out_dq(*blocks[0]))
+    return fwd, fwd_bwd, {"configs": configs, "err_vs_cudnn": float(f"{err:.2e}")}
+
+
+def _sdpa_out_dq(q, k, v, do, causal):
+    """SDPA cuDNN's (out, dq) for one block (K/V repeated where its GQA path refuses)."""
+    q = q.detach().requires_grad_()
+    try:
+        o = _sdpa(q, k, v, causal, k.shape[2] != q.shape[2])
+    except RuntimeError:
+        rep = q.shape[2] // k.shape[2]
+        o = _sdpa(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2), causal, False)
+    o.backward(do)
+    return o.detach(), q.grad
 
 
 def _cases(args, g):
@@ -214,7 +235,7 @@ def sweep():
     """Each kernel's candidates at B4 H32 S4096 D128 bf16, MHA, speed mode; sets the best."""
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = _tensors(4, 4096, 4096, 32, 32, g)
-    scale, bf = 1 / math.sqrt(D), torch.bfloat16
+    scale, bf = 1 / math.sqrt(D), q.dtype
     ref_fwd, ref_bwd = {}, {}
     for c in (True, False):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]

@@ -336,9 +336,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class Cfg(NamedTuple):
-    """One kernel's launch: tile sizes, warps, pipeline stages, K/V (fwd, dq) or Q/dO (dkdv)
-    loads through TMA descriptors, warp specialization of the forward's unmasked loop (fwd, with
-    tma), dq by fp32 atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
+    """One kernel's launch: tile sizes, warps, pipeline stages, q/k/v/dO loads through TMA
+    descriptors, warp specialization of the forward's unmasked loop (fwd, with tma), dq by fp32
+    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
     block_m: int
     block_n: int
     warps: int
