@@ -30,8 +30,9 @@ triton, torch elsewhere: cuDNN is not the faster one below sm90) and takes the f
 passes; each rejection reason is kept for `explain()` and for the error when nothing fits.
 Auto takes triton only for the (compute capability major, head dim, mask) classes listed in
 `MEASURED_FASTER`, where benchmarks/bench_flash_attention.py measured it faster than cuDNN
-(fwd+bwd); elsewhere explain() says it was not measured faster, and backend="triton" forces it. The choice is cached per call signature, so a
-training step pays a dict lookup, not the checks.
+(fwd+bwd); elsewhere explain() says it was not measured faster, and backend="triton" forces
+it. The choice is cached per call signature, so a training step pays a dict lookup, not the
+checks.
 
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
 (the choice is made once, at trace time, and guarded like any other Python branch); what they
