@@ -15,9 +15,10 @@ cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] bl
 the CP exact mode's numbers.
 
 --sweep first times a grid of configs of each kernel (fwd; dk/dv with the dq kernel, or with
-atomic dq alone; dq) for the speed mode at the issue's shape (MHA, causal + no mask summed),
-prints each and the best per kernel (as --cfg arguments), applies the best and then runs the
-table: one command finds the configs and shows what they give.
+atomic dq alone; dq) for the speed mode, then a smaller one for the split mode, at the issue's
+shape (MHA, causal + no mask summed; a candidate off cuDNN's results is not chosen), prints each
+and the best per kernel (as --cfg arguments), applies the best and then runs the table: one
+command finds the configs and shows what they give (~8 minutes on an H200).
 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
@@ -202,6 +203,18 @@ SWEEP_ATOMIC = [Cfg(64, 64, 8, 2, T, atomic_dq=T), Cfg(64, 64, 8, 3, T, atomic_d
 SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 2, T), Cfg(128, 64, 8, 4, T),
             Cfg(128, 32, 8, 3, T), Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T),
             Cfg(64, 128, 8, 2, T), Cfg(128, 32, 8, 3)]
+# split mode (context parallelism's exact mode): today's pointer configs (first) against TMA
+# ones (ptxas: the pointer forward spills 556 bytes, dk/dv 1324); no atomic dq (exact mode's
+# sums stay in a fixed order)
+SWEEPS = {
+    False: dict(fwd=SWEEP_FWD, dkdv=SWEEP_DKDV, dq=SWEEP_DQ, atomic=SWEEP_ATOMIC),
+    True: dict(fwd=[Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3, T),
+                    Cfg(128, 64, 8, 2, T), Cfg(64, 64, 8, 3, T)],
+               dkdv=[Cfg(64, 64, 4, 2), Cfg(64, 64, 8, 2, T), Cfg(32, 64, 4, 2, T),
+                     Cfg(32, 128, 8, 2, T)],
+               dq=[Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T), Cfg(128, 32, 8, 3, T),
+                   Cfg(64, 64, 4, 3, T)],
+               atomic=[])}
 
 
 def _rel_err(got, want):
@@ -209,10 +222,10 @@ def _rel_err(got, want):
                for a, b in zip(got, want))
 
 
-def _time_cfgs(kind, cands, run, ref):
+def _time_cfgs(kind, split, cands, run, ref):
     """Time run(causal) for each candidate of `kind` (causal + no mask summed) -> (ms, best).
     A candidate whose results are off SDPA's (`ref[causal]`) by more than bf16 error is out."""
-    key = (D, False)
+    key = (D, split)
     keep, best = FA.GPU_CFG[kind][key], (math.inf, None)
     for cfg in cands:
         FA.GPU_CFG[kind][key] = cfg
@@ -231,11 +244,13 @@ def _time_cfgs(kind, cands, run, ref):
     return best
 
 
-def sweep():
-    """Each kernel's candidates at B4 H32 S4096 D128 bf16, MHA, speed mode; sets the best."""
+def sweep(split: bool):
+    """Each kernel's candidates at B4 H32 S4096 D128 bf16, MHA, in one mode; sets the best."""
+    mode = "split" if split else "nosplit"
+    cands = SWEEPS[split]
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = _tensors(4, 4096, 4096, 32, 32, g)
-    scale, bf = 1 / math.sqrt(D), q.dtype
+    scale, dt = 1 / math.sqrt(D), (None if split else q.dtype)
     ref_fwd, ref_bwd = {}, {}
     for c in (True, False):
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
@@ -243,28 +258,31 @@ def sweep():
         o.backward(do)
         ref_fwd[c] = (o.detach(),)
         ref_bwd[c] = tuple(t.grad for t in leaves)
-    outs = {c: FA.flash_attention_fwd(q, k, v, c, scale, split=False, out_dtype=bf)
+    outs = {c: FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
             for c in (True, False)}
 
     def fwd(c):
-        return FA.flash_attention_fwd(q, k, v, c, scale, split=False, out_dtype=bf)[:1]
+        return FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)[:1]
 
     def bwd(c):
-        return FA.flash_attention_bwd(do, q, k, v, *outs[c], c, scale, split=False,
-                                      grad_dtype=bf)
-    print("sweep: fwd", flush=True)
-    f_ms, _ = _time_cfgs("fwd", SWEEP_FWD, fwd, ref_fwd)
-    print("sweep: dkdv (+ delta + dq at its config)", flush=True)
-    sep_ms, sep = _time_cfgs("dkdv", SWEEP_DKDV, bwd, ref_bwd)
-    print("sweep: dq (+ delta + dkdv at the best above)", flush=True)
-    sep_ms, _ = _time_cfgs("dq", SWEEP_DQ, bwd, ref_bwd)
-    print("sweep: dkdv with atomic dq (+ delta, no dq kernel)", flush=True)
-    at_ms, at = _time_cfgs("dkdv", SWEEP_ATOMIC, bwd, ref_bwd)
-    if not at_ms < sep_ms and sep is not None:
-        FA.GPU_CFG["dkdv"][(D, False)] = sep
-    print(f"best: fwd {f_ms:.3f} ms, bwd {min(sep_ms, at_ms):.3f} ms (separate dq {sep_ms:.3f}, "
-          f"atomic dq {at_ms:.3f}), causal + nomask summed; as arguments:")
-    print(" ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, False)]) for kind in ("fwd", "dkdv", "dq")))
+        return FA.flash_attention_bwd(do, q, k, v, *outs[c], c, scale, split=split,
+                                      grad_dtype=dt)
+    print(f"sweep {mode}: fwd", flush=True)
+    f_ms, _ = _time_cfgs("fwd", split, cands["fwd"], fwd, ref_fwd)
+    print(f"sweep {mode}: dkdv (+ delta + dq at its config)", flush=True)
+    sep_ms, sep = _time_cfgs("dkdv", split, cands["dkdv"], bwd, ref_bwd)
+    print(f"sweep {mode}: dq (+ delta + dkdv at the best above)", flush=True)
+    sep_ms, _ = _time_cfgs("dq", split, cands["dq"], bwd, ref_bwd)
+    at_ms = math.inf
+    if cands["atomic"]:
+        print(f"sweep {mode}: dkdv with atomic dq (+ delta, no dq kernel)", flush=True)
+        at_ms, _ = _time_cfgs("dkdv", split, cands["atomic"], bwd, ref_bwd)
+        if not at_ms < sep_ms and sep is not None:
+            FA.GPU_CFG["dkdv"][(D, split)] = sep
+    print(f"best {mode}: fwd {f_ms:.3f} ms, bwd {min(sep_ms, at_ms):.3f} ms (separate dq "
+          f"{sep_ms:.3f}, atomic dq {at_ms:.3f}), causal + nomask summed; as arguments:")
+    print(" ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)
+                   for kind in ("fwd", "dkdv", "dq")), flush=True)
     del q, k, v, do, outs, ref_fwd, ref_bwd
     torch.cuda.empty_cache()
 
@@ -277,7 +295,7 @@ def main():
     ap.add_argument("--cfg", action="append", default=[],
                     help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
                          "(kind: fwd, dkdv, dq; D=128)")
-    ap.add_argument("--sweep", action="store_true", help="sweep the speed mode's configs first")
+    ap.add_argument("--sweep", action="store_true", help="sweep the configs (both modes) first")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
@@ -286,7 +304,8 @@ def main():
         FA.GPU_CFG[kind][(D, split)] = cfg
     settle_gpu()
     if args.sweep:
-        sweep()
+        sweep(False)
+        sweep(True)
     rows = []
     _run(rows, args)
     finish("flash_attention", rows, baseline="sdpa cudnn")

@@ -354,15 +354,17 @@ class Cfg(NamedTuple):
 # TMA loads and two warpgroups, chosen by ptxas's register counts for sm90 (no GPU timing yet):
 # forward 128 x 64 tiles 169 registers, no spill; dk/dv 64 keys x 64 query rows 255 registers,
 # 12 bytes of spill (128 keys: 340); dq 128 x 64 173 registers. Pointer loads at the same tiles
-# use 255 registers (their address tiles), and spill at 128 x 128.
+# use 255 registers (their address tiles), and spill at 128 x 128. D=64 likewise (forward
+# 128 x 128 161 registers, dk/dv 241, dq 123, none spilling), and the D=256 forward (64 x 64
+# 168 registers; pointer loads spill 1144 bytes).
 GPU_CFG = {
-    "fwd": {(128, True): Cfg(64, 64, 4, 3), (64, True): Cfg(128, 64, 4, 3),
-            (128, False): Cfg(128, 64, 8, 3, tma=True), (64, False): Cfg(128, 64, 4, 3),
-            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2)},
-    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (64, True): Cfg(64, 128, 8, 2),
-             (128, False): Cfg(64, 64, 8, 2, tma=True), (64, False): Cfg(64, 128, 8, 2)},
-    "dq": {(128, True): Cfg(128, 64, 8, 3), (64, True): Cfg(128, 64, 8, 2),
-           (128, False): Cfg(128, 64, 8, 3, tma=True), (64, False): Cfg(128, 64, 8, 2)},
+    "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+            (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
+            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2, tma=True)},
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(64, 64, 8, 2, tma=True),
+             (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
+    "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+           (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
