@@ -257,7 +257,8 @@ def _fa_variants(name: str) -> list:
 
 
 # Second constexpr sets for kernels whose constexpr branches prune large parts of the code
-# (Triton compiles only the taken branch): (module, kernel) -> [constexpr overrides].
+# (Triton compiles only the taken branch): (module, kernel) -> [constexpr overrides, with
+# optional "_types" (argument types) and "_options" (compile options) overrides].
 VARIANTS = {
     ("adam", "_adam_kernel"): [  # FP8 / fp16 moments and fp16 masters, scaled (both passes)
         dict(M_DTYPE=E4, V_DTYPE=tl.float16, M_SCALED=True, V_SCALED=True, W_DTYPE=tl.float16,
