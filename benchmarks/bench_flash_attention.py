@@ -18,7 +18,7 @@ the CP exact mode's numbers.
 atomic dq alone; dq) for the speed mode, then a smaller one for the split mode, at the issue's
 shape (MHA, causal + no mask summed; a candidate off cuDNN's results is not chosen), prints each
 and the best per kernel (as --cfg arguments), applies the best and then runs the table: one
-command finds the configs and shows what they give (~8 minutes on an H200).
+command finds the configs and shows what they give (sized for ~8 minutes on an H200).
 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
