@@ -6,7 +6,9 @@ bench_flash_attention.py's --sweep (and the current GPU_CFG entry) is compiled t
 (bf16, D=128, causal) and assembled by the wheel's ptxas with -v. A config that spills runs
 slower on the GPU; one whose shared memory exceeds 227 KB does not launch. This is how the
 speed-mode defaults in GPU_CFG were chosen before any GPU timing; the sweep has the last word.
-Also prints whether Triton warp-specialized the forward's loop (a ttg.warp_specialize op).
+Also prints whether Triton warp-specialized the forward's loop (a ttg.warp_specialize op) and
+flags products whose output rows are fewer than the MMA layout's warps cover (8 warps on 64
+rows: the second warpgroup repeats the first's wgmma).
 """
 from __future__ import annotations
 
@@ -62,9 +64,21 @@ def probe(kind, cfg, split):
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
-    ws = " warp-specialized" if "ttg.warp_specialize" in c.asm["ttgir"] else ""
+    ttgir = c.asm["ttgir"]
+    ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
     return (f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} "
-            f"bytes spilled, {c.metadata.shared} bytes shared{ws}")
+            f"bytes spilled, {c.metadata.shared} bytes shared{ws}{_repeated(ttgir)}")
+
+
+def _repeated(ttgir: str) -> str:
+    """", REPEATED wgmma" where a product has fewer output rows than its MMA layout's warps
+    cover (16 rows a warp along M): the extra warpgroups recompute the same rows."""
+    warps_m = {name: int(m) for name, m in re.findall(
+        r"#(mma\d*) = #ttg.nvidia_mma<\{versionMajor = 3, versionMinor = 0, "
+        r"warpsPerCTA = \[(\d+), \d+\]", ttgir)}
+    dots = re.findall(r"warp_group_dot .*-> tensor<(\d+)x\d+xf32, #(mma\d*)>", ttgir)
+    bad = {int(rows) for rows, name in dots if int(rows) < 16 * warps_m.get(name, 0)}
+    return f", REPEATED wgmma ({sorted(bad)}-row products)" if bad else ""
 
 
 def main():

@@ -131,11 +131,11 @@ def test_cp_exact_mode_uses_the_kernel():
 # among), each on the D=128 path of the GPU: 16-bit out / grads like SDPA's
 _SPEED_OPTIONS = {
     "default": {},
-    "tma-ws": {"fwd": (128, 64, 8, 3, True, True), "dkdv": (32, 128, 8, 3, True),
-               "dq": (128, 64, 8, 3, True)},
-    "pointers": {"fwd": (128, 64, 8, 3), "dkdv": (64, 64, 8, 2), "dq": (128, 32, 8, 3)},
-    "atomic-dq": {"dkdv": (64, 64, 8, 2, True, False, True)},
-    "wide-atomic-dq": {"fwd": (128, 128, 8, 2, True), "dkdv": (32, 128, 8, 3, True, False, True)},
+    "tma-ws": {"fwd": (128, 64, 8, 3, True, True), "dkdv": (64, 128, 8, 2, True),
+               "dq": (128, 32, 8, 3, True)},
+    "pointers": {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2), "dq": (128, 32, 8, 3)},
+    "atomic-dq": {"dkdv": (32, 128, 8, 2, True, False, True)},
+    "narrow-atomic-dq": {"fwd": (64, 64, 4, 3, True), "dkdv": (32, 64, 4, 3, True, False, True)},
 }
 
 

@@ -350,18 +350,20 @@ class Cfg(NamedTuple):
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
 # --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
-# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode) at D=128:
-# TMA loads and two warpgroups, chosen by ptxas's register counts for sm90 (no GPU timing yet):
-# forward 128 x 64 tiles 169 registers, no spill; dk/dv 64 keys x 64 query rows 255 registers,
-# 12 bytes of spill (128 keys: 340); dq 128 x 64 173 registers. Pointer loads at the same tiles
-# use 255 registers (their address tiles), and spill at 128 x 128. D=64 likewise (forward
-# 128 x 128 161 registers, dk/dv 241, dq 123, none spilling), and the D=256 forward (64 x 64
-# 168 registers; pointer loads spill 1144 bytes).
+# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode): TMA loads,
+# chosen by what Triton 3.6 makes of them for sm90 (scripts/flash_regs.py; no GPU timing yet).
+# Two rules: 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq,
+# BLOCK_N of dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the
+# second warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles:
+# 255 registers at the tiles below). D=128: forward 128 x 64 169 registers, no spill; dk/dv
+# 128 keys x 32 query rows 255 registers, 100 bytes spilled (dk + dv accumulators alone are 128
+# registers a thread; 64 rows: 340); dq 128 x 64 173 registers. D=64: forward 128 x 128 161,
+# dk/dv 241, dq 123, none spilling. D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
     "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
             (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
-            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(64, 64, 8, 2, tma=True)},
-    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(64, 64, 8, 2, tma=True),
+            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(128, 64, 8, 2, tma=True)},
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(32, 128, 8, 2, tma=True),
              (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
     "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
