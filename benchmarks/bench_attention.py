@@ -1,5 +1,6 @@
 """DotProductAttention forward and forward+backward vs torch SDPA with the cuDNN backend forced
-and with the flash backend forced, in the same run.
+and with the flash backend forced, in the same run; DotProductAttention with auto, flash and
+triton (tritium's Triton flash kernel, speed mode) backends.
 
 Cases (bf16, bshd memory layout, the layout SDPA gets as q.transpose(1, 2)):
   B4 H32 S4096 D128 causal and no_mask; Llama-shaped GQA B4 H32 KV8 S4096 D128 causal
@@ -83,7 +84,8 @@ def main():
         variants = [("sdpa cudnn", _sdpa("cudnn", causal, hk != h)),
                     ("sdpa flash", _sdpa("flash", causal, hk != h)),
                     ("tritium auto", _ours(mask, h, hk)),
-                    ("tritium flash", _ours(mask, h, hk, "flash"))]
+                    ("tritium flash", _ours(mask, h, hk, "flash")),
+                    ("tritium triton", _ours(mask, h, hk, "triton"))]
         for variant, fn in variants:
             _time(rows, case, variant, fn, q, k, v, dout, flops)
         del q, k, v, dout

@@ -1,17 +1,29 @@
-"""tritium's Triton flash attention (tritium/kernels/flash_attention.py: 16-bit q/k/v in, fp32
-out/lse/dq/dk/dv out; the block kernel of context-parallel exact mode) vs SDPA cuDNN, one GPU.
+"""tritium's Triton flash attention (tritium/kernels/flash_attention.py) vs SDPA cuDNN, one GPU.
 
-Cases: B1 H12 D128 bf16 causal at S=8192 and 32768, plus "cp2 rank S=32768": the blocks one rank
-computes in a cp=2 causal p2p ring at S=32768 (local L=16384: a causal [L, L] block and a no-mask
-[L/2, L] or [L, L/2] block; timed as the sum of both) -- the number to compare with single-GPU
-cuDNN at S=32768 (exact mode is faster than one GPU when it is below that row's cuDNN time).
-Variants: "sdpa cudnn" (baseline), "tritium flash split" (the default, what CP exact runs),
-"tritium flash nosplit" (P/dS rounded once to bf16: the price of the split). TFLOP/s count
-useful FLOPs (causal half; fwd+bwd = 3.5x fwd).
+Cases (issue 26): B4 H32 S4096 D128 bf16, causal and no mask, MHA and GQA-8 (8 kv heads), fwd
+and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or where this torch's
+cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
+kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN does,
+out and grads in bf16 like SDPA's), "tritium flash split" (the exact mode context parallelism
+runs: head/tail split of P / dS, fp32 out and grads). TFLOP/s count useful FLOPs (causal half;
+fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
+cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
+a wrong config shows here).
 
-    python benchmarks/bench_flash_attention.py                 # the table (JSON to $OUT)
-    python benchmarks/bench_flash_attention.py --sweep         # block configs at S=8192
-    python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3 --cfg dkdv=32,128,4,3
+--seq adds B1 H12 D128 causal cases at those lengths and --cp the blocks one rank computes in a
+cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),
+the CP exact mode's numbers.
+
+--sweep first times a grid of configs of each kernel (fwd; dk/dv with the dq kernel, or with
+atomic dq alone; dq) for the speed mode, then a smaller one for the split mode, at the issue's
+shape (MHA, causal + no mask summed; a candidate off cuDNN's results is not chosen), prints each
+and the best per kernel (as --cfg arguments), applies the best and then runs the table: one
+command finds the configs and shows what they give (sized for ~8 minutes on an H200).
+
+    python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
+    python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
+    python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
+      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:)
 """
 from __future__ import annotations
 
@@ -22,141 +34,281 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, time_ms  # noqa: E402
+from harness import finish, settle_gpu, time_ms  # noqa: E402
 
 from tritium.kernels import flash_attention as FA  # noqa: E402
 
-B, H, D = 1, 12, 128
+D = 128
+Cfg = FA.Cfg
 
 
-def _sdpa(q, k, v, causal):
+def _sdpa(q, k, v, causal, gqa):
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    kw = dict(enable_gqa=True) if gqa else {}
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, **kw)
     return o.transpose(1, 2)
 
 
-def _tensors(s_q, s_kv, g):
-    mk = lambda s: torch.randn(B, s, H, D, device="cuda", dtype=torch.bfloat16,  # noqa: E731
-                               generator=g)
-    return mk(s_q), mk(s_kv), mk(s_kv), mk(s_q)
+def _tensors(b, s_q, s_kv, h, h_kv, g):
+    def mk(s, heads):
+        return torch.randn(b, s, heads, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    return mk(s_q, h), mk(s_kv, h_kv), mk(s_kv, h_kv), mk(s_q, h)
+
+
+def _sdpa_steps(blocks):
+    """(fwd, fwd_bwd, kv_repeated) for SDPA cuDNN over the blocks."""
+    leaves = [[t.detach().requires_grad_() for t in blk[:3]] + list(blk[3:]) for blk in blocks]
+    repeated = False
+    for i, (q, k, v, do, c) in enumerate(leaves):
+        if k.shape[2] != q.shape[2]:
+            try:
+                _sdpa(q, k, v, c, True).backward(do)
+            except RuntimeError:  # no GQA in this cuDNN path: K/V repeated, outside the timing
+                rep = q.shape[2] // k.shape[2]
+                k, v = (t.detach().repeat_interleave(rep, 2).requires_grad_() for t in (k, v))
+                leaves[i] = [q, k, v, do, c]
+                repeated = True
+
+    def fwd():
+        with torch.no_grad():
+            for q, k, v, _, c in leaves:
+                _sdpa(q, k, v, c, k.shape[2] != q.shape[2])
+
+    def fwd_bwd():
+        for q, k, v, do, c in leaves:
+            for t in (q, k, v):
+                t.grad = None
+            _sdpa(q, k, v, c, k.shape[2] != q.shape[2]).backward(do)
+    return fwd, fwd_bwd, repeated
 
 
 def _steps(blocks, variant):
-    """blocks: [(q, k, v, dout, causal)] -> (fwd, fwd_bwd) callables over all blocks."""
-    scale = 1 / math.sqrt(D)
+    """blocks: [(q, k, v, dout, causal)] -> (fwd, fwd_bwd, extra row fields) over all blocks."""
     if variant == "sdpa cudnn":
-        leaves = [[t.detach().requires_grad_() for t in blk[:3]] + list(blk[3:]) for blk in blocks]
-
-        def fwd():
-            with torch.no_grad():
-                for q, k, v, _, c in leaves:
-                    _sdpa(q, k, v, c)
-
-        def fwd_bwd():
-            for q, k, v, do, c in leaves:
-                for t in (q, k, v):
-                    t.grad = None
-                _sdpa(q, k, v, c).backward(do)
-        return fwd, fwd_bwd
+        fwd, fwd_bwd, repeated = _sdpa_steps(blocks)
+        return fwd, fwd_bwd, ({"kv_repeated": True} if repeated else {})
     split = variant.endswith(" split")
+    scale = 1 / math.sqrt(D)
+    dt = None if split else blocks[0][0].dtype  # the speed mode: out / grads like SDPA's
+    configs = " ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)[6:]
+                       for kind in ("fwd", "dkdv", "dq"))
 
     def fwd():
         for q, k, v, _, c in blocks:
-            FA.flash_attention_fwd(q, k, v, c, scale, split=split)
+            FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
 
     def fwd_bwd():
         for q, k, v, do, c in blocks:
-            out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split)
-            FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split)
-    return fwd, fwd_bwd
+            out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
+            FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)
+
+    # the first block's out and dq against cuDNN's (relative to their max): a wrong config
+    # must not pass as a fast one
+    q, k, v, do, c = blocks[0]
+    out, lse = FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
+    dq = FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)[0]
+    err = _rel_err((out, dq), _sdpa_out_dq(*blocks[0]))
+    return fwd, fwd_bwd, {"configs": configs, "err_vs_cudnn": float(f"{err:.2e}")}
 
 
-def _cases(seqs, g):
-    for s in seqs:
-        yield f"B{B} H{H} S{s} D{D} causal", [(*_tensors(s, s, g), True)], FA.flops(B, s, s, H, D, True)
-    s = 32768
-    L = s // 2
-    q, k, v, do = _tensors(L, L, g)
-    # ring step 1 on rank 0: second half of q vs all KV; rank 1: all q vs the first half of KV
-    # (same FLOPs); timed as rank 0's blocks
-    blocks = [(q, k, v, do, True), (q[:, L // 2:], k, v, do[:, L // 2:], False)]
-    fl = FA.flops(B, L, L, H, D, True) + FA.flops(B, L // 2, L, H, D, False)
-    yield f"cp2 rank S{s} D{D} causal", blocks, fl
+def _sdpa_out_dq(q, k, v, do, causal):
+    """SDPA cuDNN's (out, dq) for one block (K/V repeated where its GQA path refuses)."""
+    q = q.detach().requires_grad_()
+    try:
+        o = _sdpa(q, k, v, causal, k.shape[2] != q.shape[2])
+    except RuntimeError:
+        rep = q.shape[2] // k.shape[2]
+        o = _sdpa(q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2), causal, False)
+    o.backward(do)
+    return o.detach(), q.grad
 
 
-def _run(rows, variants, seqs):
+def _cases(args, g):
+    b, h, s = 4, 32, 4096
+    for h_kv in (h, 8):
+        for causal in (True, False):
+            name = f"B{b} H{h}{'' if h_kv == h else f' KV{h_kv}'} S{s} D{D} " + \
+                ("causal" if causal else "nomask")
+            yield name, [(*_tensors(b, s, s, h, h_kv, g), causal)], FA.flops(b, s, s, h, D, causal)
+    for s in args.seq:
+        yield f"B1 H12 S{s} D{D} causal", [(*_tensors(1, s, s, 12, 12, g), True)], \
+            FA.flops(1, s, s, 12, D, True)
+    if args.cp:
+        s, L = 32768, 16384
+        q, k, v, do = _tensors(1, L, L, 12, 12, g)
+        # ring step 1 on rank 0: second half of q vs all KV (rank 1: all q vs the first half of
+        # KV, same FLOPs); timed as rank 0's blocks
+        blocks = [(q, k, v, do, True), (q[:, L // 2:], k, v, do[:, L // 2:], False)]
+        fl = FA.flops(1, L, L, 12, D, True) + FA.flops(1, L // 2, L, 12, D, False)
+        yield f"cp2 rank S{s} D{D} causal", blocks, fl
+
+
+VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split"]
+
+
+def _run(rows, args):
     g = torch.Generator(device="cuda").manual_seed(0)
-    for case, blocks, flops in _cases(seqs, g):
-        for variant in variants:
-            fwd, fwd_bwd = _steps(blocks, variant)
-            for mode, step, mult in (("fwd", fwd, 1.0), ("fwd+bwd", fwd_bwd, 3.5)):
+    for case, blocks, flops in _cases(args, g):
+        for variant in VARIANTS:
+            for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+                row = {"case": f"{case} {mode}", "variant": variant}
                 try:
+                    fwd, fwd_bwd, extra = _steps(blocks, variant)
+                    step = fwd if mode == "fwd" else fwd_bwd
                     step()
                     ms = time_ms(step)
-                    rows.append({"case": f"{case} {mode}", "variant": variant,
-                                 "ms": round(ms, 4), "tflops": round(mult * flops / ms / 1e9, 1)})
+                    row.update(ms=round(ms, 4), tflops=round(mult * flops / ms / 1e9, 1), **extra)
                 except Exception as exc:  # record and go on
-                    rows.append({"case": f"{case} {mode}", "variant": variant,
-                                 "error": repr(exc)})
-                print(rows[-1], flush=True)
+                    row["error"] = repr(exc)[:300]
+                rows.append(row)
+                print(row, flush=True)
+        del blocks
         torch.cuda.empty_cache()
 
 
-def _set_cfg(spec: str):
+def _parse_cfg(spec: str):
+    """"[split:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq]]]" -> (kind, split, Cfg)."""
     kind, _, vals = spec.partition("=")
-    cfg = tuple(int(x) for x in vals.split(","))
-    assert kind in FA.GPU_CFG and len(cfg) == 4, spec
-    FA.GPU_CFG[kind][D] = cfg
+    split = kind.startswith("split:")
+    kind = kind.removeprefix("split:")
+    nums = [int(x) for x in vals.split(",")]
+    if kind not in FA.GPU_CFG or not 4 <= len(nums) <= 7:
+        raise SystemExit(f"--cfg {spec!r}: want [split:]kind=BLOCK_M,BLOCK_N,warps,stages"
+                         f"[,tma[,ws[,atomic_dq]]] with kind in {sorted(FA.GPU_CFG)}")
+    return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
 
 
-SWEEP = {  # around the D=128 defaults (the first entry of each list)
-    "fwd": [(64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3), (64, 64, 8, 3),
-            (128, 64, 8, 3), (128, 128, 8, 3)],
-    "dkdv": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 64, 8, 2), (32, 64, 4, 2), (64, 32, 4, 2),
-             (64, 128, 8, 2)],
-    "dq": [(128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 8, 3), (64, 128, 8, 3),
-           (128, 64, 8, 2)],
-}
+def _cfg_arg(kind, cfg, split=False):
+    flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
+    while flags and not flags[-1]:
+        flags.pop()
+    return f"--cfg {'split:' if split else ''}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
 
 
-def sweep():
-    """Each kernel's candidate configs at S=8192 causal (the others at their defaults)."""
+# speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
+# stages, tma, ws, atomic_dq)). 8 warps only where each product has >= 128 output rows (forward
+# and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel.
+T = True
+SWEEP_FWD = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 2, T),
+             Cfg(128, 128, 8, 2, T), Cfg(128, 128, 8, 3, T), Cfg(64, 64, 4, 3, T),
+             Cfg(64, 128, 4, 2, T), Cfg(128, 64, 8, 3, T, T), Cfg(128, 128, 8, 2, T, T),
+             Cfg(128, 64, 8, 3)]
+SWEEP_DKDV = [Cfg(32, 128, 8, 2, T), Cfg(32, 128, 8, 3, T), Cfg(64, 128, 8, 2, T),
+              Cfg(64, 128, 8, 3, T), Cfg(32, 64, 4, 3, T), Cfg(32, 64, 4, 2, T),
+              Cfg(64, 64, 4, 2, T), Cfg(32, 128, 8, 2)]
+SWEEP_ATOMIC = [Cfg(32, 128, 8, 2, T, atomic_dq=T), Cfg(32, 128, 8, 3, T, atomic_dq=T),
+                Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(32, 64, 4, 3, T, atomic_dq=T),
+                Cfg(64, 64, 4, 2, T, atomic_dq=T)]
+SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 2, T), Cfg(128, 64, 8, 4, T),
+            Cfg(128, 32, 8, 3, T), Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T),
+            Cfg(64, 32, 4, 3, T), Cfg(128, 32, 8, 3)]
+# split mode (context parallelism's exact mode): today's pointer configs (first) against TMA
+# ones (ptxas: the pointer forward spills 556 bytes, dk/dv 1324); no atomic dq (exact mode's
+# sums stay in a fixed order)
+SWEEPS = {
+    False: dict(fwd=SWEEP_FWD, dkdv=SWEEP_DKDV, dq=SWEEP_DQ, atomic=SWEEP_ATOMIC),
+    True: dict(fwd=[Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3, T),
+                    Cfg(128, 64, 8, 2, T)],
+               dkdv=[Cfg(64, 64, 4, 2), Cfg(32, 128, 8, 2, T), Cfg(32, 64, 4, 2, T),
+                     Cfg(64, 64, 4, 2, T)],
+               dq=[Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T), Cfg(128, 32, 8, 3, T),
+                   Cfg(64, 64, 4, 3, T)],
+               atomic=[])}
+
+
+def _rel_err(got, want):
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+               for a, b in zip(got, want))
+
+
+def _time_cfgs(kind, split, cands, run, ref):
+    """Time run(causal) for each candidate of `kind` (causal + no mask summed) -> (ms, best).
+    A candidate whose results are off SDPA's (`ref[causal]`) by more than bf16 error is out."""
+    key = (D, split)
+    keep, best = FA.GPU_CFG[kind][key], (math.inf, None)
+    for cfg in cands:
+        FA.GPU_CFG[kind][key] = cfg
+        try:
+            err = max(_rel_err(run(c), ref[c]) for c in (True, False))
+            ms = [time_ms(lambda: run(c), warmup=10, rep=40) for c in (True, False)]
+            line = f"causal {ms[0]:.3f} + nomask {ms[1]:.3f} = {sum(ms):.3f} ms, err {err:.1e}"
+            if err < 2e-2:
+                best = min(best, (sum(ms), cfg))
+            else:
+                line += " WRONG (not chosen)"
+        except Exception as exc:
+            line = f"ERROR {exc!r}"[:160]
+        print(f"  {kind} {tuple(cfg)}: {line}", flush=True)
+    FA.GPU_CFG[kind][key] = best[1] or keep
+    return best
+
+
+def sweep(split: bool):
+    """Each kernel's candidates at B4 H32 S4096 D128 bf16, MHA, in one mode; sets the best."""
+    mode = "split" if split else "nosplit"
+    cands = SWEEPS[split]
     g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = _tensors(8192, 8192, g)
-    scale = 1 / math.sqrt(D)
-    out, lse = FA.flash_attention_fwd(q, k, v, True, scale)
-    for kind, cands in SWEEP.items():
-        keep = FA.GPU_CFG[kind][D]
-        for cfg in cands:
-            FA.GPU_CFG[kind][D] = cfg
-            step = ((lambda: FA.flash_attention_fwd(q, k, v, True, scale)) if kind == "fwd" else
-                    (lambda: FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale)))
-            try:
-                step()
-                print(f"{kind} {cfg}: {time_ms(step):.3f} ms "
-                      f"({'fwd' if kind == 'fwd' else 'delta+dkdv+dq'})", flush=True)
-            except Exception as exc:
-                print(f"{kind} {cfg}: ERROR {exc!r}"[:200], flush=True)
-        FA.GPU_CFG[kind][D] = keep
+    q, k, v, do = _tensors(4, 4096, 4096, 32, 32, g)
+    scale, dt = 1 / math.sqrt(D), (None if split else q.dtype)
+    ref_fwd, ref_bwd = {}, {}
+    for c in (True, False):
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        o = _sdpa(*leaves, c, False)
+        o.backward(do)
+        ref_fwd[c] = (o.detach(),)
+        ref_bwd[c] = tuple(t.grad for t in leaves)
+    outs = {c: FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)
+            for c in (True, False)}
+
+    def fwd(c):
+        return FA.flash_attention_fwd(q, k, v, c, scale, split=split, out_dtype=dt)[:1]
+
+    def bwd(c):
+        return FA.flash_attention_bwd(do, q, k, v, *outs[c], c, scale, split=split,
+                                      grad_dtype=dt)
+    print(f"sweep {mode}: fwd", flush=True)
+    f_ms, _ = _time_cfgs("fwd", split, cands["fwd"], fwd, ref_fwd)
+    print(f"sweep {mode}: dkdv (+ delta + dq at its config)", flush=True)
+    sep_ms, sep = _time_cfgs("dkdv", split, cands["dkdv"], bwd, ref_bwd)
+    print(f"sweep {mode}: dq (+ delta + dkdv at the best above)", flush=True)
+    sep_ms, _ = _time_cfgs("dq", split, cands["dq"], bwd, ref_bwd)
+    at_ms = math.inf
+    if cands["atomic"]:
+        print(f"sweep {mode}: dkdv with atomic dq (+ delta, no dq kernel)", flush=True)
+        at_ms, _ = _time_cfgs("dkdv", split, cands["atomic"], bwd, ref_bwd)
+        if not at_ms < sep_ms and sep is not None:
+            FA.GPU_CFG["dkdv"][(D, split)] = sep
+    print(f"best {mode}: fwd {f_ms:.3f} ms, bwd {min(sep_ms, at_ms):.3f} ms (separate dq "
+          f"{sep_ms:.3f}, atomic dq {at_ms:.3f}), causal + nomask summed; as arguments:")
+    print(" ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)
+                   for kind in ("fwd", "dkdv", "dq")), flush=True)
+    del q, k, v, do, outs, ref_fwd, ref_bwd
+    torch.cuda.empty_cache()
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seq", type=int, nargs="*", default=[8192, 32768])
+    ap.add_argument("--seq", type=int, nargs="*", default=[],
+                    help="also B1 H12 D128 causal at these sequence lengths")
+    ap.add_argument("--cp", action="store_true", help="also one cp=2 rank's blocks at S=32768")
     ap.add_argument("--cfg", action="append", default=[],
-                    help="kind=BLOCK_M,BLOCK_N,warps,stages (kind: fwd, dkdv, dq), for D=128")
-    ap.add_argument("--sweep", action="store_true")
+                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
+                         "(kind: fwd, dkdv, dq; D=128)")
+    ap.add_argument("--sweep", action="store_true", help="sweep the configs (both modes) first")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
     for spec in args.cfg:
-        _set_cfg(spec)
+        kind, split, cfg = _parse_cfg(spec)
+        FA.GPU_CFG[kind][(D, split)] = cfg
+    settle_gpu()
     if args.sweep:
-        return sweep()
+        sweep(False)
+        sweep(True)
     rows = []
-    _run(rows, ["sdpa cudnn", "tritium flash split", "tritium flash nosplit"], args.seq)
+    _run(rows, args)
     finish("flash_attention", rows, baseline="sdpa cudnn")
 
 

@@ -204,27 +204,75 @@ KERNELS = {
              ALIGNED=True, CHUNK=_ADAM[0], BLOCK=_ADAM[1]),
         dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
 }
-_FA_TYPES = {"q_ptr": BF16P, "k_ptr": BF16P, "v_ptr": BF16P, "do_ptr": BF16P, "qk_scale": "fp32",
-             "scale": "fp32"}
-for _kind, _name in (("fwd", "_fwd_kernel"), ("dkdv", "_dkdv_kernel"), ("dq", "_dq_kernel")):
-    _bm, _bn, _w, _s = _fa.GPU_CFG[_kind][128]
+_FA_TYPES = {"qk_scale": "fp32", "scale": "fp32", "o_ptr": BF16P, "dq_ptr": BF16P,
+             "dk_ptr": BF16P, "dv_ptr": BF16P, "do_ptr": BF16P}
+_FA_KINDS = {"_fwd_kernel": "fwd", "_dkdv_kernel": "dkdv", "_dq_kernel": "dq"}
+
+
+def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
+    """Argument types of a flash kernel: q/k/v/dO as TMA descriptors of the [b, s, h * d] view
+    ([1, rows, d] boxes: BLOCK_M rows for q / dO, BLOCK_N for k / v) where the config asks
+    for them, bf16 pointers otherwise; 16-bit outputs in the speed mode, fp32 in split mode
+    (dk/dv's atomic dq is always fp32)."""
+    types = dict(_FA_TYPES)
+    for src, rows in (("q_src", cfg.block_m), ("k_src", cfg.block_n), ("v_src", cfg.block_n),
+                      ("do_src", cfg.block_m)):
+        types[src] = f"tensordesc<bf16[1, {rows}, {d}]>" if cfg.tma else BF16P
+    if split:
+        types.update({n: F32P for n in ("o_ptr", "dq_ptr", "dk_ptr", "dv_ptr")})
+    if name == "_dkdv_kernel":
+        types["dq_ptr"] = F32P
+    return {k: v for k, v in types.items() if k in getattr(_fa, name).arg_names}
+
+
+# the speed mode (split=False, 16-bit out/grads) with its GPU config; VARIANTS below compile the
+# other loads (TMA <-> pointers) and the split, fp32-output mode at its own config
+_FA_CFG = {}
+for _name, _kind in _FA_KINDS.items():
+    _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma), "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
     KERNELS[("flash_attention", _name)] = (
-        {k: v for k, v in _FA_TYPES.items() if k in getattr(_fa, _name).arg_names},
-        dict(CAUSAL=True, SPLIT=True, PREC="tf32", D=128, BLOCK_M=_bm, BLOCK_N=_bn),
-        dict(num_warps=_w, num_stages=_s))
+        _fa_types(_name, _c),
+        dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
+             BLOCK_N=_c.block_n, TMA=_c.tma, **_extra[_kind]),
+        dict(num_warps=_c.warps, num_stages=_c.stages))
 KERNELS[("flash_attention", "_delta_kernel")] = (
-    {"do_ptr": BF16P}, dict(D=128, BLOCK_M=_fa.GPU_CFG["dq"][128][0]), dict(num_warps=4))
+    {"do_ptr": BF16P, "o_ptr": BF16P}, dict(D=128, BLOCK_M=_FA_CFG["_dq_kernel"].block_m),
+    dict(num_warps=4))
+_FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
+
+
+def _fa_variants(name: str) -> list:
+    """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized) and the
+    split mode with fp32 outputs at its own config."""
+    kind, c = _FA_KINDS[name], _FA_CFG[name]
+    flip = c._replace(tma=not c.tma)
+    ws = dict(WS=flip.tma) if kind == "fwd" else {}
+    s = _fa.GPU_CFG[kind][(128, True)]
+    return [dict(TMA=flip.tma, _types=_fa_types(name, flip), **ws),
+            dict(SPLIT=True, TMA=s.tma, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
+                 _types=_fa_types(name, s, split=True),
+                 _options=dict(num_warps=s.warps, num_stages=s.stages),
+                 **(dict(WS=s.ws and s.tma) if kind == "fwd" else {}))]
 
 
 # Second constexpr sets for kernels whose constexpr branches prune large parts of the code
-# (Triton compiles only the taken branch): (module, kernel) -> [constexpr overrides].
+# (Triton compiles only the taken branch): (module, kernel) -> [constexpr overrides, with
+# optional "_types" (argument types) and "_options" (compile options) overrides].
 VARIANTS = {
     ("adam", "_adam_kernel"): [  # FP8 / fp16 moments and fp16 masters, scaled (both passes)
         dict(M_DTYPE=E4, V_DTYPE=tl.float16, M_SCALED=True, V_SCALED=True, W_DTYPE=tl.float16,
              W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
-    ("flash_attention", "_fwd_kernel"): [dict(CAUSAL=False, SPLIT=False)],
+    ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
+        dict(CAUSAL=False),
+        dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
+             BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
+             _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))],
+    ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
+    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
+    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
                                          GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],
@@ -292,8 +340,11 @@ def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # compile for real, every run
     fn = LAUNCHED[key]
     types, constexprs, options = KERNELS[key]
-    if variant:
-        constexprs = {**constexprs, **VARIANTS[key][variant - 1]}
+    if variant:  # constexprs, plus argument types ("_types") and options ("_options")
+        over = dict(VARIANTS[key][variant - 1])
+        types = {**types, **over.pop("_types", {})}
+        options = {**options, **over.pop("_options", {})}
+        constexprs = {**constexprs, **over}
     src = ASTSource(fn, _signature(fn, types, constexprs), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], f"{key}: empty cubin"

@@ -1,6 +1,7 @@
-"""gpu tier: each CUDA attention backend (cudnn, flash, efficient), forced, against an fp64
-softmax reference on the same 16-bit inputs, forward, lse and every grad, over the masks,
-formats, windows and head layouts it claims (backends.py). Skipped without CUDA.
+"""gpu tier: each CUDA attention backend (cudnn, flash, efficient; triton on its square and sbhd
+cases), forced, against an fp64 softmax reference on the same 16-bit inputs, forward, lse and
+every grad, over the masks, formats, windows and head layouts it claims (backends.py). Skipped
+without CUDA.
 
 Tolerance (flash-attn's own test rule): a fused kernel rounds P to 16 bits before P @ V and
 works in tiles, so it cannot match fp64 to half an ulp. Its error must be at most
@@ -106,7 +107,7 @@ def _skip_if_rejected(backend, q, k, v, **kw):
 @pytest.mark.parametrize("h,hk", HEADS, ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal"])
-@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient", "triton"])
 def test_square(backend, mask_type, d, h, hk, dtype):
     b, s = 2, 384
     q, k, v, dout = data(b, s, s, h, hk, d, dtype, seed=d + h + hk)
@@ -115,7 +116,7 @@ def test_square(backend, mask_type, d, h, hk, dtype):
     compare(backend, q, k, v, allow, dout, dtype, attn_mask_type=mask_type)
 
 
-@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient", "triton"])
 def test_sbhd_layout(backend):
     b, s, h, d = 2, 256, 8, 64
     q, k, v, dout = data(b, s, s, h, h, d, torch.bfloat16, seed=5)

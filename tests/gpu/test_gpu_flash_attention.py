@@ -125,3 +125,40 @@ def test_cp_exact_mode_uses_the_kernel():
     assert not _use_kernel(q, k, v, 0.1, "auto")            # dropout: old path
     assert not _use_kernel(q, k, v, 0.0, "efficient")       # forced backend: old path
     assert not _use_kernel(q.float(), k.float(), v.float(), 0.0, "auto")
+
+
+# the speed mode's launch options (what benchmarks/bench_flash_attention.py --sweep chooses
+# among), each on the D=128 path of the GPU: 16-bit out / grads like SDPA's
+_SPEED_OPTIONS = {
+    "default": {},
+    "tma-ws": {"fwd": (128, 64, 8, 3, True, True), "dkdv": (64, 128, 8, 2, True),
+               "dq": (128, 32, 8, 3, True)},
+    "pointers": {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2), "dq": (128, 32, 8, 3)},
+    "atomic-dq": {"dkdv": (32, 128, 8, 2, True, False, True)},
+    "narrow-atomic-dq": {"fwd": (64, 64, 4, 3, True), "dkdv": (32, 64, 4, 3, True, False, True)},
+}
+
+
+@pytest.mark.parametrize("option", list(_SPEED_OPTIONS))
+@pytest.mark.parametrize("name", ["s2048-causal-gqa", "q2048-kv1024-nomask-gqa"])
+def test_speed_mode_options_16bit_outputs(name, option, monkeypatch):
+    """split=False with bf16 out / grads, each launch option: as close to fp64 as cuDNN (max
+    abs error < 2x cuDNN's per tensor; cuDNN on K/V repeated where GQA)."""
+    from tritium.kernels import flash_attention as FA
+    for kind, cfg in _SPEED_OPTIONS[option].items():
+        monkeypatch.setitem(FA.GPU_CFG[kind], (D, False), FA.Cfg(*cfg))
+    s_q, s_kv, h, h_kv, causal = CASES[name]
+    q, k, v, do = _inputs(s_q, s_kv, h, h_kv, seed=3)
+    scale = 1 / math.sqrt(D)
+    bf = torch.bfloat16
+    out, lse = FA.flash_attention_fwd(q, k, v, causal, scale, split=False, out_dtype=bf)
+    grads = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                   grad_dtype=bf)
+    ref = fp64_attention(q, k, v, do, causal, scale)
+    theirs = _cudnn(q, k, v, do, causal)
+    for tname, x, r, c in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:]),
+                              theirs):
+        assert x.dtype == bf and x.shape == r.shape
+        e, ec = _err(x, r), _err(c, r)
+        print(f"{option} {name} {tname}: {e:.2e} vs cudnn {ec:.2e}")
+        assert e < 2 * ec, tname

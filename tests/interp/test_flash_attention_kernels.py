@@ -7,7 +7,10 @@ the kernel's split products (16-bit head + tail of P and dS) must still reach th
 which a single 16-bit rounding of P (split=False) does not: checked too. Cases cover 16-row
 interpreter tiles with masked tails, causal (s_q == s_kv and top-left with s_q != s_kv) and
 no_mask with s_q != s_kv (CP's half-q or half-kv blocks), GQA, strided views, and a backward
-fed a foreign (out, lse) pair (a CP ring's merged one).
+fed a foreign (out, lse) pair (a CP ring's merged one). The launch options of `Cfg` (K/V or
+Q/dO loads through TMA descriptors, the warp-specialized forward loop, dq by atomic adds from
+the dk/dv kernel) and the 16-bit out / grads option (rounded once from the same fp32 values, so
+within one 16-bit rounding of the twin's) are checked against the twin too.
 """
 from __future__ import annotations
 
@@ -24,7 +27,12 @@ pytestmark = [pytest.mark.interp,  # the interpreter's own numpy warning on tens
 
 # (s_q, s_kv, h, h_kv, d, causal)
 CASES = [(16, 16, 2, 2, 16, True), (33, 33, 2, 1, 16, True), (48, 48, 2, 2, 32, False),
-         (17, 40, 2, 2, 32, False), (40, 24, 2, 1, 16, False), (24, 40, 2, 2, 16, True)]
+         (17, 40, 2, 2, 32, False), (40, 24, 2, 1, 16, False), (24, 40, 2, 2, 16, True),
+         (20, 20, 2, 1, 64, True), (16, 24, 1, 1, 128, False)]
+# launch options (interpreter-sized tiles)
+OPTIONS = {"tma-ws": K.Cfg(16, 16, 4, 1, tma=True, ws=True),
+           "atomic-dq": K.Cfg(16, 16, 4, 1, atomic_dq=True),
+           "tma-atomic-dq": K.Cfg(16, 16, 4, 1, tma=True, atomic_dq=True)}
 
 
 def close(got, want, what, rtol=1e-5, atol=1e-5):
@@ -65,6 +73,67 @@ def test_fwd_bwd_match_twin(case, dtype, gen):
     for name, g, r, x in zip(("dq", "dk", "dv"), grads, r_grads, (q, k, v)):
         assert g.shape == x.shape
         close(g, r, name)
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("case", [(33, 33, 4, 2, 16, True), (17, 40, 2, 1, 32, False),
+                                  (24, 40, 2, 2, 16, True)],
+                         ids=["gqa-causal", "gqa-nomask-q17-kv40", "causal-q24-kv40"])
+def test_launch_options_match_twin(option, case, gen, monkeypatch):
+    monkeypatch.setattr(K, "INTERP_CFG", OPTIONS[option])
+    s_q, s_kv, h, h_kv, d, causal = case
+    q, k, v, do = data(s_q, s_kv, h, h_kv, d, torch.float16, gen)
+    if option.startswith("tma"):
+        assert K._srcs(OPTIONS[option], q, k, v)[1], "the TMA path must be taken"
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.25)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.25)
+    close(out, r_out, "out")
+    close(lse, r_lse, "lse")
+    grads = K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.25)
+    for name, g, r in zip(("dq", "dk", "dv"), grads,
+                          R.flash_attention_bwd(do, q, k, v, r_out, r_lse, causal, 0.25)):
+        close(g, r, name)
+
+
+@pytest.mark.parametrize("option", ["default", "tma-atomic-dq"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+def test_16bit_outputs_match_twin(causal, split, option, gen, monkeypatch):
+    """out / dq / dk / dv in the input dtype (what an attention backend returns): split ->
+    within one fp16 rounding of the twin's rounded values; nosplit (P / dS rounded to fp16 once)
+    -> within a 16-bit kernel's error of them. lse stays fp32."""
+    if option != "default":
+        monkeypatch.setattr(K, "INTERP_CFG", OPTIONS[option])
+    q, k, v, do = data(33, 40, 4, 2, 32, torch.float16, gen)
+    f16 = torch.float16
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.25, split=split, out_dtype=f16)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.25, out_dtype=f16)
+    assert out.dtype == f16 and lse.dtype == torch.float32
+    tol = dict(rtol=1e-3, atol=1e-5) if split else dict(rtol=0.0, atol=4e-3)
+    close(out.float(), r_out.float(), "out", **tol)
+    close(lse, r_lse, "lse", **(dict() if split else tol))
+    grads = K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.25, split=split,
+                                  grad_dtype=f16)
+    # the same (out, lse) to both: a 1-ulp difference of the rounded outs would move delta
+    r_grads = R.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.25, grad_dtype=f16)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        assert g.dtype == r.dtype == f16
+        close(g.float(), r.float(), name, **tol)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
+def test_head_dim_256_forward(causal, gen):
+    """d=256: the forward (both modes, 16-bit out too); the backward refuses it."""
+    q, k, v, do = data(20, 24, 2, 1, 256, torch.float16, gen)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.0625)
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.0625)
+    close(out, r_out, "out")
+    close(lse, r_lse, "lse")
+    out16, _ = K.flash_attention_fwd(q, k, v, causal, 0.0625, split=False, out_dtype=q.dtype)
+    close(out16.float(), r_out, "out (nosplit, fp16)", rtol=0.0, atol=4e-3)
+    assert K.supported(q, k, v, backward=False) and not K.supported(q, k, v)
+    with pytest.raises(ValueError, match="head dim"):
+        K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.0625)
 
 
 def test_strided_views_gqa(gen):
@@ -124,6 +193,12 @@ def test_rejects_unsupported():
     q = torch.zeros(1, 8, 3, 16)
     k = torch.zeros(1, 8, 2, 16)
     assert not K.supported(q, k, k)
+    q = torch.zeros(1, 8, 2, 16, dtype=torch.float16)
+    with pytest.raises(ValueError, match="out_dtype"):
+        K.flash_attention_fwd(q, q, q, True, 1.0, out_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="grad_dtype"):
+        K.flash_attention_bwd(q, q, q, q, q, torch.zeros(1, 2, 8), True, 1.0,
+                              grad_dtype=torch.int8)
 
 
 def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):

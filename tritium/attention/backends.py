@@ -19,11 +19,20 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
              top-left causal only where s_q == s_kv per sequence), fp16/bf16, d % 8 == 0, d <= 256.
   efficient  torch.ops.aten._scaled_dot_product_efficient_attention(+_backward): every mask as
              an additive bias (fp32 too); thd through padding; GQA by repeating K/V.
+  triton     tritium's Triton flash attention (kernels/flash_attention.py) in its speed mode (P /
+             dS rounded once to the input dtype, as cuDNN; out and grads in the input dtype):
+             dense bshd, no mask or top-left causal (any s_q, s_kv), GQA without repeating K/V,
+             head dims 16-128, fp16/bf16, no dropout / window / padding; CUDA (or CPU under
+             TRITON_INTERPRET=1); eager only (torch.compile takes another backend).
   torch      `tritium.ref.attention`: explicit fp32 softmax, everything, any device.
-"Auto" tries cudnn, flash, efficient, torch (flash before cudnn below sm90, where cuDNN is not
-the faster one) and takes the first whose check passes; each rejection reason is kept for
-`explain()` and for the error when nothing fits. The choice is cached per call signature, so a
-training step pays a dict lookup, not the checks.
+"Auto" tries triton, cudnn, flash, efficient, torch on sm90/sm100 (flash, cudnn, efficient,
+triton, torch elsewhere: cuDNN is not the faster one below sm90) and takes the first whose check
+passes; each rejection reason is kept for `explain()` and for the error when nothing fits.
+Auto takes triton only for the (compute capability major, head dim, mask) classes listed in
+`MEASURED_FASTER`, where benchmarks/bench_flash_attention.py measured it faster than cuDNN
+(fwd+bwd); elsewhere explain() says it was not measured faster, and backend="triton" forces
+it. The choice is cached per call signature, so a training step pays a dict lookup, not the
+checks.
 
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
 (the choice is made once, at trace time, and guarded like any other Python branch); what they
@@ -43,6 +52,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from .. import _device
 from ..ref import attention as ref_attention
 from . import masks as M
 
@@ -149,6 +159,10 @@ class _Backend:
     def saved_out(self, out, aux):
         """The out the autograd Function keeps for backward (the returned one by default)."""
         return out
+
+    def auto_reason(self, q, a) -> Optional[str]:
+        """Why "auto" should pass over a call this backend supports (None: it may take it)."""
+        return None
 
 
 class TorchBackend(_Backend):
@@ -486,18 +500,75 @@ class EfficientBackend(_Backend):
         return dq, dk, dv
 
 
-BACKENDS = {b.name: b for b in (CudnnBackend(), FlashBackend(), EfficientBackend(),
-                                TorchBackend())}
+# (compute capability major, head dim, "causal" | "no_mask") where the triton backend measured
+# faster than cuDNN, fwd+bwd, at B4 H32 S4096 bf16 (benchmarks/bench_flash_attention.py, MHA
+# and GQA-8). Empty: no measurement has shown it faster yet, so auto keeps cuDNN.
+MEASURED_FASTER: frozenset = frozenset()
+
+
+class TritonBackend(_Backend):
+    """tritium's Triton flash attention, speed mode (see the module note)."""
+    name = "triton"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        if torch.compiler.is_compiling():  # first: nothing below is traced
+            return "triton: eager only (under torch.compile another backend runs)"
+        if not _device.use_triton(q):
+            return ("triton: needs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) and "
+                    "an importable triton")
+        if q.dtype not in _HALF:
+            return f"triton: {str(q.dtype).replace('torch.', '')} input, needs float16/bfloat16"
+        if a.fmt == "thd":
+            return "triton: thd (packed varlen) is not supported"
+        if a.mask is not None or a.q_pad is not None:
+            return "triton: arbitrary and padding masks are not supported"
+        if a.has_window:
+            return f"triton: sliding window {(a.left, a.right)} is not supported"
+        if a.dropout > 0:
+            return "triton: dropout is not supported"
+        if a.causal and a.bottom_right and a.sq != a.sk:
+            return f"triton: bottom-right causal with s_q {a.sq} != s_kv {a.sk} is not supported"
+        if a.d_qk != a.d_v or a.d_qk not in (16, 32, 64, 128):
+            return f"triton: head dims ({a.d_qk}, {a.d_v}) unsupported (equal, 16/32/64/128)"
+        from ..kernels import flash_attention as FA
+        if torch.are_deterministic_algorithms_enabled() and not FA.deterministic(q, split=False):
+            return ("triton: its dq sums by atomic adds here and "
+                    "torch.use_deterministic_algorithms is on")
+        return None
+
+    def auto_reason(self, q, a) -> Optional[str]:
+        cc = device_facts(q.device).cc
+        key = (cc[0] if cc else None, a.d_qk, "causal" if a.causal else "no_mask")
+        if key in MEASURED_FASTER:
+            return None
+        return (f"triton: supported, but auto takes it only where measured faster than cuDNN "
+                f"({key} is not in backends.MEASURED_FASTER); backend='triton' forces it")
+
+    def fwd(self, q, k, v, a):
+        from ..kernels import flash_attention as FA
+        out, lse = FA.flash_attention_fwd(q, k, v, a.causal, a.scale, split=False,
+                                          out_dtype=q.dtype)
+        return out, lse, None
+
+    def bwd(self, dout, q, k, v, out, lse, aux, a):
+        from ..kernels import flash_attention as FA
+        return FA.flash_attention_bwd(dout, q, k, v, out, lse, a.causal, a.scale, split=False,
+                                      grad_dtype=q.dtype)
+
+
+BACKENDS = {b.name: b for b in (TritonBackend(), CudnnBackend(), FlashBackend(),
+                                EfficientBackend(), TorchBackend())}
 ALIASES = {"math": "torch", "ref": "torch", "fused": "cudnn"}
 
 
 def _order(q: torch.Tensor, fmt: Optional[str] = None) -> tuple[str, ...]:
-    """cuDNN first on sm90/sm100 (fastest there, BASELINE.md), except for thd, where flash has
-    a native varlen kernel and cuDNN runs one call per sequence."""
+    """cuDNN first on sm90/sm100 (fastest there, BASELINE.md), after triton where that measured
+    faster (`MEASURED_FASTER`), except for thd, where flash has a native varlen kernel and
+    cuDNN runs one call per sequence."""
     cc = device_facts(q.device).cc
     if fmt != "thd" and cc is not None and cc[0] in (9, 10):
-        return ("cudnn", "flash", "efficient", "torch")
-    return ("flash", "cudnn", "efficient", "torch")
+        return ("triton", "cudnn", "flash", "efficient", "torch")
+    return ("flash", "cudnn", "efficient", "triton", "torch")
 
 
 def resolve_name(backend: Optional[str]) -> str:
@@ -515,6 +586,8 @@ def choose(q, k, v, a: AttnArgs, backend: str = "auto"):
     chosen = None
     for name in names:
         why = BACKENDS[name].check(q, k, v, a)
+        if why is None and backend == "auto":
+            why = BACKENDS[name].auto_reason(q, a)
         if why is None and chosen is None:
             chosen = BACKENDS[name]
             reasons[name] = ("selected: first of " + ", ".join(names) + " that supports this call"

@@ -1,16 +1,19 @@
-"""Triton flash attention that reads 16-bit q/k/v and returns fp32 partial results (for the exact
-mode of context-parallel attention, tritium/attention/cp/merge.py).
+"""Triton flash attention: 16-bit q/k/v in; fp32 partial results for the exact mode of
+context-parallel attention (tritium/attention/cp/merge.py), or 16-bit results (the speed mode,
+what an attention backend returns).
 
 Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math). Contract:
-  * q [b, s_q, h, d], k/v [b, s_kv, h_kv, d] (bshd, any strides, d a power of two <= 128, d_v ==
-    d_qk), h % h_kv == 0, query head i reads kv head i // (h // h_kv). fp16, bf16 or fp32.
+  * q [b, s_q, h, d], k/v [b, s_kv, h_kv, d] (bshd, any strides, d a power of two <= 128, or
+    256 for the forward alone, d_v == d_qk), h % h_kv == 0, query head i reads kv head
+    i // (h // h_kv) (K/V are never repeated). fp16, bf16 or fp32.
   * causal = top-left (key j visible to query i iff j <= i), any s_q / s_kv; else no mask.
-  * forward -> out fp32 [b, s_q, h, d] (never rounded to 16 bits), lse fp32 [b, h, s_q] (natural
-    log). backward(dout, q, k, v, out, lse) -> dq, dk, dv fp32 shaped like q, k, v. The backward
-    is FlashAttention-2's: P = exp(S - lse), D = rowsum(dO * out), dS = P * (dO v^T - D); it only
+  * forward -> out [b, s_q, h, d] in out_dtype (None = fp32, never rounded to 16 bits; or the
+    input dtype, rounded once), lse fp32 [b, h, s_q] (natural log). backward(dout, q, k, v,
+    out, lse) -> dq, dk, dv shaped like q, k, v in grad_dtype (same choice). The backward is
+    FlashAttention-2's: P = exp(S - lse), D = rowsum(dO * out), dS = P * (dO v^T - D); it only
     needs an (out, lse) pair of the same softmax rows, so context parallelism passes the merged
-    out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32, inside
-    one program (no atomics).
+    out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
+    inside one program.
 
 Precision. Scores are exact products of the 16-bit inputs summed in fp32 (tensor cores). The
 fp32 operands of the other products (P in P@V and P^T@dO, dS in dS@K and dS^T@Q) are split into
@@ -18,22 +21,39 @@ a 16-bit head plus a 16-bit tail (SPLIT=True, the default): two tensor-core prod
 carries ~16 (bf16) / ~22 (fp16) bits of the operand instead of 8 / 11, so the partials stay
 close to fp32 math (the twin agrees to ~1e-5 relative) at ~1.5x the tensor-core work.
 SPLIT=False rounds P / dS once to the input dtype (what cuDNN does; faster, error like a 16-bit
-kernel without the final rounding). fp32 inputs use IEEE fp32 products (interpreter tests,
-fallback).
+kernel). fp32 inputs use IEEE fp32 products (interpreter tests, fallback).
 
 Tiling. Forward: a program owns BLOCK_M query rows of one head and walks the key blocks with
-the online softmax (exp2 with log2(e) folded into the scale); key blocks strictly below the
-diagonal run without a mask, the rest (diagonal band, key tail) with one. Backward: a
-preprocess kernel writes D (fp32); the dk/dv kernel owns BLOCK_N keys of one kv head and walks
-the query blocks of every head of its group, computing S^T directly (K Q^T) so that no fp32
-tile is ever transposed (see the Triton 3.6 note in cast.py); the dq kernel owns BLOCK_M query
-rows and walks the key blocks. A row whose lse is -inf (no visible key) gets P = 0.
+the online softmax (exp2, log2(e) folded into the scale, one FMA per score); key blocks strictly
+below the diagonal run without a mask, the rest (diagonal band, key tail) with one; causal key
+blocks past the diagonal are never visited, and the busiest row blocks are launched first.
+Backward: a preprocess kernel writes D (fp32); the dk/dv kernel owns BLOCK_N keys of one kv head
+and walks the query blocks of every head of its group (causal: from the first that sees one of
+its keys, masked in one loop), computing S^T directly (K Q^T) so that no fp32 tile is ever
+transposed (see the Triton 3.6 note in cast.py). dq comes either from a dq kernel that owns
+BLOCK_M query rows and walks the key blocks (no atomics, deterministic, 7 matmuls per tile pair
+in the whole backward) or (Cfg.atomic_dq) from the dk/dv kernel itself: dS K by fp32 atomic
+adds into a zeroed buffer, dS^T's 16-bit head / tail transposed, never an fp32 tile (5 matmuls,
+order of the sums not fixed). A row whose lse is -inf (no visible key) gets P = 0.
+
+Launch options (`Cfg`, per kernel and (head dim, split) in GPU_CFG; benchmarks/
+bench_flash_attention.py --sweep picks them on a GPU): tile sizes, warps, pipeline stages,
+q/k/v/dO loaded through TMA descriptors of their [b, s, h * d] views (where the layout allows:
+unit-stride d, packed heads, 16-byte aligned strides; pointer loads otherwise: their address
+tiles cost registers, a 128 x 128 forward tile spills on sm90 without TMA), and
+`tl.range(warp_specialize=True)` on the forward's unmasked loop (with TMA; Triton 3.6 compiles
+it for sm90 at 8 warps, not at 4).
+Deliberately not here: dropout, sliding windows, padding masks, bottom-right
+causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
 """
 from __future__ import annotations
+
+from typing import NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -51,10 +71,30 @@ def _mm(a, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
+def _mm_t(at, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
+    """acc + at^T @ b for an fp32 `at`: only its 16-bit head / tail are transposed."""
+    hi = at.to(b.dtype)
+    acc = tl.dot(tl.trans(hi), b, acc, input_precision=PREC)
+    if SPLIT:
+        lo = (at - hi.to(tl.float32)).to(b.dtype)
+        acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _heads(bh, H, G):
     """Program axis 1 -> (batch, query head, kv head) as int64 offsets (G query heads per kv)."""
     h = bh % H
     return (bh // H).to(tl.int64), h.to(tl.int64), (h // G).to(tl.int64)
+
+
+@triton.jit
+def _row_block(s_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query row of this program; causal: the last (busiest) row blocks start first."""
+    pid = tl.program_id(0)
+    if CAUSAL:
+        pid = tl.cdiv(s_q, BLOCK_M) - 1 - pid
+    return pid * BLOCK_M
 
 
 @triton.jit
@@ -65,23 +105,38 @@ def _load_tile(ptr, b, h, sb, sh, ss, sd, rows, offs_d, ok):
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+def _rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d,
+          MASK: tl.constexpr, TMA: tl.constexpr, BLOCK: tl.constexpr, D: tl.constexpr):
+    """Rows r0 .. r0 + BLOCK of head h, batch b: through a TMA descriptor of the [b, s, h * d]
+    view (rows past n read 0 by the descriptor's bounds) or by pointers (masked if MASK)."""
+    if TMA:
+        return src.load([b.to(tl.int32), r0, (h * D).to(tl.int32)]).reshape(BLOCK, D)
+    else:
+        rows = r0 + tl.arange(0, BLOCK)
+        ptrs = src + b * sb + h * sh + rows[:, None] * ss + offs_d[None, :] * sd
+        if MASK:
+            return tl.load(ptrs, mask=(rows < n)[:, None], other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sob, sos, soh, sod, slb, slh, sls,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                TMA: tl.constexpr, WS: tl.constexpr):
+    """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head."""
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-
-    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
-    k_base = k_ptr + b * skb + hk * skh + offs_d[None, :] * skd
-    v_base = v_ptr + b * svb + hk * svh + offs_d[None, :] * svd
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -94,14 +149,13 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
         hi = s_kv
         full = (s_kv // BLOCK_N) * BLOCK_N
     # key blocks every row of this tile sees whole: no mask
-    for n0 in range(0, full, BLOCK_N):
-        rows = n0 + offs_n
-        k = tl.load(k_base + rows[:, None] * sks)
-        v = tl.load(v_base + rows[:, None] * svs)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+    for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC)
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = _mm(p, v, acc * alpha[:, None], SPLIT, PREC)
         m_i = m_new
@@ -109,8 +163,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     for n0 in range(full, hi, BLOCK_N):
         rows = n0 + offs_n
         n_ok = rows < s_kv
-        k = tl.load(k_base + rows[:, None] * sks, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] * svs, mask=n_ok[:, None], other=0.0)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         ok = n_ok[None, :]
         if CAUSAL:
@@ -127,8 +181,8 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod, out,
-             mask=m_ok[:, None])
+    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
     tl.store(lse_ptr + b * slb + h * slh + offs_m * sls, lse, mask=m_ok)
 
 
@@ -149,97 +203,97 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
 
 
 @triton.jit
-def _dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, s_q, offs_n,
+               offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, dq_rows, qk_scale, scale,
+               CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+               ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+    """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed); with
+    ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds."""
+    rows = m0 + tl.arange(0, BLOCK_M)
+    m_ok = rows < s_q
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
+    do = _rows(do_src, b, h, sdb, sdh, sds, sdd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
+    lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
+    st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
+    pt = tl.exp2(st - lse[None, :])
+    if CAUSAL:  # query i sees key j iff j <= i
+        pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
+    dv = _mm(pt, do, dv, SPLIT, PREC)
+    dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
+    dst = pt * (dpt - delta[None, :])
+    dk = _mm(dst, q, dk, SPLIT, PREC)
+    if ATOMIC_DQ:
+        dq = _mm_t(dst, k, tl.zeros([BLOCK_M, D], tl.float32), SPLIT, PREC)
+        tl.atomic_add(dq_base + rows[:, None] * dq_rows + offs_d[None, :], dq * scale,
+                      mask=m_ok[:, None], sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                  sdb, sds, sdh, sdd, slb, slh, sls,
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dk, dv (fp32, contiguous like k) for BLOCK_N keys of one kv head, summed over its group."""
+                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
+    its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
+    (contiguous like q)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, hk, _ = _heads(bh, H_KV, 1)
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     n_ok = offs_n < s_kv
-    k = _load_tile(k_ptr, b, hk, skb, skh, sks, skd, offs_n, offs_d, n_ok)
-    v = _load_tile(v_ptr, b, hk, svb, svh, svs, svd, offs_n, offs_d, n_ok)
+    k = _rows(k_src, b, hk, skb, skh, sks, skd, start_n, s_kv, offs_d, True, TMA, BLOCK_N, D)
+    v = _rows(v_src, b, hk, svb, svh, svs, svd, start_n, s_kv, offs_d, True, TMA, BLOCK_N, D)
     dk = tl.zeros([BLOCK_N, D], tl.float32)
     dv = tl.zeros([BLOCK_N, D], tl.float32)
 
-    if CAUSAL:
-        lo = (start_n // BLOCK_M) * BLOCK_M
-        mid = lo + tl.cdiv(start_n + BLOCK_N - lo, BLOCK_M) * BLOCK_M
-        mid = tl.minimum(mid, s_q)
-    else:
-        lo = 0
-        mid = 0
+    # causal: query blocks before the first that sees a key of this block are skipped; the
+    # mask is applied to every tile after that (one loop: two, diagonal and below, as in the
+    # forward, hold more registers than the sm90 register file has: spills)
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
     for g in range(0, G):
         h = hk * G + g
-        q_base = q_ptr + b * sqb + h * sqh + offs_d[None, :] * sqd
-        do_base = do_ptr + b * sdb + h * sdh + offs_d[None, :] * sdd
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
-        # the diagonal band (causal only): query i sees key j iff j <= i
-        for m0 in range(lo, mid, BLOCK_M):
-            rows = m0 + offs_m
-            m_ok = rows < s_q
-            q = tl.load(q_base + rows[:, None] * sqs, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sds, mask=m_ok[:, None], other=0.0)
-            lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            pt = tl.exp2(st - lse[None, :])
-            pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
-            dv = _mm(pt, do, dv, SPLIT, PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = _mm(dst, q, dk, SPLIT, PREC)
-        # rows that see every key of this block (or no mask at all)
-        for m0 in range(mid, s_q, BLOCK_M):
-            rows = m0 + offs_m
-            m_ok = rows < s_q
-            q = tl.load(q_base + rows[:, None] * sqs, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_base + rows[:, None] * sds, mask=m_ok[:, None], other=0.0)
-            lse = tl.load(l_base + rows * sls, mask=m_ok, other=0.0)
-            lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
-            st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
-            pt = tl.exp2(st - lse[None, :])
-            dv = _mm(pt, do, dv, SPLIT, PREC)
-            dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
-            dst = pt * (dpt - delta[None, :])
-            dk = _mm(dst, q, dk, SPLIT, PREC)
+        dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
+        for m0 in range(lo, s_q, BLOCK_M):
+            dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
+                                s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
+                                H_KV * G * D, qk_scale, scale, CAUSAL, SPLIT, PREC, TMA,
+                                ATOMIC_DQ, D, BLOCK_M)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
-    tl.store(dk_ptr + out_off, dk * scale, mask=n_ok[:, None])
-    tl.store(dv_ptr + out_off, dv, mask=n_ok[:, None])
+    tl.store(dk_ptr + out_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dv_ptr + out_off, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
 
 
 @triton.jit
-def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                s_q, s_kv, H, G, qk_scale, scale,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                sdb, sds, sdh, sdd, slb, slh, sls,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
-               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dq (fp32, contiguous like q) for BLOCK_M query rows of one head."""
-    start_m = tl.program_id(0) * BLOCK_M
+               D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               TMA: tl.constexpr):
+    """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
-    q = _load_tile(q_ptr, b, h, sqb, sqh, sqs, sqd, offs_m, offs_d, m_ok)
-    do = _load_tile(do_ptr, b, h, sdb, sdh, sds, sdd, offs_m, offs_d, m_ok)
+    q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
+    do = _rows(do_src, b, h, sdb, sdh, sds, sdd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
     lse = tl.load(lse_ptr + b * slb + h * slh + offs_m * sls, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
-    k_base = k_ptr + b * skb + hk * skh + offs_d[None, :] * skd
-    v_base = v_ptr + b * svb + hk * svh + offs_d[None, :] * svd
     dq = tl.zeros([BLOCK_M, D], tl.float32)
 
     if CAUSAL:
@@ -249,9 +303,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         hi = s_kv
         full = (s_kv // BLOCK_N) * BLOCK_N
     for n0 in range(0, full, BLOCK_N):
-        rows = n0 + offs_n
-        k = tl.load(k_base + rows[:, None] * sks)
-        v = tl.load(v_base + rows[:, None] * svs)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.exp2(s - lse[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -260,8 +313,8 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     for n0 in range(full, hi, BLOCK_N):
         rows = n0 + offs_n
         n_ok = rows < s_kv
-        k = tl.load(k_base + rows[:, None] * sks, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + rows[:, None] * svs, mask=n_ok[:, None], other=0.0)
+        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         ok = n_ok[None, :]
         if CAUSAL:
@@ -272,7 +325,7 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
         dq = _mm(ds, k, dq, SPLIT, PREC)
 
     tl.store(dq_ptr + b * (s_q * H * D) + h * D + offs_m[:, None] * (H * D) + offs_d[None, :],
-             dq * scale, mask=m_ok[:, None])
+             (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,99 +334,172 @@ def _dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
 _HEAD_DIMS = (16, 32, 64, 128)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per kernel and head dim, on the GPU; tuning code
-# (benchmarks/bench_flash_attention.py --cfg) may replace entries of this table. D=128 from
-# `--sweep` on an H100 (2026-11-22): one CP=2 rank's blocks at S=32768 went from 22.4 to 19.7 ms.
+
+class Cfg(NamedTuple):
+    """One kernel's launch: tile sizes, warps, pipeline stages, q/k/v/dO loads through TMA
+    descriptors, warp specialization of the forward's unmasked loop (fwd, with tma), dq by fp32
+    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int
+    tma: bool = False
+    ws: bool = False
+    atomic_dq: bool = False
+
+
+# per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
+# --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
+# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode): TMA loads,
+# chosen by what Triton 3.6 makes of them for sm90 (scripts/flash_regs.py; no GPU timing yet).
+# Two rules: 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq,
+# BLOCK_N of dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the
+# second warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles:
+# 255 registers at the tiles below). D=128: forward 128 x 64 169 registers, no spill; dk/dv
+# 128 keys x 32 query rows 255 registers, 100 bytes spilled (dk + dv accumulators alone are 128
+# registers a thread; 64 rows: 340); dq 128 x 64 173 registers. D=64: forward 128 x 128 161,
+# dk/dv 241, dq 123, none spilling. D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
-    "fwd": {128: (64, 64, 4, 3), 64: (128, 64, 4, 3)},
-    "dkdv": {128: (64, 64, 4, 2), 64: (64, 128, 8, 2)},
-    "dq": {128: (128, 64, 8, 3), 64: (128, 64, 8, 2)},
+    "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+            (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
+            (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(128, 64, 8, 2, tma=True)},
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(32, 128, 8, 2, tma=True),
+             (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
+    "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+           (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
-_INTERP_BLOCK = 16  # the interpreter: small tiles (tail masks exercised at s = 16..48)
+# the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
+INTERP_CFG = Cfg(16, 16, 4, 1)
 
 
-def _cfg(kind: str, d: int, device_is_cuda: bool):
+def _cfg(kind: str, d: int, split: bool, device_is_cuda: bool) -> Cfg:
     if not device_is_cuda:
-        return _INTERP_BLOCK, _INTERP_BLOCK, 4, 1
+        return INTERP_CFG
     table = GPU_CFG[kind]
-    return table.get(d, table[128] if d > 64 else (64, 64, 4, 2))
+    return table.get((d, split)) or table[(128 if d > 64 else 64, split)]
 
 
-def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Can this kernel run these bshd tensors? (dtype, head dims, GQA ratio)."""
+def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool = True) -> bool:
+    """Can this kernel run these bshd tensors? (dtype, head dims, GQA ratio); backward=False:
+    the forward alone (which also takes head dim 256)."""
+    dims = _HEAD_DIMS if backward else _HEAD_DIMS + (256,)
     return (q.dim() == 4 and k.dim() == 4 and v.dim() == 4
             and q.dtype in _DTYPES and k.dtype == q.dtype and v.dtype == q.dtype
-            and q.shape[-1] in _HEAD_DIMS and k.shape[-1] == q.shape[-1]
+            and q.shape[-1] in dims and k.shape[-1] == q.shape[-1]
             and v.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0] == v.shape[0]
             and k.shape[1] == v.shape[1] and k.shape[2] == v.shape[2]
             and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
-def _check(q, k, v):
-    if not supported(q, k, v):
+def deterministic(q: torch.Tensor, split: bool) -> bool:
+    """Is the backward for q's head dim and device bit-reproducible (no atomic dq)?"""
+    return not _cfg("dkdv", q.shape[-1], split, q.is_cuda).atomic_dq
+
+
+def _check(q, k, v, out_dtype, name, backward=True):
+    if not supported(q, k, v, backward):
+        dims = _HEAD_DIMS if backward else _HEAD_DIMS + (256,)
         raise ValueError(f"flash_attention: unsupported q{tuple(q.shape)} {q.dtype}, "
                          f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd, same "
-                         f"dtype in {_DTYPES}, head dim in {_HEAD_DIMS}, d_v == d_qk, h % h_kv == 0)")
+                         f"dtype in {_DTYPES}, head dim in {dims}"
+                         f"{'' if backward else ' (forward)'}, d_v == d_qk, h % h_kv == 0)")
+    if out_dtype not in (None, torch.float32, q.dtype):
+        raise ValueError(f"flash_attention: {name}={out_dtype} must be None, torch.float32 or "
+                         f"the input dtype {q.dtype}")
+    return out_dtype or torch.float32
 
 
 def _prec(dtype):
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
+def _srcs(cfg: Cfg, *tensors):
+    """(q, k, v[, dout]) as the kernels read them: with cfg.tma and a TMA-compatible layout for
+    all (unit-stride d, heads packed, 16-byte aligned base and strides), TMA descriptors of
+    each's [b, s, h * d] view with [1, rows, d] boxes (q / dout: block_m rows, k / v: block_n);
+    else the tensors themselves (pointer loads). -> (sources, tma)."""
+    descs = []
+    for i, x in enumerate(tensors):
+        b, s, h, d = x.shape
+        sb, ss, sh, sd = x.stride()
+        esz = x.element_size()
+        if not (cfg.tma and sd == 1 and (sh == d or h == 1) and (sb * esz) % 16 == 0
+                and (ss * esz) % 16 == 0 and x.data_ptr() % 16 == 0):
+            return tensors, False
+        rows = cfg.block_n if i in (1, 2) else cfg.block_m
+        descs.append(TensorDescriptor(x, [b, s, h * d], [sb, ss, 1], [1, rows, d]))
+    return tuple(descs), True
+
+
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float, split: bool = True):
-    """-> (out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q], natural log)."""
-    _check(q, k, v)
+                        scale: float, split: bool = True,
+                        out_dtype: Optional[torch.dtype] = None):
+    """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
+    out_dtype = _check(q, k, v, out_dtype, "out_dtype", backward=False)
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty(b, s_q, h, d, dtype=torch.float32, device=q.device)
+    out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out, lse.fill_(float("-inf"))
-    bm, bn, warps, stages = _cfg("fwd", d, q.is_cuda)
-    grid = (triton.cdiv(s_q, bm), b * h)
-    _fwd_kernel[grid](q, k, v, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
+    if out.numel() == 0 or s_kv == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = _cfg("fwd", d, split, q.is_cuda)
+    srcs, tma = _srcs(cfg, q, k, v)
+    grid = (triton.cdiv(s_q, cfg.block_m), b * h)
+    _fwd_kernel[grid](*srcs, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                       CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d,
-                      BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
+                      num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                        split: bool = True):
-    """-> (dq, dk, dv) fp32, shaped like q, k, v. out (any float dtype) and lse (fp32
-    [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's merged ones)."""
-    _check(q, k, v)
+                        split: bool = True, grad_dtype: Optional[torch.dtype] = None):
+    """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v. out (any float dtype)
+    and lse (fp32 [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's
+    merged ones)."""
+    grad_dtype = _check(q, k, v, grad_dtype, "grad_dtype")
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, s_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse [b, h, s_q]")
     dev, f32 = q.device, torch.float32
-    dq = torch.zeros(b, s_q, h, d, dtype=f32, device=dev)
-    dk = torch.zeros(b, s_kv, h_kv, d, dtype=f32, device=dev)
-    dv = torch.zeros(b, s_kv, h_kv, d, dtype=f32, device=dev)
+    cuda = q.is_cuda
+    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
+    atomic = dkdv_cfg.atomic_dq  # dq summed in fp32 over the key blocks: zeroed first
+    dq = torch.empty(b, s_q, h, d, dtype=f32 if atomic else grad_dtype, device=dev)
+    dk = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    dv = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    if atomic or dq.numel() == 0 or dk.numel() == 0:
+        dq.zero_()
     if dq.numel() == 0 or dk.numel() == 0:
-        return dq, dk, dv
+        return dq.to(grad_dtype), dk.zero_(), dv.zero_()
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
     delta = torch.empty(b, h, s_q, dtype=f32, device=dev)
-    cuda = q.is_cuda
-    bm, _, _, _ = _cfg("dq", d, cuda)
-    _delta_kernel[(triton.cdiv(s_q, bm), b * h)](out, dout, delta, s_q, h, *out.stride(),
-                                                  *dout.stride(), D=d, BLOCK_M=bm,
-                                                  num_warps=4 if cuda else 1)
+    _delta_kernel[(triton.cdiv(s_q, dq_cfg.block_m), b * h)](
+        out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
+        num_warps=4 if cuda else 1)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
     flags = dict(CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d)
-    bm, bn, warps, stages = _cfg("dkdv", d, cuda)
-    _dkdv_kernel[(triton.cdiv(s_kv, bn), b * h_kv)](
-        q, k, v, dout, lse, delta, dk, dv, s_q, s_kv, h_kv, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = _cfg("dq", d, cuda)
-    _dq_kernel[(triton.cdiv(s_q, bm), b * h)](
-        q, k, v, dout, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+
+    cfg = dkdv_cfg
+    srcs, tma = _srcs(cfg, q, k, v, dout)
+    _dkdv_kernel[(triton.cdiv(s_kv, cfg.block_n), b * h_kv)](
+        *srcs, lse, delta, dk, dv, dq, s_q, s_kv, h_kv, h // h_kv,
+        scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
+    if atomic:
+        return dq.to(grad_dtype), dk, dv
+
+    cfg = dq_cfg
+    srcs, tma = _srcs(cfg, q, k, v, dout)
+    _dq_kernel[(triton.cdiv(s_q, cfg.block_m), b * h)](
+        *srcs, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
+        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+        num_warps=cfg.warps, num_stages=cfg.stages)
     return dq, dk, dv
 
 
@@ -383,4 +509,5 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "flops"]
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "deterministic", "flops",
+           "Cfg", "GPU_CFG"]

@@ -6,9 +6,12 @@ dq, dk, dv fp32 (fp64 for fp64 inputs) from any (out, lse) pair of the same soft
 causal is top-left (key j visible to query i iff j <= i) for any s_q, s_kv. `split` is
 accepted for the signature and ignored: it is the kernel's way of approaching this fp32 math
 (the kernel and this twin agree to fp32 reduction-order tolerance, not bit for bit: the
-kernel's online softmax and tiled sums reorder the additions).
+kernel's online softmax and tiled sums reorder the additions). `out_dtype` / `grad_dtype` (None,
+fp32 or the input dtype) round the fp32 results once at the end; lse stays fp32.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,21 +31,22 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float, split: bool = True):
-    """-> (out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q], natural log)."""
+                        scale: float, split: bool = True,
+                        out_dtype: Optional[torch.dtype] = None):
+    """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
     mask = _mask(q.shape[1], k.shape[1], causal, q.device)
     out, lse, _ = attention_fwd(_wide(q), _wide(k), _wide(v), mask, scale, out_dtype=None)
-    return out.contiguous(), lse.contiguous()
+    return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                        split: bool = True):
-    """-> (dq, dk, dv) fp32, shaped like q, k, v (any (out, lse) of the same softmax rows)."""
+                        split: bool = True, grad_dtype: Optional[torch.dtype] = None):
+    """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v (any (out, lse) of the
+    same softmax rows)."""
     mask = _mask(q.shape[1], k.shape[1], causal, q.device)
-    dq, dk, dv = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse,
-                               mask, scale)
-    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+    grads = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse, mask, scale)
+    return tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
 
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd"]

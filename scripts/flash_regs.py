@@ -1,0 +1,100 @@
+"""Usage: python scripts/flash_regs.py [nosplit|split] [fwd|dkdv|dq ...]
+
+Registers, spills and shared memory of the flash attention kernels (tritium/kernels/
+flash_attention.py) for sm90, without a GPU: each candidate config of benchmarks/
+bench_flash_attention.py's --sweep (and the current GPU_CFG entry) is compiled to PTX by Triton
+(bf16, D=128, causal) and assembled by the wheel's ptxas with -v. A config that spills runs
+slower on the GPU; one whose shared memory exceeds 227 KB does not launch. This is how the
+speed-mode defaults in GPU_CFG were chosen before any GPU timing; the sweep has the last word.
+Also prints whether Triton warp-specialized the forward's loop (a ttg.warp_specialize op) and
+flags products whose output rows are fewer than the MMA layout's warps cover (8 warps on 64
+rows: the second warpgroup repeats the first's wgmma).
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for real
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+
+import bench_flash_attention as B  # noqa: E402
+from tritium.kernels import flash_attention as FA  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+KERNELS = {"fwd": FA._fwd_kernel, "dkdv": FA._dkdv_kernel, "dq": FA._dq_kernel}
+
+
+def _signature(fn, cfg, split):
+    out16 = "*fp32" if split else "*bf16"
+    types = {"qk_scale": "fp32", "scale": "fp32", "o_ptr": out16, "dk_ptr": out16,
+             "dv_ptr": out16, "dq_ptr": "*fp32" if fn is FA._dkdv_kernel else out16}
+    for name, rows in (("q_src", cfg.block_m), ("k_src", cfg.block_n), ("v_src", cfg.block_n),
+                       ("do_src", cfg.block_m)):
+        types[name] = f"tensordesc<bf16[1, {rows}, {B.D}]>" if cfg.tma else "*bf16"
+    return {p.name: "constexpr" if p.is_constexpr else
+            types.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32") for p in fn.params}
+
+
+def probe(kind, cfg, split):
+    fn = KERNELS[kind]
+    cx = dict(CAUSAL=True, SPLIT=split, PREC="tf32", D=B.D, BLOCK_M=cfg.block_m,
+              BLOCK_N=cfg.block_n, TMA=cfg.tma)
+    cx.update({"fwd": dict(WS=cfg.ws and cfg.tma), "dkdv": dict(ATOMIC_DQ=cfg.atomic_dq),
+               "dq": {}}[kind])
+    try:
+        c = triton.compile(ASTSource(fn, _signature(fn, cfg, split), constexprs=cx),
+                           target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
+    except Exception as exc:
+        return f"does not compile ({str(exc).splitlines()[0][:80]})"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(c.asm["ptx"])
+        f.flush()
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores", log)
+    ttgir = c.asm["ttgir"]
+    ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
+    return (f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} "
+            f"bytes spilled, {c.metadata.shared} bytes shared{ws}{_repeated(ttgir)}")
+
+
+def _repeated(ttgir: str) -> str:
+    """", REPEATED wgmma" where a product has fewer output rows than its MMA layout's warps
+    cover (16 rows a warp along M): the extra warpgroups recompute the same rows."""
+    warps_m = {name: int(m) for name, m in re.findall(
+        r"#(mma\d*) = #ttg.nvidia_mma<\{versionMajor = 3, versionMinor = 0, "
+        r"warpsPerCTA = \[(\d+), \d+\]", ttgir)}
+    dots = re.findall(r"warp_group_dot .*-> tensor<(\d+)x\d+xf32, #(mma\d*)>", ttgir)
+    bad = {int(rows) for rows, name in dots if int(rows) < 16 * warps_m.get(name, 0)}
+    return f", REPEATED wgmma ({sorted(bad)}-row products)" if bad else ""
+
+
+def main():
+    modes = [a == "split" for a in sys.argv[1:] if a in ("split", "nosplit")] or [False, True]
+    kinds = [a for a in sys.argv[1:] if a in KERNELS] or list(KERNELS)
+    for split in modes:
+        sweeps = B.SWEEPS[split]
+        for kind in kinds:
+            cands = [FA.GPU_CFG[kind][(B.D, split)]] + sweeps[kind]
+            if kind == "dkdv":
+                cands += sweeps["atomic"]
+            for i, cfg in enumerate(dict.fromkeys(cands)):
+                tag = " (GPU_CFG)" if i == 0 else ""
+                print(f"{'split' if split else 'nosplit'} {kind} {tuple(cfg)}{tag}: "
+                      f"{probe(kind, cfg, split)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

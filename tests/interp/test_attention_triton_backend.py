@@ -1,0 +1,89 @@
+"""The "triton" attention backend (tritium/attention/backends.py) under the interpreter.
+
+Forced (backend="triton"), DotProductAttention runs the kernel's speed mode: its out and grads
+are the launchers' split=False results in the input dtype bit for bit, and they agree with the
+reference backend ("torch") to a 16-bit kernel's error (P / dS rounded once to fp16), for bshd
+and sbhd, causal and no mask, GQA. Auto takes it only where `MEASURED_FASTER` lists the call's
+class (explain() says why not otherwise); unsupported calls get a reason. fp16 inputs (the
+interpreter's bf16 tl.dot is wrong, see conftest.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritium.attention as A
+from tritium.attention import backends as B
+from tritium.kernels import flash_attention as K
+
+from ._helpers import assert_same_bits
+
+pytestmark = [pytest.mark.interp,  # the interpreter's own numpy warning on tensor loop bounds
+              pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")]
+
+H, HK, D = 4, 2, 16
+
+
+def _qkv(gen, b=2, s=24, fmt="bshd"):
+    def rnd(heads):
+        x = torch.randn(b, s, heads, D, generator=gen).half()
+        return x.transpose(0, 1).contiguous() if fmt == "sbhd" else x
+    return rnd(H), rnd(HK), rnd(HK)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_forced_triton_is_the_speed_mode_kernel_and_matches_the_reference(fmt, mask, gen):
+    q, k, v = _qkv(gen, fmt=fmt)
+    w = torch.randn(*q.shape[:2], H * D, generator=gen).half()
+    results = {}
+    for backend in ("triton", "torch"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = A.dot_product_attention(*leaves, qkv_format=fmt, attn_mask_type=mask,
+                                      softmax_scale=0.3, backend=backend)
+        (out.float() * w.float()).sum().backward()
+        results[backend] = [out.detach()] + [x.grad for x in leaves]
+    bshd = (lambda x: x.transpose(0, 1)) if fmt == "sbhd" else (lambda x: x)
+    causal = mask == "causal"
+    qb, kb, vb = (bshd(x) for x in (q, k, v))
+    want_out, lse = K.flash_attention_fwd(qb, kb, vb, causal, 0.3, split=False,
+                                          out_dtype=torch.float16)
+    dout = bshd(w.view(*q.shape[:2], H, D))
+    want = [want_out, *K.flash_attention_bwd(dout, qb, kb, vb, want_out, lse, causal, 0.3,
+                                             split=False, grad_dtype=torch.float16)]
+    got = results["triton"]
+    assert_same_bits(bshd(got[0].view(*q.shape[:2], H, D)), want[0], "out")
+    for name, g, x in zip(("dq", "dk", "dv"), got[1:], want[1:]):
+        assert_same_bits(bshd(g).contiguous(), x, name)
+    for name, g, r in zip(("out", "dq", "dk", "dv"), got, results["torch"]):
+        assert g.dtype == r.dtype == torch.float16
+        err = (g.float() - r.float()).abs().max().item()
+        assert err <= 4e-3 * r.float().abs().max().item(), f"{name}: {err:.3e}"
+
+
+def test_auto_takes_triton_only_where_measured_faster(gen, monkeypatch):
+    q, k, v = _qkv(gen)
+    ex = A.explain(q, k, v, qkv_format="bshd", attn_mask_type="causal")
+    assert ex.backend == "torch"
+    assert "not in backends.MEASURED_FASTER" in ex.reasons["triton"], str(ex)
+    monkeypatch.setattr(B, "MEASURED_FASTER", frozenset({(None, D, "causal")}))
+    monkeypatch.setattr(B, "_CACHE", {})
+    ex = A.explain(q, k, v, qkv_format="bshd", attn_mask_type="causal")
+    assert ex.backend == "triton" and "selected" in ex.reasons["triton"], str(ex)
+    assert A.explain(q, k, v, qkv_format="bshd", attn_mask_type="no_mask").backend == "torch"
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(window_size=(4, 0)), "sliding window"),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(attn_mask_type="causal_bottom_right", sk=16), "bottom-right"),
+    (dict(dtype=torch.float32), "needs float16/bfloat16"),
+    (dict(d=24), "head dims")])
+def test_unsupported_calls_name_the_reason(kw, why, gen):
+    kw = dict(kw)
+    dtype, d, sk = kw.pop("dtype", torch.float16), kw.pop("d", D), kw.pop("sk", 24)
+    q = torch.randn(2, 24, H, d, generator=gen).to(dtype)
+    k, v = (torch.randn(2, sk, HK, d, generator=gen).to(dtype) for _ in range(2))
+    kw.setdefault("attn_mask_type", "causal")
+    ex = A.explain(q, k, v, qkv_format="bshd", backend="triton", **kw)
+    assert ex.backend is None and why in ex.reasons["triton"], str(ex)
