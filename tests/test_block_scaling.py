@@ -285,7 +285,7 @@ def test_block_recipe_checkpoint_and_unsupported_modules(randn):
     assert other.fp8_meta.recipe == r
 
     with pytest.raises(NotImplementedError, match="fp8_model_init"):
-        with te.fp8_model_init(recipe=recipe.Float8BlockScaling()):
+        with te.fp8_model_init(recipe=recipe.MXFP8BlockScaling()):
             pass
     with pytest.raises(TypeError, match="fp8_recipe"):
         te.make_graphed_callables(layer, (randn(16, 64),), fp8_enabled=True,

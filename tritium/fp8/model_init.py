@@ -28,8 +28,16 @@ Decisions where TE is silent or differs:
     power_2_scale)`. Its first scale comes from the initial weight's amax; after every
     optimizer step (and set_master_param) the optimizer recomputes the scale from the new
     master's amax and rewrites the fp8 data with it, so the data is always "current" (see
-    `tritium/optimizers/_common.py`). Other recipes raise. FP8 params run under any
-    fp8_autocast recipe: the fp8 data carries its own scale_inv.
+    `tritium/optimizers/_common.py`).
+  * Float8BlockScaling: each GEMM weight becomes a `Float8BlockTensor` (tritium/fp8/block_tensor.py):
+    128x128 blocks (w_block_scaling_dim=2, the default) or 1x128 tiles (=1), with the recipe's
+    fp8_quant_fwd_weight QParams, rowwise and columnwise forms both kept. The block-scaled Linear
+    reads them as they are; after every optimizer step (and set_master_param) the optimizer
+    requantizes every block from the new fp32 master (`p.requantize_(master)`), so the bits are
+    those the same recipe makes from a high-precision weight equal to the master.
+    MXFP8BlockScaling and other recipes raise. FP8 params run under any fp8_autocast recipe:
+    the fp8 data carries its own scale_inv (a block param under another recipe, or under a block
+    recipe of another weight form, is dequantized and cast like a high-precision weight).
   * parameters_split is not supported with FP8 params yet (clear error).
 """
 from __future__ import annotations
@@ -38,7 +46,7 @@ import contextlib
 import threading
 from typing import Optional
 
-from .recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 
 
 class _ModelInitState(threading.local):
@@ -62,13 +70,16 @@ def reset() -> None:
 @contextlib.contextmanager
 def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
                    preserve_high_precision_init_val: bool = False):
-    """Modules built inside hold their GEMM weights as FP8 Float8Tensor params only."""
+    """Modules built inside hold their GEMM weights as FP8 params only (Float8Tensor, or
+    Float8BlockTensor under Float8BlockScaling)."""
     if recipe is None:
         recipe = DelayedScaling()
-    if enabled and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if enabled and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling,
+                                           Float8BlockScaling)):
         raise NotImplementedError(
-            f"fp8_model_init(recipe={type(recipe).__name__}) is not supported: FP8 params are "
-            "per-tensor scaled; pass recipe.DelayedScaling() or recipe.Float8CurrentScaling()")
+            f"fp8_model_init(recipe={type(recipe).__name__}) is not supported; pass "
+            "recipe.DelayedScaling(), recipe.Float8CurrentScaling() or "
+            "recipe.Float8BlockScaling()")
     _state.stack.append((recipe, bool(preserve_high_precision_init_val)) if enabled else None)
     try:
         yield

@@ -20,8 +20,11 @@ emulated GEMM (`tritium.ref.block_gemm.mx_gemm_tn`) on every device: no speed cl
 
 Weight caching (`is_first_microbatch`) as for tensorwise recipes: True quantizes and keeps the
 weight's block-quantized forms in the module's WeightCache, False reuses them.
-Not done: CUDA-graph weight caching (the flagged cast), FP8 (fp8_model_init) weights under these
-recipes, fused norm / activation block casts (LayerNormLinear / LayerNormMLP quantize the
+FP8 weights (fp8_model_init under Float8BlockScaling: a `Float8BlockTensor` param) are read as
+they are, no cast and no cache, when their form is the recipe's (same fp8 dtype, same 1x128 /
+128x128 weight blocks, Float8BlockScaling); otherwise they are dequantized and cast like a
+high-precision weight.
+Not done: CUDA-graph weight caching (the flagged cast), fused norm / activation block casts (LayerNormLinear / LayerNormMLP quantize the
 high-precision norm / activation output here), the FP8 all-gather of sequence parallelism
 (column-parallel layers gather the high-precision input, then quantize).
 """
@@ -33,6 +36,7 @@ from typing import Sequence
 import torch
 
 from ..fp8 import block as block_ops
+from ..fp8.block_tensor import Float8BlockTensor
 from ..fp8.recipe import Float8BlockScaling, MXFP8BlockScaling, QParams, Recipe
 from ..fp8.tensor import Float8Tensor
 from ..ref.block_cast import BlockQuantized
@@ -91,6 +95,11 @@ def _pad16(t: torch.Tensor) -> torch.Tensor:
 
 def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
                      need_t: bool) -> BlockQuantized:
+    if isinstance(weight, Float8BlockTensor):
+        if (not scheme.mx and weight._block_2d == scheme.w_2d
+                and weight._fp8_dtype == scheme.fwd_dtype):
+            return weight.operands()   # an FP8 param (fp8_model_init): its own blocks, no cast
+        weight = weight.dequantize()
     cache = plan.weight_cache
     if cache is not None and cache.skip is not None:
         raise NotImplementedError(

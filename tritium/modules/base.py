@@ -10,8 +10,9 @@ get_extra_state/set_extra_state as tensors and plain values only.
 
 FP8 params (modules built under `fp8_model_init`): the subclass names its GEMM weights and their
 forward slots in `_fp8_weight_slots`; `reset_parameters` initialises them in high precision and
-`_quantize_fp8_params` then replaces each with a Float8Tensor Parameter tied to its slot (see
-tritium/fp8/model_init.py for the contract with the optimizer).
+`_quantize_fp8_params` then replaces each with a Float8Tensor Parameter tied to its slot, or
+under Float8BlockScaling with a Float8BlockTensor Parameter (see tritium/fp8/model_init.py for
+the contract with the optimizer).
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ from ..fp8 import recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import HIGH_PRECISION_DTYPES, fp8_max
 from ..fp8.model_init import fp8_params_config
-from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..fp8.block_tensor import Float8BlockTensor
+from ..fp8.quantized_tensor import QuantizedTensor
+from ..fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 from ..fp8.scaling import FP8Meta
 from ..fp8.tensor import Float8Tensor
 from ..functional.linear import FP8Plan, WeightCache
@@ -95,7 +98,7 @@ class FP8Module(torch.nn.Module):
         """Before re-initialising: give each FP8 weight a high-precision Parameter to init."""
         for name in self._fp8_weight_slots:
             p = self._parameters[name]
-            if isinstance(p, Float8Tensor):
+            if isinstance(p, QuantizedTensor):
                 self._parameters[name] = torch.nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=p.device),
                     requires_grad=p.requires_grad)
@@ -108,6 +111,8 @@ class FP8Module(torch.nn.Module):
             return
         if isinstance(recipe, Float8CurrentScaling):
             return self._quantize_current_scaled_params(recipe)
+        if isinstance(recipe, Float8BlockScaling):
+            return self._quantize_block_params(recipe)
         for name, slot in self._fp8_weight_slots.items():
             p = self._parameters[name]
             self.fp8_meta.prepare(recipe, p.device)
@@ -139,6 +144,21 @@ class FP8Module(torch.nn.Module):
             q = Float8Tensor.quantize(value, scale, dtype, with_transpose=True)
             param = torch.nn.Parameter(q, requires_grad=p.requires_grad)
             param._current_scaling = current
+            if self._preserve_init_val:
+                param._high_precision_init_val = value.to("cpu", copy=True)
+            self._parameters[name] = param
+
+    def _quantize_block_params(self, recipe: Float8BlockScaling) -> None:
+        """Under Float8BlockScaling each FP8 weight holds its own block scales."""
+        q = recipe.fp8_quant_fwd_weight
+        for name in self._fp8_weight_slots:
+            p = self._parameters[name]
+            value = p.detach()
+            w = Float8BlockTensor.quantize(value, recipe.fp8_format.forward_dtype,
+                                           block_2d=recipe.w_block_scaling_dim == 2,
+                                           power_2_scale=q.power_2_scale,
+                                           amax_epsilon=q.amax_epsilon)
+            param = torch.nn.Parameter(w, requires_grad=p.requires_grad)
             if self._preserve_init_val:
                 param._high_precision_init_val = value.to("cpu", copy=True)
             self._parameters[name] = param

@@ -9,6 +9,12 @@ module's scaling state), `p._amax` (optional fp32 [1]: max-accumulated with the 
 max |value|) and `p._transpose` (refreshed in place after the update when not None). Its grad is
 a plain bf16/fp32 tensor. FP8 params need master_weights=True.
 
+Block-scaled FP8 params (`Float8BlockTensor`, kind 'fp8_block', from fp8_model_init under
+Float8BlockScaling) have one scale per block, which the fused kernels do not write: the kernel
+steps their fp32 master as if it were an fp32 param (same bucket, same bits), then
+`p.requantize_(master)` writes every block from it. They need master_weights=True and fp32
+masters, and are not DTensors (FSDP2 / TP sharding of block params is not supported).
+
 Step = plan + run. The plan reads every param of every group, checks its grad (present, dense,
 same shape and device, fp32/bf16/fp16) and its kind, and raises before anything was launched or
 initialized, so a failing step leaves params and state untouched. The run initializes missing
@@ -34,6 +40,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import _device
+from ..fp8.block_tensor import Float8BlockTensor
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
 from ..ref import cast as ref_cast
@@ -45,10 +52,12 @@ _KIND_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: 
 
 
 def param_kind(p: torch.Tensor, where: str) -> str:
-    """'fp32', 'bf16', 'fp16' or 'fp8'; a clear TypeError for anything else."""
+    """'fp32', 'bf16', 'fp16', 'fp8' or 'fp8_block'; a clear TypeError for anything else."""
     p = local(p)
     if isinstance(p, Float8Tensor):
         return "fp8"
+    if isinstance(p, Float8BlockTensor):
+        return "fp8_block"
     kind = _KIND_OF_DTYPE.get(p.dtype)
     if kind is None:
         raise TypeError(f"{where}: params must be float32, bfloat16, float16 or tritium "
@@ -60,7 +69,7 @@ def storage(p: torch.Tensor) -> torch.Tensor:
     """The tensor the kernels write: the fp8 `_data` of an FP8 param, else the param's data
     (of the local shard for a DTensor param)."""
     p = local(p)
-    return p._data if isinstance(p, Float8Tensor) else p.detach()
+    return p._data if isinstance(p, (Float8Tensor, Float8BlockTensor)) else p.detach()
 
 
 def fp8_meta(p: torch.Tensor):
@@ -88,8 +97,9 @@ def check_group_kinds(kinds: list[str], group_index: int, master_weights: bool) 
         raise ValueError(f"param group {group_index} mixes float16 and bfloat16 params; put them "
                          "in separate param groups (optimizer(params=[{'params': fp16_params}, "
                          "{'params': bf16_params}]))")
-    if "fp8" in kinds and not master_weights:
-        raise ValueError(f"param group {group_index} holds FP8 (Float8Tensor) params: they need "
+    if ("fp8" in kinds or "fp8_block" in kinds) and not master_weights:
+        raise ValueError(f"param group {group_index} holds FP8 (Float8Tensor / "
+                         "Float8BlockTensor) params: they need "
                          "master_weights=True (the fp32 master is the weight, the FP8 param its "
                          "cast)")
 
@@ -111,9 +121,14 @@ def refresh_transpose(p: torch.Tensor) -> None:
 def check_param(p: torch.Tensor, where: str) -> str:
     check_dtensor_param(p, where)
     kind = param_kind(p, where)
-    p = local(p)
+    p0, p = p, local(p)
     if kind == "fp8":
         check_fp8_param(p, where)
+    elif kind == "fp8_block":
+        if is_dtensor(p0):
+            raise ValueError(f"{where}: a block-scaled FP8 param (Float8BlockTensor) cannot be a "
+                             "DTensor (FSDP2 / tensor-parallel sharding) yet; build the model "
+                             "under fp8_model_init(recipe=DelayedScaling()) to shard FP8 params")
     elif not p.is_contiguous():
         raise ValueError(f"{where}: params must be contiguous (got strides {p.stride()}); "
                          "use p.data = p.data.contiguous() before building the optimizer")
@@ -184,14 +199,14 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         return self.store_param_remainders and self.master_weights and kind == "bf16"
 
     def _has_master(self, kind: str) -> bool:
-        return kind == "fp8" or (self.master_weights and kind in ("bf16", "fp16")
+        return kind in ("fp8", "fp8_block") or (self.master_weights and kind in ("bf16", "fp16")
                                  and not self._uses_remainder(kind))
 
     def _initial_master(self, p: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
         if not self._has_master(kind):
             return None
         q = local(p)
-        if kind == "fp8":  # the high-precision init kept by fp8_model_init, else the fp8 value
+        if kind in ("fp8", "fp8_block"):  # fp8_model_init's high-precision init, else the fp8 value
             init = q.get_high_precision_init_val()
             if init is not None and tuple(init.shape) == tuple(q.shape):
                 return like_param(p, init.to(q.device, torch.float32, copy=True).contiguous())
@@ -241,14 +256,17 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
                     self._init_state(p, kind, state)
             self._run_group(gi, group, items)
             for p, _, kind in items:
-                if kind == "fp8":
+                if kind in ("fp8", "fp8_block"):
                     self._refresh_fp8(p)
         return loss
 
     def _refresh_fp8(self, p: Float8Tensor) -> None:
         """After p's master changed: a current-scaled FP8 param (fp8_model_init under
         Float8CurrentScaling) takes its scale from the new master's amax and is rewritten with
-        it; then the fp8 transpose follows the data."""
+        it; then the fp8 transpose follows the data. A block-scaled one is requantized from it."""
+        if isinstance(p, Float8BlockTensor):
+            p.requantize_(self.get_master_param(p))
+            return
         current = getattr(p, "_current_scaling", None)
         if current is not None:  # never a DTensor shard (Float8Tensor's FSDP gather refuses those)
             master = self.get_master_param(p).reshape(-1)
@@ -262,11 +280,19 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         """{(device, storage dtype, grad dtype, kind class, extra): [(p, g, kind)]}."""
         buckets: dict = {}
         for p, g, kind in items:
-            s = storage(p)
-            key = (s.device, s.dtype, g.dtype, kind == "fp8", self._has_master(kind),
+            s = self._kernel_param(p)
+            key = (s.device, s.dtype, g.dtype, kind == "fp8",
+                   self._has_master(kind) and kind != "fp8_block",
                    self._uses_remainder(kind), None if extra_key is None else extra_key(p))
             buckets.setdefault(key, []).append((p, g, kind))
         return buckets
+
+    def _kernel_param(self, p: torch.Tensor) -> torch.Tensor:
+        """What the step kernel writes as p: its storage, or for a block-scaled FP8 param its
+        fp32 master (stepped as an fp32 param; the blocks are requantized after the step)."""
+        if isinstance(p, Float8BlockTensor):
+            return self.state[p]["master_param"]
+        return storage(p)
 
     def _table_cache(self, gi: int, key) -> dict:
         return self._tables.setdefault((gi, key), {})
@@ -305,6 +331,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         w = value.detach().to(device=storage(p).device, dtype=torch.float32).reshape(-1).clone()
         rem = local(state.get("master_remainder"))
         self._store_master(p, state, w)
+        if kind == "fp8_block":
+            return self._refresh_fp8(p)
         ref_adam.store_weight(storage(p).view(-1), None, None if rem is None else rem.view(-1),
                               fp8_meta(p) if kind == "fp8" else None, w)
         if kind == "fp8":

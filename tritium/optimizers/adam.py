@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8.block_tensor import Float8BlockTensor
 from ..ref import adam as ref_adam
 from ._common import (MultiTensorOptimizer, fp8_meta, host_scalars_to, impl_for, is_dtensor,
                       local, local_state, state_tensor, storage)
@@ -109,6 +110,11 @@ class FusedAdam(MultiTensorOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         group = self.param_groups[-1]
+        if self.master_weight_dtype != torch.float32 and any(
+                isinstance(local(p), Float8BlockTensor) for p in group["params"]):
+            self.param_groups.pop()
+            raise ValueError("FusedAdam: block-scaled FP8 params (Float8BlockTensor) need float32 "
+                             "masters; use master_weight_dtype=torch.float32")
         if self._scaled and any(is_dtensor(p) for p in group["params"]):
             # Each shard would get its own factors in a per-rank [3, 3] table, which DCP would
             # save as one replicated tensor: a resume could not be exact.
@@ -286,7 +292,7 @@ class FusedAdam(MultiTensorOptimizer):
             states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "adam", ref_adam)
             impl.adam_step(
-                [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
+                [self._kernel_param(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
                 [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                 [s["master_param"] for s in states] if has_master else None,
                 [fp8_meta(p) for p, _, _ in bucket] if is_fp8 else None,

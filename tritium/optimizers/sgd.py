@@ -64,7 +64,7 @@ class FusedSGD(MultiTensorOptimizer):
             states = [local_state(p, self.state[p]) for p, _, _ in bucket]
             impl = impl_for(storage(bucket[0][0]), "sgd", ref_sgd)
             impl.sgd_step(
-                [storage(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
+                [self._kernel_param(p) for p, _, _ in bucket], [g for _, g, _ in bucket],
                 [s["momentum_buffer"] for s in states] if has_momentum else None,
                 [s["master_param"] for s in states] if has_master else None,
                 [fp8_meta(p) for p, _, _ in bucket] if is_fp8 else None,
