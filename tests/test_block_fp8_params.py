@@ -165,7 +165,8 @@ def test_set_master_param_and_checkpoint_round_trip():
         a, b = dict(fp8.named_parameters())[name], dict(other.named_parameters())[name]
         assert isinstance(b, Float8BlockTensor)
         for x, y in zip(a.operands(), b.operands()):
-            assert torch.equal(_bits(x) if x.dtype == E4M3 else x, _bits(y) if y.dtype == E4M3 else y)
+            assert torch.equal(_bits(x) if x.dtype == E4M3 else x,
+                               _bits(y) if y.dtype == E4M3 else y)
     # a high-precision state dict loads into FP8 params by requantizing
     plain = {k: (v.dequantize() if isinstance(v, Float8BlockTensor) else v) for k, v in sd.items()}
     other.load_state_dict(plain)

@@ -16,7 +16,8 @@ from .quantizer import Float8CurrentScalingQuantizer, Float8Quantizer, Quantizer
 
 __all__ = ["recipe", "autocast", "fp8_autocast", "get_fp8_recipe", "is_fp8_enabled", "E4M3",
            "E5M2", "Format", "DelayedScaling", "Float8CurrentScaling", "FP8Meta", "ScalingState",
-           "Float8Tensor", "Float8BlockTensor", "DType", "FP8GlobalStateManager", "check_fp8_support",
+           "Float8Tensor", "Float8BlockTensor", "DType", "FP8GlobalStateManager",
+           "check_fp8_support",
            "get_default_recipe", "get_default_fp8_recipe", "fp8_model_init", "quantized_model_init",
            "is_fp8_available", "is_fp8_block_scaling_available",
            "is_mxfp8_available", "is_nvfp4_available", "QuantizedTensor", "Quantizer",

@@ -29,7 +29,7 @@ Decisions where TE is silent or differs:
     optimizer step (and set_master_param) the optimizer recomputes the scale from the new
     master's amax and rewrites the fp8 data with it, so the data is always "current" (see
     `tritium/optimizers/_common.py`).
-  * Float8BlockScaling: each GEMM weight becomes a `Float8BlockTensor` (tritium/fp8/block_tensor.py):
+  * Float8BlockScaling: each GEMM weight becomes a `Float8BlockTensor` (fp8/block_tensor.py):
     128x128 blocks (w_block_scaling_dim=2, the default) or 1x128 tiles (=1), with the recipe's
     fp8_quant_fwd_weight QParams, rowwise and columnwise forms both kept. The block-scaled Linear
     reads them as they are; after every optimizer step (and set_master_param) the optimizer

@@ -24,9 +24,10 @@ FP8 weights (fp8_model_init under Float8BlockScaling: a `Float8BlockTensor` para
 they are, no cast and no cache, when their form is the recipe's (same fp8 dtype, same 1x128 /
 128x128 weight blocks, Float8BlockScaling); otherwise they are dequantized and cast like a
 high-precision weight.
-Not done: CUDA-graph weight caching (the flagged cast), fused norm / activation block casts (LayerNormLinear / LayerNormMLP quantize the
-high-precision norm / activation output here), the FP8 all-gather of sequence parallelism
-(column-parallel layers gather the high-precision input, then quantize).
+Not done: CUDA-graph weight caching (the flagged cast), fused norm / activation block casts
+(LayerNormLinear / LayerNormMLP quantize the high-precision norm / activation output here), the
+FP8 all-gather of sequence parallelism (column-parallel layers gather the high-precision input,
+then quantize).
 """
 from __future__ import annotations
 

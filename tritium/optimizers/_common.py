@@ -199,14 +199,14 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         return self.store_param_remainders and self.master_weights and kind == "bf16"
 
     def _has_master(self, kind: str) -> bool:
-        return kind in ("fp8", "fp8_block") or (self.master_weights and kind in ("bf16", "fp16")
-                                 and not self._uses_remainder(kind))
+        return kind in ("fp8", "fp8_block") or (
+            self.master_weights and kind in ("bf16", "fp16") and not self._uses_remainder(kind))
 
     def _initial_master(self, p: torch.Tensor, kind: str) -> Optional[torch.Tensor]:
         if not self._has_master(kind):
             return None
         q = local(p)
-        if kind in ("fp8", "fp8_block"):  # fp8_model_init's high-precision init, else the fp8 value
+        if kind in ("fp8", "fp8_block"):  # fp8_model_init's kept init, else the fp8 value
             init = q.get_high_precision_init_val()
             if init is not None and tuple(init.shape) == tuple(q.shape):
                 return like_param(p, init.to(q.device, torch.float32, copy=True).contiguous())
