@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 
 from .. import _env
+from ..functional._apply import fast_apply
 from . import backends as B
 from . import masks as M
 
@@ -205,6 +206,9 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
+_apply_attention = fast_apply(_Attention)
+
+
 def _backend_name(backend):
     forced = env_backend()
     return B.resolve_name(forced if (backend in (None, "auto") and forced) else backend)
@@ -224,7 +228,7 @@ def dot_product_attention(query_layer, key_layer, value_layer, *, qkv_format="sb
                             cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                             max_seqlen_kv=max_seqlen_kv)
     be = B.choose_cached(q, k, v, args, _backend_name(backend))
-    out, lse = _Attention.apply(q, k, v, args, be)
+    out, lse = _apply_attention(q, k, v, args, be)
     out = _format_out(out, qkv_format)
     return (out, lse) if return_lse else out
 

@@ -29,6 +29,7 @@ from .. import _device
 from ..ops import activation as ops_activation
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
+from ._apply import fast_apply
 from .fused_cast import CastSpec, GradCastSpec, carrier_outputs, from_carrier, wrap_fp8
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -107,13 +108,16 @@ class _Activation(torch.autograd.Function):
             None, None, None
 
 
+_apply_activation = fast_apply(_Activation)
+
+
 def activation(x: torch.Tensor, kind: str, *, fp8_out: Optional[CastSpec] = None,
                fp8_grad: Optional[GradCastSpec] = None) -> torch.Tensor:
     """TE activation `kind` of x [..., F] (plain) or [..., 2F] (gated) -> [..., F].
     `fp8_out` / `fp8_grad`: the fused FP8 casts of LayerNormMLP (module docstring)."""
     _validate(x, kind)
     if not torch.compiler.is_compiling():
-        return _Activation.apply(x, kind, fp8_out, fp8_grad)
+        return _apply_activation(x, kind, fp8_out, fp8_grad)
     # compiled: the fp8 output through a carrier, and no fp8 gradient (a Float8Tensor returned
     # as a gradient crosses the traced graph as a plain tensor; fc1 casts it): compile.md
     out = _Activation.apply(x, kind, fp8_out, None)

@@ -129,11 +129,11 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
     """(data [Tp, K], data_t [K, Tp] or None, scale_inv) of a Float8Tensor GEMM operand,
     Tp = rows rounded up to 16 with zero rows."""
     k = t.shape[-1]
-    d2 = t._data.reshape(-1, k)
-    tokens = d2.shape[0]
+    tokens = math.prod(t.shape[:-1])
     tp = pad16(tokens)
     data = getattr(t, "_padded_data", None)
     if data is None:
+        d2 = t._data.reshape(-1, k)
         data = d2 if tp == tokens else torch.cat([d2, d2.new_zeros(tp - tokens, k)])
     data_t = None
     if need_transpose:

@@ -38,6 +38,7 @@ Function returns no gradient for the weight, so `param.grad` stays None.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -252,7 +253,8 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     x8_t, x_si, w8_t, w_si = operands
     operands.clear()  # the caller's list must not keep the fp8 operands alive
     bwd_dtype = plan.recipe.fp8_format.backward_dtype
-    tokens, out_features = dy2d.shape
+    out_features = dy2d.shape[-1]
+    tokens = math.prod(dy2d.shape[:-1])  # with dyq, dy2d may be the unreshaped Float8Tensor
     dx = dw = None
     parts = backward_blocks(tokens, in_features, out_features)
     if parts == 1:
@@ -309,8 +311,11 @@ class _LinearFunction(torch.autograd.Function):
         if fp8_inp is not None:
             inp = fp8_inp
         shape = inp.shape
-        x2d = inp if len(shape) == 2 else inp.reshape(-1, shape[-1])
-        tokens = x2d.shape[0]
+        # a Float8Tensor is not reshaped (a __torch_dispatch__ call and a new wrapper, host
+        # time only): its fp8 operands are read from it as it is, or it is dequantized below
+        x2d = inp if len(shape) == 2 or isinstance(inp, Float8Tensor) else \
+            inp.reshape(-1, shape[-1])
+        tokens = math.prod(shape[:-1])
         # column-parallel FP8: dgrad all-reduced (reduce-scattered under sequence parallelism,
         # where the forward casts the local rows and all-gathers the fp8 bytes)
         ctx.column = column
@@ -367,7 +372,9 @@ class _LinearFunction(torch.autograd.Function):
                 dy_hp = getattr(grad_out, "_hp", None)
             else:
                 grad_out = grad_out.dequantize()
-        dy2d = grad_out if grad_out.dim() == 2 else grad_out.reshape(-1, grad_out.shape[-1])
+        # a Float8Tensor taken as fp8 (dyq) is not reshaped: only its shape and dtype are read
+        dy2d = grad_out if grad_out.dim() == 2 or dyq is not None else \
+            grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         if ctx.fp8 and torch.compiler.is_compiling():
@@ -397,7 +404,7 @@ class _LinearFunction(torch.autograd.Function):
                 raise RuntimeError("tritium: an FP8 grad_output without its high-precision copy "
                                    "reached a Linear with a bias to differentiate (the fused "
                                    "activation backward must be asked for write_hp)")
-            db = (dy_hp.reshape(dy2d.shape) if dyq is not None else dy2d).sum(0)
+            db = (dy_hp.reshape(-1, dy2d.shape[-1]) if dyq is not None else dy2d).sum(0)
         if ctx.main_grad:
             for target in ctx.main_grad:
                 target.param.main_grad.add_(dw[target.start:target.stop])

@@ -27,6 +27,7 @@ import torch
 from .. import _device
 from ..ops import norm as ops_norm
 from ..ref import norm as ref_norm
+from ._apply import fast_apply
 from .fused_cast import CastSpec, carrier_outputs, from_carrier, wrap_fp8
 
 _MAX_HIDDEN = ops_norm.MAX_HIDDEN
@@ -145,6 +146,10 @@ class _RMSNormFunction(torch.autograd.Function):
         return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
+_apply_layer_norm = fast_apply(_LayerNormFunction)
+_apply_rms_norm = fast_apply(_RMSNormFunction)
+
+
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                eps: float = 1e-5, zero_centered_gamma: bool = False, *,
                fp8_cast: Optional[CastSpec] = None, return_hp: bool = False):
@@ -152,8 +157,8 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. bias may be None.
     With `fp8_cast` the output is a Float8Tensor written by the fused kernel (and with
     `return_hp`, the pair (Float8Tensor, high-precision output))."""
-    out = _LayerNormFunction.apply(x, weight, bias, float(eps), bool(zero_centered_gamma),
-                                   fp8_cast, bool(return_hp))
+    out = _apply_layer_norm(x, weight, bias, float(eps), bool(zero_centered_gamma),
+                            fp8_cast, bool(return_hp))
     return _fp8_result(out, fp8_cast, x)
 
 
@@ -163,8 +168,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-5,
     """RMSNorm over the last dim of x: (x * rsqrt(mean(x^2) + eps)) * gamma, in fp32, rounded
     once to x.dtype. gamma = weight, or 1 + weight with zero_centered_gamma. `fp8_cast`,
     `return_hp`: as for layer_norm."""
-    out = _RMSNormFunction.apply(x, weight, float(eps), bool(zero_centered_gamma), fp8_cast,
-                                 bool(return_hp))
+    out = _apply_rms_norm(x, weight, float(eps), bool(zero_centered_gamma), fp8_cast,
+                          bool(return_hp))
     return _fp8_result(out, fp8_cast, x)
 
 

@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 from .. import _device
 from ..ops import rope as ops_rope
 from ..ref import rope as ref_rope
+from ._apply import fast_apply
 
 FORMATS = ("sbhd", "bshd", "thd")
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -74,6 +75,9 @@ class _RoPE(torch.autograd.Function):
     def backward(ctx, dy: torch.Tensor):
         cos, sin, pos = ctx.saved_tensors
         return _impl(dy).rope_bwd(dy, cos, sin, pos, ctx.interleaved), None, None, None, None
+
+
+_apply_rope = fast_apply(_RoPE)
 
 
 def _cp_positions(length, i: torch.Tensor, cp_size: int, cp_rank: int):
@@ -261,7 +265,7 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, tensor_format: st
                          "build freqs with RotaryPositionEmbedding(...)(max_seq_len) for a longer "
                          "max_seq_len")
     cos, sin = _tables(freqs, f2, rows)
-    y = _RoPE.apply(x4, cos, sin, pos, bool(interleaved))
+    y = _apply_rope(x4, cos, sin, pos, bool(interleaved))
     return y.squeeze(1) if tensor_format == "thd" else y
 
 
