@@ -17,6 +17,15 @@ pytestmark = pytest.mark.cpu
 WORLD = 2
 
 
+def _step_data(seed: int, rank: int, step: int):
+    """(x [9, 32], dy [9, 16]): different per rank, the same per (rank, step) in every run;
+    rank 1's data is larger on even steps, rank 0's on odd steps."""
+    big = (step + rank) % 2 == 1
+    gen = torch.Generator().manual_seed(seed + 1 + 100 * rank + step)
+    x = torch.randn(9, 32, generator=gen) * (4.0 if big else 1.0)
+    dy = torch.randn(9, 16, generator=gen) * (3.0 if big else 0.5)
+    return x, dy
+
 
 def _worker(rank: int, port: int, out_dir: str, seed: int):
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port),
@@ -44,12 +53,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
                 m.fp8_meta = type(m.fp8_meta)(2, 1)              # fresh state per recipe
             calls.clear()
             for step in range(3):
-                # Rank 1's data is larger on even steps, rank 0's on odd steps.
-                big = (step + rank) % 2 == 1
-                # Different data per rank; the same per (rank, step) in both runs.
-                gen = torch.Generator().manual_seed(seed + 1 + 100 * rank + step)
-                x = torch.randn(9, 32, generator=gen) * (4.0 if big else 1.0)
-                dy = torch.randn(9, 16, generator=gen) * (3.0 if big else 0.5)
+                x, dy = _step_data(seed, rank, step)
                 with te.fp8_autocast(fp8_recipe=rcp):
                     y = model(x.requires_grad_())
                 y.backward(dy)
@@ -112,10 +116,7 @@ def _compiled_worker(rank: int, port: int, out_dir: str, seed: int):
         states = {}
         for name, model, fn in (("eager", eager, eager), ("compiled", compiled_model, compiled)):
             for step in range(3):
-                big = (step + rank) % 2 == 1
-                gen = torch.Generator().manual_seed(seed + 1 + 100 * rank + step)
-                x = torch.randn(9, 32, generator=gen) * (4.0 if big else 1.0)
-                dy = torch.randn(9, 16, generator=gen) * (3.0 if big else 0.5)
+                x, dy = _step_data(seed, rank, step)
                 with te.fp8_autocast(fp8_recipe=rcp):
                     y = fn(x.requires_grad_())
                 y.backward(dy)

@@ -90,6 +90,26 @@ def _inputs(steps: int, out_features: int):
     return xs, dys
 
 
+def _assert_all_equal(eager, compiled) -> None:
+    assert len(eager) == len(compiled)
+    for i, (a, b) in enumerate(zip(eager, compiled)):
+        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+
+
+def _eager_and_compiled(eager_module, fp8_recipe, autocast_inside, xs, dys):
+    """_run of `eager_module` and of a compiled (aot_eager, fullgraph) copy of it, made before
+    the eager steps and given its FP8 state with te.prepare_fp8."""
+    compiled_module = copy.deepcopy(eager_module)
+    if fp8_recipe is not None:
+        te.prepare_fp8(compiled_module, fp8_recipe)
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, autocast_inside), fp8_recipe,
+                 autocast_inside, xs, dys)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, autocast_inside),
+                                backend="aot_eager", fullgraph=True)
+    return eager, _run(compiled_module, compiled_fn, fp8_recipe, autocast_inside, xs, dys)
+
+
 def _out_features(kind: str) -> int:
     return 96 if kind in ("Linear", "LayerNormLinear") else H
 
@@ -118,21 +138,9 @@ def test_compiled_equals_eager(kind, recipe_name, autocast_inside):
     if recipe_name == "bf16" and autocast_inside:
         pytest.skip("without FP8 the autocast placement changes nothing")
     make = RECIPES[recipe_name]
-    eager_module = _build(kind)
-    compiled_module = copy.deepcopy(eager_module)
     xs, dys = _inputs(3, _out_features(kind))
-    torch._dynamo.reset()
-    eager = _run(eager_module, _step_fn(eager_module, make and make(), autocast_inside),
-                 make and make(), autocast_inside, xs, dys)
-    fp8_recipe = make and make()
-    if fp8_recipe is not None:
-        te.prepare_fp8(compiled_module, fp8_recipe)
-    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, autocast_inside),
-                                backend="aot_eager", fullgraph=True)
-    compiled = _run(compiled_module, compiled_fn, fp8_recipe, autocast_inside, xs, dys)
-    assert len(eager) == len(compiled)
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+    _assert_all_equal(*_eager_and_compiled(_build(kind), make and make(), autocast_inside,
+                                           xs, dys))
 
 
 class _CountingBackend:
@@ -169,10 +177,7 @@ def test_weight_caching_and_no_recompile(kind):
     assert after_first_step >= 1 and backend.compiles == after_first_step
     # outputs and input grads per micro-batch; then the parameter grads (accumulated over all
     # six micro-batches in both) and the FP8 state after the second step
-    compiled = first[:6] + second
-    assert len(eager) == len(compiled)
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+    _assert_all_equal(eager, first[:6] + second)
 
 
 def test_fresh_module_breaks_once_where_its_state_is_made():
@@ -222,15 +227,5 @@ def test_fp8_params_compiled_equals_eager(kind):
     fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
     with te.fp8_model_init(recipe=fp8_recipe):
         eager_module = _build(kind)
-    compiled_module = copy.deepcopy(eager_module)
-    te.prepare_fp8(compiled_module, fp8_recipe)
     xs, dys = _inputs(3, _out_features(kind))
-    torch._dynamo.reset()
-    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, False), fp8_recipe, False,
-                 xs, dys)
-    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, False),
-                                backend="aot_eager", fullgraph=True)
-    compiled = _run(compiled_module, compiled_fn, fp8_recipe, False, xs, dys)
-    assert len(eager) == len(compiled)
-    for i, (a, b) in enumerate(zip(eager, compiled)):
-        assert torch.equal(a, b), f"tensor {i} differs: max |diff| {(a - b).abs().max()}"
+    _assert_all_equal(*_eager_and_compiled(eager_module, fp8_recipe, False, xs, dys))
