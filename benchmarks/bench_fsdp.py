@@ -132,7 +132,7 @@ def main(argv=None) -> int:
             if base.get("tokens_per_s"):
                 r["tokens_per_s_vs_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     if dist.get_rank() == 0:
-        finish("fsdp", rows, baseline="bf16")
+        finish("fsdp", rows, baseline="bf16", gpus=dist.get_world_size())
     dist.destroy_process_group()
     return 0
 

@@ -121,7 +121,7 @@ def run(rank: int, world: int, tiny: bool) -> None:
                     r["speedup_vs_bf16 tp2 sp"] = round(base / r["ms"], 3)
             print_table("tp (dry run, CPU gloo, tiny shapes)", rows, baseline="bf16 tp2 sp")
         else:
-            finish("tp", rows, baseline="bf16 tp2 sp")
+            finish("tp", rows, baseline="bf16 tp2 sp", gpus=2)
     dist.barrier(group=group)
 
 
