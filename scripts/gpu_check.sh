@@ -13,9 +13,10 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
 export PYTHONPATH=$PWD
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/peers .whl/*.whl && export PYTHONPATH=$PWD:/tmp/peers
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # once per machine (parallel calls share it)
+  [ -d /tmp/peers/torchao ] || python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target /tmp/peers .whl/*.whl
+  export PYTHONPATH=$PWD:/tmp/peers
 fi
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 stages=${*:-tests cast linear norm act mlp attn rope adam block}
