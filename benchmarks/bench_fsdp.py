@@ -15,6 +15,8 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
   * tritium-fp8-ag:    the converted model under fp8_autocast(Float8CurrentScaling), its bf16
                        weights all-gathered as FP8 (enable_fp8_all_gather, scales precomputed in
                        one all-reduce after each step);
+  * tritium-fp8-delayed-ag: the same under fp8_autocast(DelayedScaling) (activation and gradient
+                       scales from the amax history), weights gathered as FP8 with delayed scales;
   * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
                        enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
                        torch.compile per decoder layer.
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from harness import finish  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
-VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "torchao-float8")
+VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag", "torchao-float8")
 
 
 def _torchao_prepare(model):
@@ -61,6 +63,8 @@ def run_variant(name: str, args, device) -> dict:
         convert = False
     elif name == "tritium-fp8-ag":
         rcp = gather = recipe.Float8CurrentScaling()
+    elif name == "tritium-fp8-delayed-ag":
+        rcp = gather = recipe.DelayedScaling()
     elif name == "torchao-float8":
         convert, prepare = False, _torchao_prepare
     model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
@@ -120,7 +124,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 traceback.print_exc()
             row = {"variant": name, "error": f"{type(e).__name__}: {e}"}
-        row["case"] = f"{args.config}-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
+        row["case"] = (f"{args.config}-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
+                       + ("" if args.recompute else "-no-recompute"))
         rows.append(row)
         if dist.get_rank() == 0:
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)

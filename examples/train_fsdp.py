@@ -113,24 +113,15 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
 
 
 def _recompute(layer) -> None:
-    """Activation recomputation of a whole decoder layer (torch.utils.checkpoint). The recompute
-    runs in backward, outside the fp8_autocast of the forward: it re-enters the same FP8 setting
-    (fine for current scaling, whose casts depend on the values only; delayed scaling needs
-    te.distributed.checkpoint, which recomputes with the forward's frozen scales)."""
-    import importlib
-    from torch.utils.checkpoint import checkpoint
-    fp8_autocast_state = importlib.import_module("tritium.fp8.autocast")   # the module
+    """Activation recomputation of a whole decoder layer with te.distributed.checkpoint
+    (torch's non-reentrant checkpoint underneath): the recompute in backward re-enters the
+    forward's fp8_autocast with the forward's frozen scales, so delayed scaling recomputes
+    exactly what the forward computed. FSDP2's hooks stay on the layer, outside the checkpoint."""
+    from tritium.distributed import checkpoint
     forward = layer.forward
 
-    def contexts():
-        state = fp8_autocast_state.current()
-        if state is None:
-            return contextlib.nullcontext(), contextlib.nullcontext()
-        return contextlib.nullcontext(), fp8_autocast_state.fp8_autocast(
-            enabled=state.enabled, fp8_recipe=state.recipe, fp8_group=state.group)
-
     def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     layer.forward = recomputed
 
 
@@ -234,9 +225,6 @@ def main(argv=None) -> int:
     rcp = fp8_recipe(args.fp8)
     if args.fp8_all_gather and rcp is None:
         p.error("--fp8-all-gather needs --fp8 delayed or --fp8 current")
-    if args.recompute and args.fp8 == "delayed":
-        p.error("--recompute with --fp8 delayed needs the forward's frozen scales in the "
-                "recompute (te.distributed.checkpoint); use --fp8 current")
     model, _ = build(args.config, device, fp8_all_gather=rcp if args.fp8_all_gather else None,
                      recompute=args.recompute)
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)

@@ -2,7 +2,7 @@
 
 The optimizers step every param on its LOCAL shard: at the plan stage each DTensor param and its
 DTensor grad are unwrapped to their local tensors (`_local_tensor`: a plain tensor, or a tritium
-Float8Tensor for FP8 params), and those go into the same multi-tensor launches as plain params.
+Float8Tensor for FP8 params; a weight wrapper such as torchao's is taken off too: `local`), and those go into the same multi-tensor launches as plain params.
 Adam and SGD are elementwise, so a shard's update is the unsharded update of its elements.
 
 State (masters, moments, momentum buffers) is created from the local shard and kept as a
@@ -35,12 +35,24 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 def local(t):
     """The tensor the optimizer steps: a DTensor's local tensor (a plain tensor or a
-    Float8Tensor), with tritium.distributed.fsdp's FP8-gather wrapper taken off."""
+    Float8Tensor), with a weight wrapper taken off: tritium.distributed.fsdp's FP8-gather
+    wrapper or another library's (torchao's float8 training weights), i.e. a tensor subclass
+    that flattens to one inner tensor of its own shape and dtype. The kernels read raw pointers:
+    a wrapper has no storage of its own."""
     if type(t) in _PLAIN:     # the common case, every param every step: no further look-ups
         return t
     if is_dtensor(t):
         t = t._local_tensor
-    return getattr(t, "_hp_shard", t)
+        if type(t) in _PLAIN:
+            return t
+    flatten = getattr(type(t), "__tensor_flatten__", None)
+    if flatten is None:
+        return t
+    names, _ = flatten(t)
+    inner = getattr(t, names[0]) if len(names) == 1 else None
+    if inner is not None and inner.shape == t.shape and inner.dtype == t.dtype:
+        return inner
+    return t
 
 
 def local_state(p, state: dict) -> dict:
