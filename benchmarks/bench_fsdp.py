@@ -20,6 +20,7 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
   * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
                        enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
                        torch.compile per decoder layer.
+--profile VARIANT: that variant's kernels under torch.profiler (compute-busy vs wall, NCCL time).
 Reported per variant: ms per step and tokens/s (all GPUs, after --warmup steps), peak memory per
 GPU, bytes all-gathered per step per GPU, and the loss curve (first / last, and the mean of the
 last 10 steps relative to bf16's). Rows go through benchmarks/harness.py finish().
@@ -55,7 +56,8 @@ def _torchao_prepare(model):
         layer.compile()
 
 
-def run_variant(name: str, args, device) -> dict:
+def _setup_variant(name: str, args, device):
+    """(model, optimizer, fp8 recipe or None, after-step hook or None) for a variant."""
     import tritium as te
     from tritium import recipe
     rcp, after, prepare, convert, gather = None, None, None, True, None
@@ -73,6 +75,11 @@ def run_variant(name: str, args, device) -> dict:
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
+    return model, opt, rcp, after
+
+
+def run_variant(name: str, args, device) -> dict:
+    model, opt, rcp, after = _setup_variant(name, args, device)
     data = T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed)
     log = print if args.verbose else None
     steps = T.train(model, opt, data, rcp=rcp, after_step=after, log=log, warmup=args.warmup)
@@ -96,6 +103,44 @@ def run_variant(name: str, args, device) -> dict:
     return row
 
 
+def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> None:
+    """`name` for --warmup steps, then `steps` steps under torch.profiler (every rank runs them;
+    rank 0 prints): wall ms per step, the time the GPU ran compute kernels (the union of their
+    intervals: the rest of the wall is exposed communication or host), NCCL kernel time, and the
+    top kernels by time."""
+    import time
+    from torch.profiler import ProfilerActivity, profile
+    args.steps = args.warmup + steps
+    model, opt, rcp, after = _setup_variant(name, args, device)
+    data = list(T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed))
+    T.train(model, opt, data[:args.warmup], rcp=rcp, after_step=after, log=None)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        T.train(model, opt, data[args.warmup:], rcp=rcp, after_step=after, log=None)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / steps
+    if dist.get_rank() != 0:
+        return
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(ev, "is_user_annotation", False)]
+    kernels, spans = {}, []
+    for ev in events:
+        kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
+        if "nccl" not in ev.name.lower():
+            spans.append((ev.time_range.start, ev.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):   # union of compute-kernel intervals
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
+    print(f"{name}: wall {wall:.1f} ms/step (profiled); compute kernels busy "
+          f"{busy / 1e3 / steps:.1f} ms/step; NCCL kernels {nccl:.1f} ms/step")
+    for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {ms:8.2f} ms  {k[:120]}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny config, short sequences: a dry run")
@@ -109,11 +154,17 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", choices=["auto", "cpu"], default="auto")
     p.add_argument("--verbose", action="store_true", help="one progress line per step")
+    p.add_argument("--profile", metavar="VARIANT", help="profile one variant (CUDA): kernels, "
+                   "compute-busy time and NCCL time per step; writes no result")
     args = p.parse_args(argv)
     args.config = "tiny" if args.tiny else "llama3-8b"
     if args.tiny:
         args.seq_len, args.steps, args.warmup = min(args.seq_len, 128), min(args.steps, 6), 2
     device = T.setup(args.device)
+    if args.profile:
+        profile_variant(args.profile, args, device)
+        dist.destroy_process_group()
+        return 0
     rows = []
     for name in args.variants.split(","):
         if name not in VARIANTS:

@@ -25,6 +25,7 @@ import os
 import time
 
 import torch
+import torch.utils.checkpoint
 import torch.distributed as dist
 
 CONFIGS = {
@@ -116,9 +117,13 @@ def _recompute(layer) -> None:
     """Activation recomputation of a whole decoder layer with te.distributed.checkpoint
     (torch's non-reentrant checkpoint underneath): the recompute in backward re-enters the
     forward's fp8_autocast with the forward's frozen scales, so delayed scaling recomputes
-    exactly what the forward computed. FSDP2's hooks stay on the layer, outside the checkpoint."""
+    exactly what the forward computed. FSDP2's hooks stay on the layer, outside the checkpoint.
+    HF's own layers (the benchmark's baselines, compiled per layer for torchao) take torch's
+    checkpoint."""
     from tritium.distributed import checkpoint
     forward = layer.forward
+    if not type(layer).__module__.startswith("tritium"):   # HF's own layers (the baselines):
+        checkpoint = torch.utils.checkpoint.checkpoint        # torch's, which torch.compile traces
 
     def recomputed(*args, **kwargs):
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
