@@ -180,6 +180,13 @@ def main(argv=None) -> int:
         rows.append(row)
         if dist.get_rank() == 0:
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)
+            _write(rows)   # after every variant: a crash in a later one keeps these
+    dist.destroy_process_group()
+    return 0
+
+
+def _write(rows: list) -> None:
+    rows = [dict(r) for r in rows]
     base = next((r for r in rows if r["variant"] == "bf16" and "losses" in r), None)
     for r in rows:
         if base is not None and "losses" in r and "tokens_per_s" in r and r["tokens_per_s"]:
@@ -187,10 +194,7 @@ def main(argv=None) -> int:
             r["loss_last10_vs_bf16"] = round(tail(r) / tail(base), 4)
             if base.get("tokens_per_s"):
                 r["tokens_per_s_vs_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
-    if dist.get_rank() == 0:
-        finish("fsdp", rows, baseline="bf16", gpus=dist.get_world_size())
-    dist.destroy_process_group()
-    return 0
+    finish("fsdp", rows, baseline="bf16", gpus=dist.get_world_size())
 
 
 if __name__ == "__main__":

@@ -382,9 +382,12 @@ class _WrappedWeight(torch.Tensor):
 
     def __init__(self, inner):
         self._tensor = inner
+        self._precomputed_scale = None   # torchao sets one between steps: a second inner tensor
 
     def __tensor_flatten__(self):
-        return ["_tensor"], None
+        names = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None
+                               else [])
+        return names, None
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
@@ -400,14 +403,16 @@ class _WrappedWeight(torch.Tensor):
 
 def test_fused_adam_kernel_steps_the_inside_of_a_weight_wrapper(gen):
     """A param wrapped by another library (torchao's float8 weights under FSDP2) is stepped on
-    its inner tensor: the kernel reads raw pointers and a wrapper has none. Same bits as plain."""
+    its inner tensor, also once the wrapper carries a precomputed scale beside it: the kernel
+    reads raw pointers and a wrapper has none. Same bits as plain."""
     plain = [torch.nn.Parameter(wide_randn((n,), torch.bfloat16, gen, decades=1.0))
              for n in (33, 130)]
     wrapped = [torch.nn.Parameter(_WrappedWeight(p.detach().clone())) for p in plain]
     before = [p.detach().clone() for p in plain]
     opts = [FusedAdam(ps, lr=1e-2, master_weights=True) for ps in (plain, wrapped)]
-    for _ in range(2):
+    for step in range(2):
         for p, q in zip(plain, wrapped):
+            q._precomputed_scale = torch.ones(()) if step else None
             p.grad = wide_randn(p.shape, torch.bfloat16, gen, decades=1.0)
             q.grad = p.grad.clone()
         for o in opts:

@@ -37,7 +37,8 @@ def local(t):
     """The tensor the optimizer steps: a DTensor's local tensor (a plain tensor or a
     Float8Tensor), with a weight wrapper taken off: tritium.distributed.fsdp's FP8-gather
     wrapper or another library's (torchao's float8 training weights), i.e. a tensor subclass
-    that flattens to one inner tensor of its own shape and dtype. The kernels read raw pointers:
+    with exactly one inner tensor of its own shape and dtype (beside others, such as torchao's
+    precomputed scale). The kernels read raw pointers:
     a wrapper has no storage of its own."""
     if type(t) in _PLAIN:     # the common case, every param every step: no further look-ups
         return t
@@ -49,10 +50,9 @@ def local(t):
     if flatten is None:
         return t
     names, _ = flatten(t)
-    inner = getattr(t, names[0]) if len(names) == 1 else None
-    if inner is not None and inner.shape == t.shape and inner.dtype == t.dtype:
-        return inner
-    return t
+    same = [x for x in (getattr(t, n) for n in names)
+            if isinstance(x, torch.Tensor) and x.shape == t.shape and x.dtype == t.dtype]
+    return same[0] if len(same) == 1 else t
 
 
 def local_state(p, state: dict) -> dict:
