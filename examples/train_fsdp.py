@@ -89,8 +89,10 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from tritium.integrations.hf import convert_llama
+    # use_cache=False: HF's default builds a KV cache in training, which torch.compile cannot
+    # trace (the compiled torchao baseline would fall back to eager)
     config = transformers.LlamaConfig(**CONFIGS[config_name], tie_word_embeddings=False,
-                                      attention_dropout=0.0)
+                                      attention_dropout=0.0, use_cache=False)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(dtype)
     if convert:
