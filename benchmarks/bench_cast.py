@@ -1,4 +1,6 @@
-"""FP8 cast kernels vs copy bandwidth: cast+transpose+amax, cast+amax, and a tile sweep.
+"""FP8 cast kernels vs copy bandwidth: cast+transpose+amax, cast+amax, a tile sweep, and the
+transpose of data already in FP8 (tritium's kernel vs torch's `.t().contiguous()`; FSDP2's FP8
+all-gather and TP's FP8 sequence gather make one per GEMM weight / input).
 
 Bytes counted: input read once, every fp8 output written once. The reference point is a
 device-to-device copy of the input (read + write) measured in the same run.
@@ -48,6 +50,13 @@ def main():
         ms = time_ms(lambda: kcast.amax_into(x, amax))
         rows.append({"case": case, "variant": "amax only", "ms": round(ms, 4),
                      "gbps": round(nbytes / ms / 1e6)})
+        x8 = x.to(e4m3)
+        for name, fn in (("fp8 transpose (tritium)", lambda: kcast.transpose_fp8(x8)),
+                         ("fp8 transpose (torch .t().contiguous())",
+                          lambda: x8.t().contiguous())):
+            ms = time_ms(fn)
+            rows.append({"case": case, "variant": name, "ms": round(ms, 4),
+                         "gbps": round(2 * x.numel() / ms / 1e6)})
     finish("cast", rows, baseline="torch copy")
 
 

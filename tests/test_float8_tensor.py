@@ -133,3 +133,20 @@ def test_constructor_checks():
         Float8Tensor(torch.zeros(2, 2).to(E4M3), torch.ones(2), E4M3)
     with pytest.raises(ValueError, match="2D"):
         Float8Tensor.quantize(torch.ones(2, 2, 16), torch.ones(1), E4M3, with_transpose=True)
+
+
+def test_transpose_fp8_checks_its_arguments_and_transposes(randn):
+    """tritium.fp8.cast.transpose_fp8: the contiguous transpose of fp8 bytes; a wrong `out` or a
+    non-byte / non-2D input is refused with the expected shape named, before anything is written."""
+    from tritium.fp8.cast import transpose_fp8
+    x8 = (randn(24, 40) * 50).to(E4M3)
+    t = transpose_fp8(x8)
+    assert t.is_contiguous() and torch.equal(t.view(torch.uint8), x8.view(torch.uint8).t())
+    out = torch.empty(40, 24, dtype=E4M3)
+    assert transpose_fp8(x8, out=out) is out and torch.equal(out.view(torch.uint8), t.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"out must be a contiguous .*\(40, 24\)"):
+        transpose_fp8(x8, out=torch.empty(24, 40, dtype=E4M3))
+    with pytest.raises(ValueError, match="one-byte elements"):
+        transpose_fp8(randn(4, 8).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="2D"):
+        transpose_fp8(x8.reshape(2, 12, 40))

@@ -112,6 +112,8 @@ KERNELS = {
              BLOCK_N=128),
         dict(num_warps=4)),
     ("cast", "_amax_kernel"): ({"x_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=4)),
+    ("cast", "_transpose_kernel"): (
+        {"src_ptr": "*u8", "dst_ptr": "*u8"}, dict(BLOCK_M=128, BLOCK_N=128), dict(num_warps=8)),
     ("cast", "_dequantize_kernel"): (
         {"data_ptr": E4P, "out_ptr": BF16P}, dict(BLOCK=1024), dict(num_warps=4)),
     ("cross_entropy", "_ce_kernel"): (

@@ -305,3 +305,17 @@ def test_cast_transpose_pair(shapes, in_dtypes, dtype, mode, gen):
             assert got_jobs[i][2].item() == x.float().abs().max().item()  # raised from half
     assert got[0][0].shape == (-(-shapes[0][0] // 16) * 16, shapes[0][1])
     assert (got[0][0].float().abs() == fp8_max(dtype)).any()
+
+
+@pytest.mark.parametrize("shape", SHAPES + [(48, 33)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_transpose_fp8(shape, dtype, gen):
+    """The transpose of fp8 data (fresh and into a given buffer) moves the same bytes as the
+    twin, across tile edges (16x16 tiles here), and is the transpose."""
+    x8 = (wide_randn(shape, torch.float32, gen) * 10).clamp(-fp8_max(dtype), fp8_max(dtype)).to(dtype)
+    got, want = kcast.transpose_fp8(x8), rcast.transpose_fp8(x8)
+    assert_same_bits(got, want, "transpose")
+    assert torch.equal(got.view(torch.uint8), x8.view(torch.uint8).t())
+    buf = torch.full(shape[::-1], 7, dtype=torch.uint8).view(dtype)
+    assert kcast.transpose_fp8(x8, out=buf) is buf
+    assert_same_bits(buf, want, "transpose into out")

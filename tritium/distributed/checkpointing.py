@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_state_dict as _torch_set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from ..fp8.cast import transpose_fp8
 from ..fp8.tensor import Float8Tensor
 from .amax import reduce_amax_rows
 
@@ -121,7 +122,7 @@ def set_state_dict(model: torch.nn.Module, optimizers, state_dict: dict, *,
             v = value._local_tensor if isinstance(value, DTensor) else value
             local.copy_(v)
             if local._transpose is not None:
-                local._transpose.copy_(local._data.reshape(-1, local._data.shape[-1]).t())
+                transpose_fp8(local._data.reshape(-1, local._data.shape[-1]), out=local._transpose)
 
 
 def _check_fp8_templates(model: torch.nn.Module, checkpoint_id) -> None:

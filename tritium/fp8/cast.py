@@ -75,6 +75,22 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dty
     return _impl(data).dequantize(data, scale_inv, out_dtype)
 
 
+def transpose_fp8(data: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The contiguous transpose of 2D fp8 `data` (into `out` when given). Under torch.compile
+    the twin's torch ops, which Inductor fuses."""
+    if data.dim() != 2 or data.element_size() != 1:
+        raise ValueError(f"transpose_fp8: data must be a 2D tensor of one-byte elements (fp8 or "
+                         f"uint8), got {data.dtype}{tuple(data.shape)}")
+    if out is not None and (out.shape != data.shape[::-1] or out.dtype != data.dtype
+                            or not out.is_contiguous() or out.device != data.device):
+        raise ValueError(f"transpose_fp8: out must be a contiguous {data.dtype}"
+                         f"{tuple(data.shape[::-1])} tensor on {data.device}, got {out.dtype}"
+                         f"{tuple(out.shape)} on {out.device}")
+    if torch.compiler.is_compiling() or not _device.use_triton(data):
+        return ref_cast.transpose_fp8(data, out)
+    return _kernels().transpose_fp8(data, out)
+
+
 def quantize_2d(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: Optional[torch.Tensor],
                 amax: Optional[torch.Tensor], current: Optional[tuple], pad_rows_to: int = 16,
                 write_data: bool = True, write_transpose: bool = False,

@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..ref.cast import current_scale
-from .cast import amax_into, cast_transpose
+from .cast import amax_into, cast_transpose, transpose_fp8
 from .formats import DType, fp8_dtype_arg
 from .quantized_tensor import QuantizedTensor
 from .tensor import Float8Tensor
@@ -100,7 +100,7 @@ class Quantizer:
         if dst._scale is not None and dst._scale is not self.scale:
             dst._scale.copy_(self.scale)
         if dst._transpose is not None:
-            dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
+            transpose_fp8(dst._data.reshape(-1, dst._data.shape[-1]), out=dst._transpose)
         return dst
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32,

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch.utils._pytree import tree_map
 
-from .cast import cast_transpose, dequantize as _dequantize
+from .cast import cast_transpose, dequantize as _dequantize, transpose_fp8
 from .formats import FP8_DTYPES
 from .quantized_tensor import QuantizedTensor
 
@@ -100,7 +100,7 @@ class Float8Tensor(QuantizedTensor):
             raise NotImplementedError("Float8Tensor.update_usage(rowwise_usage=False): tritium's "
                                       "Float8Tensor always holds its row-wise fp8 data")
         if columnwise_usage is True and self._transpose is None:
-            self._transpose = self._data.reshape(-1, self._data.shape[-1]).t().contiguous()
+            self._transpose = transpose_fp8(self._data.reshape(-1, self._data.shape[-1]))
         elif columnwise_usage is False:
             self._transpose = None
 
@@ -214,7 +214,7 @@ class Float8Tensor(QuantizedTensor):
             dst._data.copy_(data.view(dst._data.shape))
             dst._scale_inv.copy_(scale_inv)
         if dst._transpose is not None:
-            dst._transpose.copy_(dst._data.reshape(-1, dst._data.shape[-1]).t())
+            transpose_fp8(dst._data.reshape(-1, dst._data.shape[-1]), out=dst._transpose)
         return dst
 
 
@@ -261,10 +261,10 @@ def fp8_from_all_gather(all_gather_outputs, metadata, fp8_dtype, nominal_dtype, 
         data = data[:rows]
     if out is not None:
         if out._transpose is not None:
-            out._transpose.copy_(out._data.reshape(-1, out._data.shape[-1]).t())
+            transpose_fp8(out._data.reshape(-1, out._data.shape[-1]), out=out._transpose)
         out._scale_inv.copy_(scale_inv)
         return None
-    transpose = data.reshape(-1, data.shape[-1]).t().contiguous() if data.dim() >= 2 else None
+    transpose = transpose_fp8(data.reshape(-1, data.shape[-1])) if data.dim() >= 2 else None
     full = Float8Tensor(data, scale_inv.clone(), fp8_dtype, nominal_dtype, transpose, scale)
     if amax is not None:
         full._amax = amax

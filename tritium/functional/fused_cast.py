@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 
 from ..fp8.autocast import AutocastState, current as current_autocast
+from ..fp8.cast import transpose_fp8
 from ..fp8.recipe import DelayedScaling
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
@@ -139,7 +140,7 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
     if need_transpose:
         data_t = t._transpose
         if data_t is None or tuple(data_t.shape) != (k, tp):
-            data_t = data.t().contiguous()
+            data_t = transpose_fp8(data)
     return data, data_t, t._scale_inv
 
 

@@ -52,7 +52,7 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
                                            reduce_scatter_to_sequence_parallel_region,
                                            sp_replicated)
 from ..fp8.autocast import FP8Region, current as current_autocast
-from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair
+from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair, transpose_fp8
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
@@ -188,7 +188,7 @@ class FP8Plan:
             w8 = weight._data
             w8_t = weight._transpose
             if need_transpose and w8_t is None:
-                w8_t = w8.t().contiguous()
+                w8_t = transpose_fp8(w8)
             return w8, w8_t, weight._scale_inv
         cache, first = self.weight_cache, self.is_first_microbatch
         fp8_dtype = self.recipe.fp8_format.forward_dtype
@@ -466,7 +466,7 @@ def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
     tokens, k = full.shape
     if tokens % 16:
         full = torch.cat([full, full.new_zeros(pad16(tokens) - tokens, k)])
-    return full, (full.t().contiguous() if need_transpose else None), x_si
+    return full, (transpose_fp8(full) if need_transpose else None), x_si
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,

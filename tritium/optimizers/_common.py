@@ -41,6 +41,7 @@ import torch
 
 from .. import _device
 from ..fp8.block_tensor import Float8BlockTensor
+from ..fp8.cast import transpose_fp8
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
 from ..ref import cast as ref_cast
@@ -115,7 +116,7 @@ def refresh_transpose(p: torch.Tensor) -> None:
     """An FP8 param's fp8 transpose (when it keeps one) after its data was written."""
     p = local(p)
     if getattr(p, "_transpose", None) is not None:
-        p._transpose.copy_(p._data.reshape(-1, p._data.shape[-1]).t())
+        transpose_fp8(p._data.reshape(-1, p._data.shape[-1]), out=p._transpose)
 
 
 def check_param(p: torch.Tensor, where: str) -> str:

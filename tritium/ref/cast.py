@@ -91,5 +91,14 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
                  for x, scale, amax, pad, data, t in (a_job, b_job))
 
 
+def transpose_fp8(data: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The transpose of a 2D fp8 tensor, contiguous: [M, N] -> [N, M] (into `out`, a contiguous
+    [N, M] tensor of data's dtype, when given). Bytes are moved, never converted."""
+    if out is None:
+        return data.t().contiguous()
+    out.copy_(data.t())
+    return out
+
+
 def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     return (data.float() * scale_inv.float()).to(out_dtype)
