@@ -171,6 +171,17 @@ SPECS = {
                  Target("", "tritium_fp8_delayed_compile", "> its eager self", "vs_eager", 1.001),
                  Target("", "tritium_bf16_compile", "> its eager self", "vs_eager", 1.001)),
         headlines=(("", "tritium_fp8_delayed", "Whole step, 1B Llama (HF model converted), FP8"),)),
+    "fsdp": Spec(
+        "Llama-3-8B trained with FSDP2 (seq 4096, FusedAdam fp32 masters, decoder layers "
+        "recomputed; benchmarks/bench_fsdp.py); cells: tokens/s over all GPUs (speedup), peak "
+        "memory per GPU, all-gather GiB per step per GPU",
+        tritium=("tritium-fp8-delayed-ag", "tritium-fp8-ag"),
+        cells=("{tokens_per_s:,.0f} tok/s ({speedup:.2f}x, {peak_gib_per_gpu:.1f} GiB, "
+               "AG {all_gather_gib_per_step:.1f} GiB)", DEFAULT_CELL),
+        targets=(Target("x2$", "tritium-fp8-delayed-ag", ">= 1.45x bf16 (2 GPUs)", at_least=1.45),
+                 Target("", "tritium-fp8-delayed-ag", ">= 1.4x bf16 (every size)",
+                        at_least=1.4)),
+        headlines=(("x2$", "tritium-fp8-delayed-ag", "Llama-3-8B FSDP2 on 2 GPUs, FP8 all-gather"),)),
     "moe": Spec(
         "Mixtral-8x7B-shaped MoE (8 experts, top-2, hidden 4096, ffn 14336, 8192 tokens), "
         "fwd+bwd",
@@ -200,7 +211,8 @@ SPECS = {
         rank="scaling",
         headlines=((r"S131072 .*p2p", "cp=8", "Context-parallel scaling, cp=2 -> 8, S=131072"),)),
 }
-SUMMARY_ORDER = ("linear", "mlp", "block", "model", "demo", "attention", "norm", "adam", "cp", "cp_scale")
+SUMMARY_ORDER = ("linear", "mlp", "block", "model", "fsdp", "demo", "attention", "norm", "adam", "cp",
+                 "cp_scale")
 
 
 # ---- loading --------------------------------------------------------------------------------
