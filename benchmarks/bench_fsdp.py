@@ -17,6 +17,8 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
                        one all-reduce after each step);
   * tritium-fp8-delayed-ag: the same under fp8_autocast(DelayedScaling) (activation and gradient
                        scales from the amax history), weights gathered as FP8 with delayed scales;
+  * tritium-fp8-delayed-ag-current-weights: delayed scaling of activations and gradients, the
+                       weights gathered with current scales (precomputed after each step);
   * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
                        enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
                        torch.compile per decoder layer.
@@ -42,7 +44,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
 from harness import finish  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
-VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag", "torchao-float8")
+VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
+            "tritium-fp8-delayed-ag-current-weights", "torchao-float8")
 
 
 def _torchao_prepare(model):
@@ -67,6 +70,8 @@ def _setup_variant(name: str, args, device):
         rcp = gather = recipe.Float8CurrentScaling()
     elif name == "tritium-fp8-delayed-ag":
         rcp = gather = recipe.DelayedScaling()
+    elif name == "tritium-fp8-delayed-ag-current-weights":
+        rcp, gather = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
     elif name == "torchao-float8":
         convert, prepare = False, _torchao_prepare
     model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
