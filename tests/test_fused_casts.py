@@ -6,8 +6,9 @@ data under fp8_autocast(DelayedScaling(amax_history_len=3)): once as shipped (fu
 inside `fused_casts(False)`. Every output, input grad, param grad and every FP8 state tensor
 (forward/backward scale and amax history, after each step's updates) must match as integer bits.
 Spies on the fused twins prove which path ran. Token counts are 21 (not divisible by 16: padded
-rows) and 32; sizes make fc1's backward take both the single-pass and the blocked path
-(`functional.linear.backward_blocks`), where the fused grad must be sliced as the casts would be.
+rows) and 32; sizes make the unfused fc1 backward take both the single-pass and the blocked path
+(`functional.linear.backward_blocks`), while the fused fp8 grad always runs in one pass: the
+same bits either way.
 """
 from __future__ import annotations
 
@@ -239,8 +240,9 @@ def test_float8_tensor_operands_and_autograd():
     assert seen == [Float8Tensor] and x.grad.shape == x.shape
 
 
-def test_blocked_backward_slices_match(monkeypatch):
-    """More blocks than the shapes pick by default: the given fp8 grad is sliced per block."""
+def test_fused_one_pass_equals_unfused_blocks(monkeypatch):
+    """More blocks than the shapes pick by default for the unfused backward; the fused fp8 grad
+    runs in one pass (its fp8 copies exist whole): same bits."""
     flinear = importlib.import_module("tritium.functional.linear")
     monkeypatch.setattr(flinear, "backward_blocks", lambda t, k, n: 3)
     m = te.LayerNormMLP(32, 48, activation="swiglu", normalization="RMSNorm", device="cpu")

@@ -19,9 +19,9 @@ plain `F.linear`, so parity with `nn.Linear` is exact.
 Float8Tensor operands (the fused norm / activation casts, see `tritium.functional.fused_cast`):
 an FP8 input of the forward's fp8 dtype is used as it is (its padded data and transpose), and an
 FP8 grad_output of the backward's dtype likewise (its high-precision copy, when the producer
-wrote one, gives the bias gradient); the blocked backward slices the given operands exactly
-where it would have cast blocks, so the GEMMs and their bits are the unfused path's. Without
-FP8 compute such operands are dequantized.
+wrote one, gives the bias gradient); such a grad runs the backward in one pass, never in
+blocks (its fp8 copies exist whole already: blocks would only add launches). Without FP8
+compute such operands are dequantized.
 
 Tensor parallelism (`linear(..., tp=TPSpec)`, layouts in tritium.distributed.tensor_parallel):
 the collectives wrap the local GEMM as autograd Functions, except for a column-parallel GEMM in
@@ -256,7 +256,9 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     out_features = dy2d.shape[-1]
     tokens = math.prod(dy2d.shape[:-1])  # with dyq, dy2d may be the unreshaped Float8Tensor
     dx = dw = None
-    parts = backward_blocks(tokens, in_features, out_features)
+    # a grad that arrives in fp8 (a fused activation backward's cast) already holds dy8 and
+    # dy8^T whole: blocks would save no memory, only add launches and host time
+    parts = 1 if dyq is not None else backward_blocks(tokens, in_features, out_features)
     if parts == 1:
         if dyq is not None:
             dy8, dy8_t, dy_si = dyq
@@ -270,18 +272,15 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
-    # current scaling: one scale for all blocks of dy (never fused: dyq is None there)
-    if dyq is None and isinstance(plan.recipe, Float8CurrentScaling):
+    # current scaling: one scale for all blocks of dy
+    if isinstance(plan.recipe, Float8CurrentScaling):
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place
         dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
         for t0, t1 in _blocks(tokens, parts):
-            if dyq is not None:  # the rows the block cast would give, zero padding included
-                dy8, dy_si = dyq[0][t0:t0 + pad16(t1 - t0)], dyq[2]
-            else:
-                dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
-                                              tensor_amax=tensor_amax)
+            dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
+                                          tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype, out=dx[t0:t0 + dy8.shape[0]])
             del dy8
         dx = dx[:tokens]
@@ -289,12 +288,9 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     if need_wgrad:  # dW row block = (dy column block)^T @ x, written in place
         dw = torch.empty(out_features, in_features, dtype=wgrad_dtype, device=dy2d.device)
         for n0, n1 in _blocks(out_features, parts):
-            if dyq is not None:
-                dy8_t, dy_si = dyq[1][n0:n1], dyq[2]
-            else:
-                _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, plan.grad_slot,
-                                                bwd_dtype, write_data=False, write_transpose=True,
-                                                tensor_amax=tensor_amax)
+            _, dy8_t, dy_si = plan.quantize(dy2d[:, n0:n1], plan.bwd, plan.grad_slot,
+                                            bwd_dtype, write_data=False, write_transpose=True,
+                                            tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype, out=dw[n0:n1])
             del dy8_t
     return dx, dw
