@@ -7,8 +7,9 @@ Model: HF LlamaForCausalLM with Llama-3-8B's shape (32 layers, hidden 4096, 32 h
 ffn 14336, vocab 128256), built on the meta device, sharded with fully_shard per decoder layer
 and at the root (MixedPrecisionPolicy bf16 params, fp32 gradient reduction), materialized shard
 by shard (examples/train_fsdp.py: build()). FusedAdam with fp32 master weights, sequence 4096,
-`--batch` sequences per GPU (the largest that fits: try 2, then 1), every decoder layer
-recomputed in backward (--no-recompute to keep activations). Data: real text (the demo's corpus,
+`--batch` sequences per GPU (on an H200, 4 fit with recompute: 95 GiB in FP8), every decoder layer
+recomputed in backward (--no-recompute to keep activations), the learning rate warmed up
+linearly over --lr-warmup steps. Data: real text (the demo's corpus,
 bytes as tokens), the same batches for every variant. Variants, one run, one after another:
   * bf16:              the converted model (tritium TransformerLayers) in bf16: the baseline;
   * hf-bf16:           HF's own layers in bf16 (torch SDPA), for reference;
@@ -80,6 +81,10 @@ def _setup_variant(name: str, args, device):
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
+    if args.lr_warmup:   # linear warm-up, as every Llama recipe has (torchtitan's default: 200)
+        warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / args.lr_warmup))
+        hooks = [h for h in (after, warm.step) if h is not None]
+        after = lambda: [h() for h in hooks]  # noqa: E731
     return model, opt, rcp, after
 
 
@@ -92,7 +97,7 @@ def run_variant(name: str, args, device) -> dict:
     tps = timed[-1]["tokens_per_s"] if timed else None
     world = dist.get_world_size()
     row = {"bench": "fsdp", "variant": name, "world": world, "batch_per_gpu": args.batch,
-           "seq_len": args.seq_len, "recompute": args.recompute,
+           "seq_len": args.seq_len, "recompute": args.recompute, "lr_warmup": args.lr_warmup,
            "tokens_per_s": None if tps is None else round(tps, 1),
            "ms": None if tps is None else round(1e3 * args.batch * args.seq_len * world / tps, 2),
            "peak_gib_per_gpu": None if steps[-1]["peak_gib"] is None
@@ -154,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-warmup", type=int, default=10,
+                   help="steps of linear learning-rate warm-up (0: none; results before "
+                        "2026-11-27 used none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
     p.add_argument("--variants", default=",".join(VARIANTS))
