@@ -111,15 +111,12 @@ def test_dequantize_kernel_equals_ref(out_dtype):
                        rcast.dequantize(data, scale_inv, out_dtype))
 
 
-@pytest.mark.parametrize("length", [1, 3, 1024])
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-@pytest.mark.parametrize("margin", [0, 2])
 @pytest.mark.parametrize("shape", [(4096, 14336), (6144, 4096), (1000, 4100), (33, 16)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 def test_transpose_fp8_kernel_equals_ref(shape):
     """The fp8 transpose kernel (FSDP2's gathered weights, TP's gathered inputs) moves the same
     bytes as torch's transpose, at full tiles and at ragged edges."""
-    x8 = (torch.randn(shape, device="cuda") * 100).to(torch.float8_e4m3fn)
+    x8 = (torch.randn(shape, device="cuda") * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     got = kcast.transpose_fp8(x8)
     assert torch.equal(got.view(torch.uint8), rcast.transpose_fp8(x8).view(torch.uint8))
     out = torch.empty_like(got)
@@ -127,6 +124,9 @@ def test_transpose_fp8_kernel_equals_ref(shape):
     assert torch.equal(out.view(torch.uint8), got.view(torch.uint8))
 
 
+@pytest.mark.parametrize("length", [1, 3, 1024])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 2])
 def test_delayed_update_kernel_equals_ref(length, algo, margin):
     g = torch.Generator(device="cuda").manual_seed(length * 7 + margin)
     hist = torch.rand(length, 5, device="cuda", generator=g) * 10
