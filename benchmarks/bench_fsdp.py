@@ -125,7 +125,8 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
     data = list(T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed))
     T.train(model, opt, data[:args.warmup], rcp=rcp, after_step=after, log=None)
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=args.profile_stacks) as prof:
         t0 = time.perf_counter()
         T.train(model, opt, data[args.warmup:], rcp=rcp, after_step=after, log=None)
         torch.cuda.synchronize()
@@ -147,8 +148,31 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
     nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
     print(f"{name}: wall {wall:.1f} ms/step (profiled); compute kernels busy "
           f"{busy / 1e3 / steps:.1f} ms/step; NCCL kernels {nccl:.1f} ms/step")
-    for k, ms in sorted(kernels.items(), key=lambda kv: -kv[1])[:top]:
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    for k, ms in ranked:
         print(f"  {ms:8.2f} ms  {k[:120]}")
+    if args.profile_stacks:
+        try:
+            _print_call_sites(prof, [k for k, _ in ranked[:12]], steps)
+        except Exception as exc:  # a diagnostic: report and go on
+            print("call sites:", repr(exc))
+
+
+def _print_call_sites(prof, names: list, steps: int, sites: int = 3) -> None:
+    """For each kernel name, the Python call sites (innermost frames outside torch.nn's
+    module machinery) of the ops that launched it, by GPU time."""
+    skip = ("torch/nn/modules/module.py", "torch/utils/_contextlib.py", "<built-in")
+    found = {n: {} for n in names}
+    for ev in prof.events():
+        for k in getattr(ev, "kernels", None) or ():
+            if k.name in found:
+                frames = [f for f in (ev.stack or ()) if not any(x in f for x in skip)][:2]
+                site = " <- ".join(frames) or ev.name
+                found[k.name][site] = found[k.name].get(site, 0.0) + k.duration / 1e3 / steps
+    for name in names:
+        print(f"  {name[:90]}")
+        for site, ms in sorted(found[name].items(), key=lambda kv: -kv[1])[:sites]:
+            print(f"      {ms:8.2f} ms  {site[:150]}")
 
 
 def main(argv=None) -> int:
@@ -169,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--verbose", action="store_true", help="one progress line per step")
     p.add_argument("--profile", metavar="VARIANT", help="profile one variant (CUDA): kernels, "
                    "compute-busy time and NCCL time per step; writes no result")
+    p.add_argument("--profile-stacks", action="store_true",
+                   help="with --profile: the Python call sites of the top kernels")
     args = p.parse_args(argv)
     args.config = "tiny" if args.tiny else "llama3-8b"
     if args.tiny:
