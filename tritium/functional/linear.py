@@ -27,7 +27,10 @@ Tensor parallelism (`linear(..., tp=TPSpec)`, layouts in tritium.distributed.ten
 the collectives wrap the local GEMM as autograd Functions, except for a column-parallel GEMM in
 FP8, whose input may be a fused cast's Float8Tensor: there the Function itself all-reduces
 dgrad, or under sequence parallelism casts the local rows with the shared scale, all-gathers
-the fp8 bytes (the transpose is made after the gather) and reduce-scatters dgrad.
+the fp8 bytes (the transpose is made after the gather) and reduce-scatters dgrad. Likewise a
+row-parallel GEMM in FP8 under sequence parallelism: the Function reduce-scatters its output,
+and its backward casts the local grad rows with the shared grad scale and all-gathers the fp8
+bytes (half of the bf16 gather), the same fp8 values as casting the gathered grad.
 
 Block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling) run `tritium.functional.block_linear`
 instead (chosen in `_linear`).
@@ -299,7 +302,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
-                main_grad: Sequence[MainGradTarget], column: Optional[TPSpec] = None,
+                main_grad: Sequence[MainGradTarget], tp: Optional[TPSpec] = None,
                 fp8_inp: Optional[Float8Tensor] = None):
         # fp8_inp (torch.compile): a fused producer's fp8 output; `inp` is then its carrier,
         # which only takes the gradient (fused_cast.carrier_outputs)
@@ -312,9 +315,14 @@ class _LinearFunction(torch.autograd.Function):
         x2d = inp if len(shape) == 2 or isinstance(inp, Float8Tensor) else \
             inp.reshape(-1, shape[-1])
         tokens = math.prod(shape[:-1])
-        # column-parallel FP8: dgrad all-reduced (reduce-scattered under sequence parallelism,
-        # where the forward casts the local rows and all-gathers the fp8 bytes)
+        # tp (FP8 only): column-parallel: dgrad all-reduced (reduce-scattered under sequence
+        # parallelism, where the forward casts the local rows and all-gathers the fp8 bytes);
+        # row-parallel under sequence parallelism: the output reduce-scattered here, and the
+        # backward casts the local grad rows and all-gathers the fp8 bytes
+        column = tp if tp is not None and tp.mode == "column" else None
         ctx.column = column
+        ctx.row_gather = (tp.group if tp is not None and tp.mode == "row" and tp.sequence_parallel
+                          else None)
         gather = column.group if column is not None and column.sequence_parallel else None
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
         fp8 = plan is not None and plan.compute_in_fp8
@@ -323,7 +331,7 @@ class _LinearFunction(torch.autograd.Function):
             x2d = inp.dequantize().reshape(-1, shape[-1])
         if fp8:
             if gather is not None:
-                x8, x8_t, x_si = _gathered_fp8_input(plan, x2d, gather, need_wgrad)
+                x8, x8_t, x_si = _gathered_fp8(plan, x2d, gather, need_wgrad)
                 tokens = tokens * dist.get_world_size(gather)
                 shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
                 w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
@@ -356,13 +364,24 @@ class _LinearFunction(torch.autograd.Function):
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
         ctx.shape, ctx.in_shape, ctx.need = shape, carrier_shape, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
+        if ctx.row_gather is not None:
+            out = reduce_scatter_dim0(out, ctx.row_gather)
+            shape = (shape[0] // dist.get_world_size(ctx.row_gather), *shape[1:])
         return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
         dyq = dy_hp = None
-        if isinstance(grad_out, Float8Tensor):  # written in fp8 by a fused activation backward
+        if ctx.row_gather is not None:  # this rank's grad rows: cast, then gather the fp8 bytes
+            if isinstance(grad_out, Float8Tensor):
+                grad_out = grad_out.dequantize()
+            local = grad_out.reshape(-1, grad_out.shape[-1])
+            dyq = _gathered_fp8(plan, local, ctx.row_gather, need_wgrad, backward=True)
+            # dy2d only gives the backward its shape and dtype: the data is dyq's
+            grad_out = torch.empty((local.shape[0] * dist.get_world_size(ctx.row_gather),
+                                    local.shape[1]), dtype=local.dtype, device="meta")
+        elif isinstance(grad_out, Float8Tensor):  # written in fp8 by a fused activation backward
             if ctx.fp8 and grad_out._fp8_dtype == plan.recipe.fp8_format.backward_dtype:
                 dyq = fp8_operands(grad_out, need_wgrad)
                 dy_hp = getattr(grad_out, "_hp", None)
@@ -441,23 +460,27 @@ def _check_one_scale(plan: FP8Plan, group) -> None:
     _one_scale_checked.add(key)
 
 
-def _gathered_fp8_input(plan: FP8Plan, x2d, group, need_transpose: bool):
+def _gathered_fp8(plan: FP8Plan, x2d, group, need_transpose: bool, backward: bool = False):
     """Sequence parallelism under FP8: this rank's rows cast with the one scale every rank
     uses (delayed: the shared scale slot, amax recorded locally and MAX-reduced at the update;
     current: the local amaxes MAX-reduced first), then the fp8 bytes all-gathered; the
-    transpose wgrad needs is made after the gather. Returns (x8 [Tp, K], x8^T, scale_inv)."""
-    fp8_dtype = plan.recipe.fp8_format.forward_dtype
+    transpose wgrad needs is made after the gather. The forward gathers a column GEMM's input
+    (forward state, input slot), the backward a row GEMM's grad (backward state, grad slot).
+    Returns (x8 [Tp, K], x8^T, scale_inv): the same fp8 values as casting the gathered rows."""
+    fmt = plan.recipe.fp8_format
+    fp8_dtype = fmt.backward_dtype if backward else fmt.forward_dtype
+    state, slot = (plan.bwd, plan.grad_slot) if backward else (plan.fwd, plan.input_slot)
     if isinstance(x2d, Float8Tensor):  # a fused norm wrote it with the shared scale
         local, x_si = x2d._data.reshape(-1, x2d.shape[-1]), x2d._scale_inv
     elif isinstance(plan.recipe, Float8CurrentScaling):
         amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
         amax_into(x2d, amax)
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        local, _, x_si = plan.quantize(x2d, None, plan.input_slot, fp8_dtype, pad_rows_to=1,
+        local, _, x_si = plan.quantize(x2d, None, slot, fp8_dtype, pad_rows_to=1,
                                        tensor_amax=amax)
     else:
         _check_one_scale(plan, group)
-        local, _, x_si = plan.quantize(x2d, plan.fwd, plan.input_slot, fp8_dtype, pad_rows_to=1)
+        local, _, x_si = plan.quantize(x2d, state, slot, fp8_dtype, pad_rows_to=1)
     full = all_gather_dim0(local, group)
     tokens, k = full.shape
     if tokens % 16:
@@ -487,7 +510,7 @@ def _cache_weight_outside(fp8: FP8Plan, weight: torch.Tensor) -> FP8Plan:
     return dataclasses.replace(fp8, is_first_microbatch=False)
 
 
-def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
+def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None):
     dev = inp.device.type
     if fp8 is not None and fp8.is_first_microbatch and fp8.weight_cache is not None \
             and fp8.compute_in_fp8 and torch.compiler.is_compiling():
@@ -495,25 +518,25 @@ def _linear(inp, weight, bias, fp8, main_grad, column: Optional[TPSpec] = None):
     carrier = getattr(inp, "_carrier", None)  # torch.compile: a fused producer's Float8Tensor
     if carrier is not None:
         bias = None if bias is None else bias.to(carrier.dtype)
-        return _apply_linear(carrier, weight, bias, fp8, tuple(main_grad), column, inp)
+        return _apply_linear(carrier, weight, bias, fp8, tuple(main_grad), tp, inp)
     # block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling): their own Function
     apply = (apply_block_linear if fp8 is not None and fp8.compute_in_fp8
              and is_block_recipe(fp8.recipe) else _apply_linear)
     if not torch.is_autocast_enabled(dev):
-        if fp8 is None and not main_grad and column is None:
+        if fp8 is None and not main_grad and tp is None:
             return F.linear(inp, weight, bias)
         if fp8 is not None and bias is not None:
             bias = bias.to(inp.dtype)
-        return apply(inp, weight, bias, fp8, tuple(main_grad), column)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), tp)
     dtype = torch.get_autocast_dtype(dev)
     inp = inp.to(dtype)
     if fp8 is None or not fp8.compute_in_fp8:
         weight = weight.to(dtype)
     bias = None if bias is None else bias.to(dtype)
-    if fp8 is None and not main_grad and column is None:
+    if fp8 is None and not main_grad and tp is None:
         return F.linear(inp, weight, bias)
     with torch.autocast(dev, enabled=False):  # the Function's math runs in the dtypes given
-        return apply(inp, weight, bias, fp8, tuple(main_grad), column)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), tp)
 
 
 def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
@@ -522,13 +545,18 @@ def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
         # the input may be a fused cast's fp8 (tensorwise recipes; block-scaled ones gather the
         # high-precision input and quantize after the gather)
         if fp8 is not None and fp8.compute_in_fp8 and not is_block_recipe(fp8.recipe):
-            return _linear(inp, weight, bias, fp8, main_grad, column=tp)
+            return _linear(inp, weight, bias, fp8, main_grad, tp=tp)
         inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
                else copy_to_tensor_parallel_region(inp, group))
         return _linear(inp, weight, bias, fp8, main_grad)
-    out = _linear(inp, weight, None, fp8, main_grad)
-    out = (reduce_scatter_to_sequence_parallel_region(out, group) if tp.sequence_parallel
-           else reduce_from_tensor_parallel_region(out, group))
+    if tp.sequence_parallel and fp8 is not None and fp8.compute_in_fp8 \
+            and not is_block_recipe(fp8.recipe) and not torch.compiler.is_compiling():
+        # the Function reduce-scatters the output and gathers the grad in fp8 (half the bytes)
+        out = _linear(inp, weight, None, fp8, main_grad, tp=tp)
+    else:
+        out = _linear(inp, weight, None, fp8, main_grad)
+        out = (reduce_scatter_to_sequence_parallel_region(out, group) if tp.sequence_parallel
+               else reduce_from_tensor_parallel_region(out, group))
     if bias is None:
         return out
     return out + sp_replicated(bias, tp).to(out.dtype)
