@@ -287,9 +287,9 @@ def test_block_recipe_checkpoint_and_unsupported_modules(randn):
     with pytest.raises(NotImplementedError, match="fp8_model_init"):
         with te.fp8_model_init(recipe=recipe.MXFP8BlockScaling()):
             pass
-    with pytest.raises(TypeError, match="fp8_recipe"):
+    with pytest.raises(TypeError, match="fp8_recipe must be"):
         te.make_graphed_callables(layer, (randn(16, 64),), fp8_enabled=True,
-                                  fp8_recipe=recipe.Float8BlockScaling())
+                                  fp8_recipe=recipe.Recipe())
 
 
 def test_fp8_params_run_under_block_recipes_dequantized(randn):

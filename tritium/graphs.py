@@ -23,7 +23,10 @@ FP8 weight caching (`fp8_weight_caching=True`): the callable's weight caches get
 device flag (`WeightCache.skip`); the captured weight casts write into the caches' persistent
 buffers and return at once on the device while the flag is 1. `graphed(..., is_first_microbatch=)`
 writes the flag before the replay (None or True: 0, False: 1). Without caching the keyword is
-accepted and ignored (every replay casts the weights).
+accepted and ignored (every replay casts the weights). Block-scaled recipes (Float8BlockScaling,
+MXFP8BlockScaling) have no flagged block cast yet: their graphs quantize the weights at every
+replay, with or without caching. That gives the same bits (block scales are current, and
+weights do not change between the micro-batches of a step), not the saved cast.
 
 Grads. Param grads leave the backward graph as the autograd Function's outputs, so autograd's
 AccumulateGrad adds them into `param.grad` exactly as an eager backward does; `param.grad` is
@@ -79,7 +82,7 @@ from torch.utils import _pytree as pytree
 from . import _graph_order
 from .fp8.autocast import AutocastState, FP8Region, current as current_autocast, fp8_autocast
 from .fp8.autocast import _is_process_group, _state as _autocast_stack
-from .fp8.recipe import DelayedScaling, Float8CurrentScaling
+from .fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .fp8.tensor import Float8Tensor
 from .modules.base import FP8Module
 
@@ -200,6 +203,9 @@ _cuda = _CudaOps()
 
 
 # ------------------------------------------------------------------ arguments and checks
+_GRAPH_RECIPES = (DelayedScaling, Float8CurrentScaling, Float8BlockScaling, MXFP8BlockScaling)
+
+
 def _config(fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group, fp8_weight_caching,
             te_names: dict) -> _FP8Config:
     values = dict(fp8_enabled=fp8_enabled, fp8_calibrating=fp8_calibrating,
@@ -226,9 +232,10 @@ def _config(fp8_enabled, fp8_calibrating, fp8_recipe, fp8_group, fp8_weight_cach
                              "pass fp8_enabled=True (or fp8_calibrating=True), or drop them")
     if recipe is None and (enabled or calibrating):
         recipe = DelayedScaling()
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError("make_graphed_callables: fp8_recipe must be recipe.DelayedScaling or "
-                        f"recipe.Float8CurrentScaling, got {type(recipe).__name__}")
+    if recipe is not None and not isinstance(recipe, _GRAPH_RECIPES):
+        raise TypeError("make_graphed_callables: fp8_recipe must be recipe.DelayedScaling, "
+                        "Float8CurrentScaling, Float8BlockScaling or MXFP8BlockScaling, got "
+                        f"{type(recipe).__name__}")
     if group is not None and not _is_process_group(group):
         raise TypeError("make_graphed_callables: fp8_group must be a torch.distributed "
                         f"ProcessGroup (or None for the default group), got {type(group).__name__}")

@@ -24,7 +24,9 @@ FP8 weights (fp8_model_init under Float8BlockScaling: a `Float8BlockTensor` para
 they are, no cast and no cache, when their form is the recipe's (same fp8 dtype, same 1x128 /
 128x128 weight blocks, Float8BlockScaling); otherwise they are dequantized and cast like a
 high-precision weight.
-Not done: CUDA-graph weight caching (the flagged cast), fused norm / activation block casts
+CUDA graphs (make_graphed_callables) capture this path; with fp8_weight_caching the weights are
+quantized at every replay (no flagged block cast yet: same bits, not the saved work).
+Not done: the flagged block cast for CUDA-graph weight caching, fused norm / activation block casts
 (LayerNormLinear / LayerNormMLP quantize the high-precision norm / activation output here), the
 FP8 all-gather of sequence parallelism (column-parallel layers gather the high-precision input,
 then quantize).
@@ -103,9 +105,9 @@ def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
         weight = weight.dequantize()
     cache = plan.weight_cache
     if cache is not None and cache.skip is not None:
-        raise NotImplementedError(
-            f"{type(plan.recipe).__name__}: CUDA graphs with fp8_weight_caching are not "
-            "implemented for block-scaled recipes; capture with fp8_weight_caching=False")
+        # a CUDA graph's weight caching: no flagged block cast exists, so every replay
+        # quantizes (the same bits: current block scales, weights unchanged within a step)
+        cache = None
     key = ("block", plan.recipe, weight.dtype, weight.device, tuple(weight.shape))
     if (cache is not None and plan.is_first_microbatch is False and cache.entry is not None
             and cache.key == key):
