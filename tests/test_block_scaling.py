@@ -339,3 +339,23 @@ def test_bench_block_scaling_tiny_runs(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert sorted(p.name.split("-cpu-")[1] for p in tmp_path.glob("*.json")) == [
         "block_scaling_gemm_tiny.json", "block_scaling_linear_tiny.json"]
+
+
+def test_flagged_block_cast_checks_its_buffers(randn):
+    """quantize_blocks(skip=, out=): a missing out, a wrong flag or a buffer of the wrong
+    shape is refused, naming the buffer and the shape it must have, before anything is written."""
+    from tritium.fp8 import block as block_ops
+    x = randn(130, 260)
+    good = block_ops.quantize_blocks(x, torch.float8_e4m3fn, rowwise=True, columnwise=True)
+    flag = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="needs out="):
+        block_ops.quantize_blocks(x, torch.float8_e4m3fn, skip=flag)
+    with pytest.raises(ValueError, match="int32"):
+        block_ops.quantize_blocks(x, torch.float8_e4m3fn, skip=flag.float(), out=good)
+    bad = good._replace(scale_inv_t=torch.empty(3, 3))
+    with pytest.raises(ValueError, match=r"out.scale_inv_t must be .*\(2, 260\)"):
+        block_ops.quantize_blocks(x, torch.float8_e4m3fn, rowwise=True, columnwise=True,
+                                  skip=flag, out=bad)
+    got = block_ops.quantize_blocks(x, torch.float8_e4m3fn, rowwise=True, columnwise=True,
+                                    skip=flag, out=good)
+    assert got.data is good.data

@@ -90,9 +90,9 @@ KERNELS = {
              V_SCALED=False, W_DTYPE=tl.float32, W_SCALED=False, M_CLAMP=0.0, V_CLAMP=0.0),
         dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
     ("block_cast", "_block_cast_kernel"): (
-        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "skip_ptr": "*i32"},
         dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, EPS=0.0, POW2=True, ROWWISE=True, COLUMNWISE=True,
-             BLOCK_2D=False, BLOCK=128, SUB=32),
+             BLOCK_2D=False, HAS_SKIP=True, BLOCK=128, SUB=32),
         dict(num_warps=4)),
     ("block_gemm", "_block_gemm_kernel"): (
         {"a_desc": _desc("fp8e4nv", (64, 128)), "b_desc": _desc("fp8e4nv", (128, 128)),

@@ -23,10 +23,10 @@ FP8 weight caching (`fp8_weight_caching=True`): the callable's weight caches get
 device flag (`WeightCache.skip`); the captured weight casts write into the caches' persistent
 buffers and return at once on the device while the flag is 1. `graphed(..., is_first_microbatch=)`
 writes the flag before the replay (None or True: 0, False: 1). Without caching the keyword is
-accepted and ignored (every replay casts the weights). Block-scaled recipes (Float8BlockScaling,
-MXFP8BlockScaling) have no flagged block cast yet: their graphs quantize the weights at every
-replay, with or without caching. That gives the same bits (block scales are current, and
-weights do not change between the micro-batches of a step), not the saved cast.
+accepted and ignored (every replay casts the weights). Float8BlockScaling's weight cast is
+flagged the same way; MXFP8BlockScaling (emulated) has no flagged cast and re-quantizes the
+weights at every replay (the same bits: its scales are current and weights do not change
+between the micro-batches of a step).
 
 Grads. Param grads leave the backward graph as the autograd Function's outputs, so autograd's
 AccumulateGrad adds them into `param.grad` exactly as an eager backward does; `param.grad` is

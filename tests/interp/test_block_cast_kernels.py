@@ -66,3 +66,22 @@ def test_block_cast_kernel_special_values(gen):
     for name in rblock.BlockQuantized._fields:
         assert_same_bits(getattr(got, name), getattr(want, name), name, nan_as_nan=True)
     assert want.scale_inv[0, 3] == 1 and want.scale_inv[1, 7] == 1
+
+
+@pytest.mark.parametrize("block_2d", [False, True])
+def test_block_cast_kernel_flagged_into_buffers(block_2d, gen):
+    """quantize_blocks(skip=flag, out=buffers) (CUDA graphs with weight caching): flag 0 writes
+    the buffers with the fresh call's bits, flag 1 leaves them as they were; kernel == twin."""
+    x = _tokens(130, 260, gen)
+    fresh = rblock.quantize_blocks(x, E4M3, block_2d=block_2d, rowwise=True, columnwise=True)
+    for mod in (kblock, rblock):
+        out = rblock.BlockQuantized(*(torch.full_like(t.view(torch.uint8) if t.dtype == E4M3
+                                                      else t, 3).view(t.dtype)
+                                      for t in fresh))
+        before = [t.clone() for t in out]
+        for flag, want in ((1, before), (0, list(fresh))):
+            got = mod.quantize_blocks(x, E4M3, block_2d=block_2d, rowwise=True, columnwise=True,
+                                      skip=torch.tensor([flag], dtype=torch.int32), out=out)
+            for name, g, o, w in zip(rblock.BlockQuantized._fields, got, out, want):
+                assert g is o, name   # the buffers themselves come back
+                assert_same_bits(o, w, f"{mod.__name__} flag={flag} {name}")

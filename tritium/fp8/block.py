@@ -25,8 +25,33 @@ def _kernels():
 
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, **kwargs) -> ref_cast.BlockQuantized:
+    if kwargs.get("out") is not None or kwargs.get("skip") is not None:
+        _check_out(x, fp8_dtype, **kwargs)
     impl = _kernels()[0] if _device.use_triton(x) else ref_cast
     return impl.quantize_blocks(x, fp8_dtype, **kwargs)
+
+
+def _check_out(x, fp8_dtype, *, block_2d=False, rowwise=True, columnwise=False, skip=None,
+               out=None, **_):
+    """The buffers of quantize_blocks(out=..., skip=...): checked before any write."""
+    if skip is not None and (out is None or skip.dtype != torch.int32 or skip.numel() != 1
+                             or skip.device != x.device):
+        raise ValueError("quantize_blocks(skip=...) needs out= (the buffers an earlier call "
+                         f"wrote) and an int32 [1] flag on {x.device}")
+    m, k = x.shape
+    mb, kb = -(-m // ref_cast.BLOCK), -(-k // ref_cast.BLOCK)
+    s_shape, st_shape = ((mb, kb), (kb, mb)) if block_2d else ((kb, m), (mb, k))
+    want = {"data": ((m, k), fp8_dtype, rowwise), "scale_inv": (s_shape, torch.float32, rowwise),
+            "data_t": ((k, m), fp8_dtype, columnwise),
+            "scale_inv_t": (st_shape, torch.float32, columnwise)}
+    if not isinstance(out, ref_cast.BlockQuantized):
+        raise ValueError("quantize_blocks: out must be a BlockQuantized of buffers")
+    for (name, (shape, dtype, used)), t in zip(want.items(), out):
+        if used and (t is None or tuple(t.shape) != shape or t.dtype != dtype
+                     or t.device != x.device or not t.is_contiguous()):
+            got = None if t is None else f"{t.dtype}{tuple(t.shape)} on {t.device}"
+            raise ValueError(f"quantize_blocks: out.{name} must be a contiguous {dtype}{shape} "
+                             f"tensor on {x.device}, got {got}")
 
 
 @functools.lru_cache(maxsize=None)

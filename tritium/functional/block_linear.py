@@ -24,9 +24,10 @@ FP8 weights (fp8_model_init under Float8BlockScaling: a `Float8BlockTensor` para
 they are, no cast and no cache, when their form is the recipe's (same fp8 dtype, same 1x128 /
 128x128 weight blocks, Float8BlockScaling); otherwise they are dequantized and cast like a
 high-precision weight.
-CUDA graphs (make_graphed_callables) capture this path; with fp8_weight_caching the weights are
-quantized at every replay (no flagged block cast yet: same bits, not the saved work).
-Not done: the flagged block cast for CUDA-graph weight caching, fused norm / activation block casts
+CUDA graphs (make_graphed_callables) capture this path; with fp8_weight_caching the weight cast
+is the flagged block cast (quantize_blocks(skip=, out=): a device flag makes it a no-op on later
+micro-batches), as for tensorwise recipes; MXFP8 (emulated) re-quantizes at every replay.
+Not done: fused norm / activation block casts
 (LayerNormLinear / LayerNormMLP quantize the high-precision norm / activation output here), the
 FP8 all-gather of sequence parallelism (column-parallel layers gather the high-precision input,
 then quantize).
@@ -73,7 +74,8 @@ class BlockScheme:
                            recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
 
     def quantize(self, x: torch.Tensor, q: QParams, fp8_dtype, *, rowwise: bool,
-                 columnwise: bool, block_2d: bool = False) -> BlockQuantized:
+                 columnwise: bool, block_2d: bool = False, **flagged) -> BlockQuantized:
+        """flagged: skip= / out= of quantize_blocks (CUDA-graph weight caching; not for MX)."""
         if self.mx:
             data, scale = block_ops.quantize_mx(x, fp8_dtype) if rowwise else (None, None)
             data_t, scale_t = (block_ops.quantize_mx(x.t(), fp8_dtype) if columnwise
@@ -81,7 +83,7 @@ class BlockScheme:
             return BlockQuantized(data, scale, data_t, scale_t)
         return block_ops.quantize_blocks(x, fp8_dtype, block_2d=block_2d, rowwise=rowwise,
                                          columnwise=columnwise, power_2_scale=q.power_2_scale,
-                                         amax_epsilon=float(q.amax_epsilon))
+                                         amax_epsilon=float(q.amax_epsilon), **flagged)
 
     def gemm(self, a, b, sa, sb, out_dtype, bias=None, b_block_2d=False) -> torch.Tensor:
         if self.mx:
@@ -104,11 +106,18 @@ def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
             return weight.operands()   # an FP8 param (fp8_model_init): its own blocks, no cast
         weight = weight.dequantize()
     cache = plan.weight_cache
-    if cache is not None and cache.skip is not None:
-        # a CUDA graph's weight caching: no flagged block cast exists, so every replay
-        # quantizes (the same bits: current block scales, weights unchanged within a step)
-        cache = None
     key = ("block", plan.recipe, weight.dtype, weight.device, tuple(weight.shape))
+    if cache is not None and cache.skip is not None:
+        if scheme.mx:  # no flagged MX cast: every replay quantizes (the same bits)
+            cache = None
+        else:          # CUDA graphs: the device flag decides, the buffers stay put
+            if cache.entry is None or cache.key != key:
+                cache.entry = scheme.quantize(weight.detach(), scheme.w_q, scheme.fwd_dtype,
+                                              rowwise=True, columnwise=True, block_2d=scheme.w_2d)
+                cache.key = key
+            return scheme.quantize(weight.detach(), scheme.w_q, scheme.fwd_dtype, rowwise=True,
+                                   columnwise=True, block_2d=scheme.w_2d, skip=cache.skip,
+                                   out=cache.entry)
     if (cache is not None and plan.is_first_microbatch is False and cache.entry is not None
             and cache.key == key):
         return cache.entry

@@ -13,6 +13,10 @@ second time from L1/L2):
 Edges are masked: a partial tile's amax covers only the elements that exist. The scale is the
 current-scaling rule of `kernels.cast._current_scale` (div_rn, power-of-2 mask), per block.
 
+`skip` / `out` (CUDA graphs with weight caching): as `kernels.cast.cast_transpose`'s: with a
+non-zero int32 device flag every program returns before reading or writing, so `out` keeps what
+an earlier launch wrote.
+
 Not done here: fusing these casts into the norm / activation kernels (modules quantize the
 high-precision output of those), MXFP8 (emulated in `tritium.ref.block_cast.quantize_mx`).
 """
@@ -49,11 +53,15 @@ def _load(x_ptr, rows, cols, M, K, stride_xm, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
-def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_ptr,
+def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_ptr, skip_ptr,
                        M, K, stride_xm, KB, MB,
                        FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
-                       BLOCK_2D: tl.constexpr, BLOCK: tl.constexpr, SUB: tl.constexpr):
+                       BLOCK_2D: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
+                       SUB: tl.constexpr):
+    if HAS_SKIP:
+        if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
+            return
     # The 128x128 tile is walked in [SUB, 128] strips (fewer live registers than the whole
     # tile): a 1x128 tile's reduction runs along a strip's 128, so each strip is final; a
     # 128x128 block needs its amax first (one pass over the strips), then a second pass.
@@ -111,27 +119,33 @@ _launch = Launcher(_block_cast_kernel)
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool = False,
                     rowwise: bool = True, columnwise: bool = False, power_2_scale: bool = True,
-                    amax_epsilon: float = 0.0) -> BlockQuantized:
+                    amax_epsilon: float = 0.0, skip=None, out=None) -> BlockQuantized:
     """See `tritium.ref.block_cast.quantize_blocks`."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
     mb, kb = -(-m // BLOCK), -(-k // BLOCK)
-    dev = x.device
-    data = torch.empty(m, k, dtype=fp8_dtype, device=dev) if rowwise else None
-    data_t = torch.empty(k, m, dtype=fp8_dtype, device=dev) if columnwise else None
-    s_shape, st_shape = ((mb, kb), (kb, mb)) if block_2d else ((kb, m), (mb, k))
-    scale_inv = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
-    scale_inv_t = torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise else None
+    if out is not None:
+        data, scale_inv, data_t, scale_inv_t = (t if want else None for t, want in zip(
+            out, (rowwise, rowwise, columnwise, columnwise)))
+    else:
+        dev = x.device
+        data = torch.empty(m, k, dtype=fp8_dtype, device=dev) if rowwise else None
+        data_t = torch.empty(k, m, dtype=fp8_dtype, device=dev) if columnwise else None
+        s_shape, st_shape = ((mb, kb), (kb, mb)) if block_2d else ((kb, m), (mb, k))
+        scale_inv = torch.empty(s_shape, dtype=torch.float32, device=dev) if rowwise else None
+        scale_inv_t = (torch.empty(st_shape, dtype=torch.float32, device=dev) if columnwise
+                       else None)
     if m and k and (rowwise or columnwise):
         dummy = data if rowwise else data_t
         dummy_s = scale_inv if rowwise else scale_inv_t
         _launch((mb, kb), x, data if rowwise else dummy, scale_inv if rowwise else dummy_s,
                 data_t if columnwise else dummy, scale_inv_t if columnwise else dummy_s,
+                skip if skip is not None else dummy_s,
                 m, k, x.stride(0), kb, mb, FP8_MAX=fp8_max(fp8_dtype),
                 OUT_DTYPE=_TL_FP8[fp8_dtype], EPS=float(amax_epsilon), POW2=bool(power_2_scale),
-                ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d, BLOCK=BLOCK,
-                SUB=32, num_warps=4)
+                ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d,
+                HAS_SKIP=skip is not None, BLOCK=BLOCK, SUB=32, num_warps=4)
     return BlockQuantized(data, scale_inv, data_t, scale_inv_t)
 
 

@@ -84,8 +84,23 @@ def _rowwise(x: torch.Tensor, fp8_dtype, power_2_scale, amax_epsilon):
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool = False,
                     rowwise: bool = True, columnwise: bool = False, power_2_scale: bool = True,
-                    amax_epsilon: float = 0.0) -> BlockQuantized:
-    """x [M, K] (any float dtype, last dim contiguous) -> BlockQuantized (see the module doc)."""
+                    amax_epsilon: float = 0.0, skip: Optional[torch.Tensor] = None,
+                    out: Optional[BlockQuantized] = None) -> BlockQuantized:
+    """x [M, K] (any float dtype, last dim contiguous) -> BlockQuantized (see the module doc).
+
+    out: a BlockQuantized of buffers to write into (the entries the call writes must be there);
+    skip (needs out): an int32 [1] flag; non-zero: nothing is read or written and `out` (what an
+    earlier call wrote) is returned (CUDA graphs with weight caching)."""
+    if out is not None:
+        if skip is None or not bool(skip.reshape(-1)[0] != 0):
+            new = quantize_blocks(x, fp8_dtype, block_2d=block_2d, rowwise=rowwise,
+                                  columnwise=columnwise, power_2_scale=power_2_scale,
+                                  amax_epsilon=amax_epsilon)
+            for dst, src in zip(out, new):
+                if src is not None:
+                    dst.copy_(src)
+        return BlockQuantized(*(t if want else None for t, want in zip(
+            out, (rowwise, rowwise, columnwise, columnwise))))
     if block_2d:
         m, k = x.shape
         mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
