@@ -43,7 +43,7 @@ from testlib import FP32_TOL, free_port
 pytestmark = pytest.mark.cpu
 
 WORLD, DP, TP = 4, 2, 2
-ROWS, SEQ, VOCAB = 4, 16, 64       # global batch rows (2 per dp rank), sequence, vocabulary
+ROWS, SEQ, VOCAB = 2, 32, 64       # global batch rows (1 per dp rank), sequence, vocabulary
 TOKENS = ROWS * (SEQ - 1)         # labelled tokens of a global batch (the loss divides by it)
 LR = 1e-3
 SEED = zlib.crc32(b"test_fsdp_tp")
@@ -116,14 +116,15 @@ def _global_losses(losses, mesh):
     return total
 
 
-def _replicated_identical(model, mesh) -> list:
-    """Names of the TP-replicated params whose local dp shard differs between the TP ranks."""
+def _replicated_identical(model, mesh, sharded_too: bool = False) -> list:
+    """Names of the TP-replicated params (and TP shards with sharded_too) whose local dp shard
+    differs between the TP ranks."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
     from tritium.distributed.tensor_parallel import _sharded_params
     sharded, bad = _sharded_params(model), []
     for name, p in model.named_parameters():
-        if name in sharded:
+        if name in sharded and not sharded_too:
             continue
         local = (p.to_local() if isinstance(p, DTensor) else p).detach().contiguous()
         copies = [torch.empty_like(local) for _ in range(TP)]
@@ -187,6 +188,18 @@ def _errors(mesh) -> dict:
     return out
 
 
+def _meta_build(mesh) -> tuple:
+    """examples/train_fsdp.py's build() on the 2D mesh (meta device, to_empty, each rank
+    initializes its shards): (params equal on the two TP ranks, params that differ)."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    import train_fsdp
+    model, _ = train_fsdp.build("tiny", torch.device("cpu"), dtype=torch.float32, mesh=mesh)
+    bad = _replicated_identical(model, mesh, sharded_too=True)
+    names = [n for n, _ in model.named_parameters()]
+    return [n for n in names if n not in bad], bad
+
+
 def _worker(rank, port, out_dir):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -199,7 +212,7 @@ def _worker(rank, port, out_dir):
     try:
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh.get_local_rank("dp")
-        res = {"errors": _errors(mesh)}
+        res = {"errors": _errors(mesh), "meta_build": _meta_build(mesh)}
         # fp32: 3 steps
         model = _sharded(mesh)
         losses = _global_losses(_train(model, 3, dp_rank), mesh)
@@ -254,6 +267,16 @@ def _init_state():
 
 def test_replicated_params_identical_on_tp_ranks(results):
     assert results["replicated_differ"] == []
+
+
+def test_meta_build_initializes_each_tp_shard(results):
+    """train_fsdp.build on the 2D mesh: replicated params equal on the TP ranks, every TP
+    shard (QKV, proj, fc1, fc2 of each layer) different."""
+    same, differ = results["meta_build"]
+    assert sorted(differ) == sorted(n for n in same + differ
+                                    if n.endswith(("layernorm_qkv.weight", "proj.weight",
+                                                   "fc1_weight", "fc2_weight"))), differ
+    assert len(differ) == 2 * 4 and "lm_head.weight" in same
 
 
 def test_fp8_delayed_losses_equal_one_process(results):

@@ -46,12 +46,13 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
     the KV heads and intermediate_size must divide by the group's size. Embeddings, the final
     norm, the rotary embedding and lm_head stay whole and replicated: every TP rank computes
     them identically (same weights, same batch). Under sequence parallelism the decoder layers
-    run on this rank's dim-0 chunk of [b, s, h] (bshd: the batch rows; attention sees the whole
-    batch after the QKV all-gather, so the mask and RoPE angles stay whole): the first layer
-    takes its chunk of the embeddings (backward: all-gather) and the last all-gathers its
-    output, whose backward keeps this rank's chunk of the gradient (every rank computed the
-    whole gradient), so the HF parts see whole tensors and get identical gradients on every TP
-    rank. Batch rows with different position_ids are not supported there, and
+    are built sbhd and run on this rank's chunk of the sequence, [s / tp, b, h] (SP splits
+    dim 0; in bshd that is the batch, which one sequence per rank cannot split): the first
+    layer transposes the embeddings to [s, b, h] and takes its chunk (backward: all-gather),
+    the last all-gathers its output and transposes it back, the gather's backward keeping
+    this rank's chunk of the gradient (every rank computed the whole gradient). So the HF parts
+    see whole [b, s, h] tensors and get identical gradients on every TP rank; attention sees
+    the whole sequence after the QKV all-gather, so the mask and RoPE angles stay whole. Batch rows with different position_ids are not supported there, and
     `to_hf_state_dict` needs a tp_size=1 model.
   * Not supported (clear errors): KV caches (convert_llama sets config.use_cache = False; an
     explicit use_cache=True or past_key_values raises: generate(..., use_cache=False) works), flex-attention BlockMask, attention/MLP biases, activations other than SiLU,
@@ -138,11 +139,9 @@ class _LayerInputs:
     def __init__(self):
         self.key, self.value = None, None
 
-    def get(self, wrapper, hidden_states, attention_mask, position_ids,
-            b: Optional[int] = None):
-        """b: the batch attention sees (default hidden_states' own; more under SP)."""
-        b = hidden_states.shape[0] if b is None else b
-        s = hidden_states.shape[1]
+    def get(self, wrapper, hidden_states, attention_mask, position_ids, shape=None):
+        """shape: the (batch, sequence) attention sees (default: bshd hidden_states' own)."""
+        b, s = hidden_states.shape[:2] if shape is None else shape
         if torch.compiler.is_compiling():  # each layer's graph makes its own (no shared cache,
             return _layer_inputs(wrapper, hidden_states, attention_mask, position_ids, b, s,
                                  sync=False)  # no device sync: docs/compile.md)
@@ -210,17 +209,18 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         if scaling != 1.0:
             raise NotImplementedError(f"rope type with attention_scaling={scaling} (yarn, "
                                       "longrope) is not supported")
-        group = self._sp_group
-        if group is not None and self.scatter_input:
-            hidden_states = scatter_to_sequence_parallel_region(hidden_states, group)
-        # under SP the layer holds its chunk of the batch; attention sees all of it
-        b = hidden_states.shape[0] * (1 if group is None else dist.get_world_size(group))
+        group, shape = self._sp_group, None
+        if group is not None:   # sbhd layers, this rank's chunk of the sequence (module note)
+            if self.scatter_input:
+                hidden_states = scatter_to_sequence_parallel_region(
+                    hidden_states.transpose(0, 1).contiguous(), group)
+            shape = (hidden_states.shape[1], hidden_states.shape[0] * dist.get_world_size(group))
         mask, mask_type, freqs = self._inputs.get(self, hidden_states, attention_mask,
-                                                  position_ids, b)
+                                                  position_ids, shape)
         if group is not None and isinstance(freqs, list):
             raise NotImplementedError("sequence parallelism needs one position_ids row for the "
                                       "whole batch (rows with different positions run one at "
-                                      "a time, which a dim-0 split cannot do)")
+                                      "a time, which a split sequence cannot do)")
         if not isinstance(freqs, list):
             out = self.layer(hidden_states, attention_mask=mask, self_attn_mask_type=mask_type,
                              rotary_pos_emb=freqs)
@@ -234,6 +234,7 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         if group is not None and self.gather_output:
             out = gather_from_sequence_parallel_region(out, group,
                                                        tensor_parallel_output_grad=False)
+            out = out.transpose(0, 1).contiguous()
         return (out,) if self.return_tuple else out
 
     def extra_repr(self) -> str:
@@ -315,7 +316,8 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     group = resolve_group(tp_group, "convert_llama")
     tp = _tp_size(config, group, heads, groups)
-    tp_args = {} if tp == 1 else dict(tp_group=group, sequence_parallel=sequence_parallel,
+    sp = tp > 1 and bool(sequence_parallel)
+    tp_args = {} if tp == 1 else dict(tp_group=group, sequence_parallel=sp,
                                       set_parallel_mode=True)
     return_tuple = _layer_returns_tuple()
     shared = _LayerInputs()
@@ -328,14 +330,13 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
             layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0,
             attention_dropout=getattr(config, "attention_dropout", 0.0) or 0.0,
             normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True,
-            qkv_weight_interleaved=False, attn_input_format="bshd",
+            qkv_weight_interleaved=False, attn_input_format="sbhd" if sp else "bshd",
             self_attn_mask_type="causal", layer_number=i + 1, params_dtype=weight.dtype,
             device=weight.device, **tp_args)
         load_llama_decoder_layer(layer, **hf_llama_layer_weights(hf_layer))
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
                                                    shared)
-    sp = tp > 1 and bool(sequence_parallel)
     for i, wrapper in enumerate(inner.layers):
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
