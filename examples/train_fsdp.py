@@ -281,7 +281,10 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["auto", "cpu"], default="auto")
     args = p.parse_args(argv)
     device = setup(args.device)
-    mesh = make_mesh(device, args.tp)
+    try:
+        mesh = make_mesh(device, args.tp)
+    except ValueError as e:
+        p.error(str(e))
     import tritium as te
     rcp = fp8_recipe(args.fp8)
     if args.fp8_all_gather and rcp is None:
