@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node=2 benchmarks/bench_fsdp.py --batch 1          # 2 x H200
     torchrun --nproc-per-node=2 benchmarks/bench_fsdp.py --tiny --device cpu   # dry run (gloo)
+    torchrun --nproc-per-node=8 benchmarks/bench_fsdp.py --tp 2 \
+        --variants bf16,tritium-fp8-ag,tritium-fp8-delayed-ag           # FSDP2 x TP=2, 8 GPUs
 
 Model: HF LlamaForCausalLM with Llama-3-8B's shape (32 layers, hidden 4096, 32 heads, 8 KV heads,
 ffn 14336, vocab 128256), built on the meta device, sharded with fully_shard per decoder layer
@@ -23,6 +25,10 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
   * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
                        enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
                        torch.compile per decoder layer.
+--tp N: FSDP2 x tensor parallelism on a 2D mesh (world / N, N) ("dp", "tp"), the decoder layers
+tensor- and sequence-parallel over "tp" (examples/train_fsdp.py: make_mesh); `--batch` is then
+per dp rank (the N TP ranks of a dp group share it) and the case name ends in -tp{N}. hf-bf16
+and torchao-float8 are the 1D peers: with N > 1 they give a row with an error.
 --profile VARIANT: that variant's kernels under torch.profiler (compute-busy vs wall, NCCL time).
 Reported per variant: ms per step and tokens/s (all GPUs, after --warmup steps), peak memory per
 GPU, bytes all-gathered per step per GPU, and the loss curve (first / last, and the mean of the
@@ -65,6 +71,9 @@ def _setup_variant(name: str, args, device):
     import tritium as te
     from tritium import recipe
     rcp, after, prepare, convert, gather = None, None, None, True, None
+    if args.tp > 1 and name in ("hf-bf16", "torchao-float8"):
+        raise ValueError(f"{name} runs HF's own layers, which are not tensor-parallel here: "
+                         "it is a 1D (--tp 1) peer")
     if name == "hf-bf16":
         convert = False
     elif name == "tritium-fp8-ag":
@@ -76,7 +85,7 @@ def _setup_variant(name: str, args, device):
     elif name == "torchao-float8":
         convert, prepare = False, _torchao_prepare
     model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
-                       convert=convert, prepare=prepare, seed=args.seed)
+                       convert=convert, prepare=prepare, seed=args.seed, mesh=args.mesh)
     if name == "torchao-float8":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
@@ -90,16 +99,20 @@ def _setup_variant(name: str, args, device):
 
 def run_variant(name: str, args, device) -> dict:
     model, opt, rcp, after = _setup_variant(name, args, device)
-    data = T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed)
+    data = T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed,
+                     mesh=args.mesh)
     log = print if args.verbose else None
-    steps = T.train(model, opt, data, rcp=rcp, after_step=after, log=log, warmup=args.warmup)
+    dp = dist.get_world_size() // args.tp
+    steps = T.train(model, opt, data, rcp=rcp, after_step=after, log=log, warmup=args.warmup,
+                    dp=dp)
     timed = [s for s in steps if s["tokens_per_s"]]
     tps = timed[-1]["tokens_per_s"] if timed else None
     world = dist.get_world_size()
-    row = {"bench": "fsdp", "variant": name, "world": world, "batch_per_gpu": args.batch,
-           "seq_len": args.seq_len, "recompute": args.recompute, "lr_warmup": args.lr_warmup,
+    row = {"bench": "fsdp", "variant": name, "world": world, "tp": args.tp,
+           "batch_per_gpu": args.batch, "seq_len": args.seq_len, "recompute": args.recompute,
+           "lr_warmup": args.lr_warmup,
            "tokens_per_s": None if tps is None else round(tps, 1),
-           "ms": None if tps is None else round(1e3 * args.batch * args.seq_len * world / tps, 2),
+           "ms": None if tps is None else round(1e3 * args.batch * args.seq_len * dp / tps, 2),
            "peak_gib_per_gpu": None if steps[-1]["peak_gib"] is None
            else round(max(s["peak_gib"] for s in steps), 2),
            "all_gather_gib_per_step": round(steps[-1]["all_gather_bytes"] / 2**30, 4),
@@ -122,7 +135,8 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
     from torch.profiler import ProfilerActivity, profile
     args.steps = args.warmup + steps
     model, opt, rcp, after = _setup_variant(name, args, device)
-    data = list(T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed))
+    data = list(T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed,
+                          mesh=args.mesh))
     T.train(model, opt, data[:args.warmup], rcp=rcp, after_step=after, log=None)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
@@ -178,7 +192,8 @@ def _print_call_sites(prof, names: list, steps: int, sites: int = 3) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tiny", action="store_true", help="tiny config, short sequences: a dry run")
-    p.add_argument("--batch", type=int, default=1, help="sequences per GPU per step")
+    p.add_argument("--batch", type=int, default=1, help="sequences per dp rank per step")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2D mesh dp x tp)")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
@@ -200,6 +215,10 @@ def main(argv=None) -> int:
     if args.tiny:
         args.seq_len, args.steps, args.warmup = min(args.seq_len, 128), min(args.steps, 6), 2
     device = T.setup(args.device)
+    try:
+        args.mesh = T.make_mesh(device, args.tp)
+    except ValueError as e:
+        p.error(str(e))
     if args.profile:
         profile_variant(args.profile, args, device)
         dist.destroy_process_group()
@@ -215,7 +234,8 @@ def main(argv=None) -> int:
                 traceback.print_exc()
             row = {"variant": name, "error": f"{type(e).__name__}: {e}"}
         row["case"] = (f"{args.config}-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
-                       + ("" if args.recompute else "-no-recompute"))
+                       + ("" if args.recompute else "-no-recompute")
+                       + (f"-tp{args.tp}" if args.tp > 1 else ""))
         rows.append(row)
         if dist.get_rank() == 0:
             print({k: v for k, v in row.items() if k != "losses"}, flush=True)

@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=2 examples/train_fsdp.py --config llama3-8b --seq-len 4096 \
         --batch 1 --fp8 current --fp8-all-gather --recompute
     torchrun --nproc-per-node=2 examples/train_fsdp.py --device cpu --steps 5    # gloo
+    torchrun --nproc-per-node=8 examples/train_fsdp.py --tp 2 ...                # FSDP2 x TP
 
 How the model is made (docs/distributed.md, DESIGN.md section 11): the HF model is built on the
 meta device, converted (its decoder layers become tritium TransformerLayers), optionally given
@@ -12,9 +13,16 @@ FP8 all-gather (`tritium.distributed.enable_fp8_all_gather`), sharded (`fully_sh
 layer, then the root), and only then materialized: `to_empty` allocates each rank's shards and
 every module re-initializes its own shard (`reset_parameters`; HF's norms, embeddings and the
 rotary buffers are re-made here), so no device ever holds the whole model.
+FSDP2 x tensor parallelism (`--tp N`, docs/distributed.md): a 2D DeviceMesh (world / N, N) with
+dims ("dp", "tp"); the decoder layers are converted with tp_group=mesh["tp"] and sequence
+parallelism (each rank holds its TP shards), and fully_shard shards everything over mesh["dp"].
+Initialization: HF's modules (replicated over TP) draw from one seed per dp rank, so the TP
+ranks of a dp group hold the same values; each TP-sharded tritium module draws from a stream of
+its own per (dp rank, TP rank, module), so the TP shards differ.
 Data: bytes of real text (the demo's corpus: Python's standard library source), a different
-stream of random windows per rank. Each step prints one progress line (loss averaged over ranks,
-tokens/s over all ranks, peak memory per device, bytes all-gathered per step per rank).
+stream of random windows per dp rank (the TP ranks of a dp group get the same batch). Each step
+prints one progress line (loss averaged over ranks, tokens/s over all ranks, peak memory per
+device, bytes FSDP2 all-gathered per step per rank).
 `build()` and `train()` are also used by benchmarks/bench_fsdp.py.
 """
 from __future__ import annotations
@@ -59,16 +67,46 @@ def fp8_recipe(name: str):
             "current": recipe.Float8CurrentScaling()}[name]
 
 
+def make_mesh(device, tp: int = 1):
+    """The DeviceMesh: 1D ("dp",) over every rank, or 2D (world / tp, tp) ("dp", "tp")."""
+    from torch.distributed.device_mesh import init_device_mesh
+    world = dist.get_world_size()
+    if not isinstance(tp, int) or tp < 1 or world % tp:
+        raise ValueError(f"--tp {tp}: the tensor-parallel size must be a positive divisor of the "
+                         f"number of processes ({world}); pick one that divides it, e.g. 2")
+    if tp == 1:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    return init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _local_rank(mesh, dim: str) -> int:
+    return mesh.get_local_rank(dim) if dim in (mesh.mesh_dim_names or ()) else 0
+
+
+@contextlib.contextmanager
+def _stream(seed: int, device):
+    """Draw from a generator seeded with `seed` inside the block; the default stream is
+    restored after (CPU and this device's CUDA generator)."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
+
+
 @torch.no_grad()
-def _init_weights(model, config, device, seed: int) -> None:
+def _init_weights(model, config, device, seed: int, mesh) -> None:
     """Each rank initializes its own shards: tritium modules through reset_parameters, HF's
     modules as HF's _init_weights does (normal(0, initializer_range), norms at 1), the rotary
-    inv_freq (a non-persistent buffer, left garbage by to_empty) made again."""
-    torch.manual_seed(seed + dist.get_rank())
+    inv_freq (a non-persistent buffer, left garbage by to_empty) made again. Seeds: see the
+    module note (one per dp rank; TP-sharded modules one per dp rank, TP rank and module)."""
+    dp_rank, tp_rank = _local_rank(mesh, "dp"), _local_rank(mesh, "tp")
+    torch.manual_seed(seed + dp_rank)
     std = config.initializer_range
-    for name, m in model.named_modules():
+    for i, (name, m) in enumerate(model.named_modules()):
         if type(m).__module__.startswith("tritium") and hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+            sharded = getattr(m, "tp", None) is not None and m.tp.size > 1
+            with (_stream(((seed * 1009 + dp_rank) * 1009 + tp_rank) * 100_003 + i, device)
+                  if sharded else contextlib.nullcontext()):
+                m.reset_parameters()
         elif isinstance(m, (torch.nn.Linear, torch.nn.Embedding)):
             torch.nn.init.normal_(m.weight, 0.0, std)
         elif type(m).__name__.endswith("RMSNorm") and hasattr(m, "weight"):
@@ -81,22 +119,29 @@ def _init_weights(model, config, device, seed: int) -> None:
 
 
 def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None,
-          recompute: bool = False, convert: bool = True, prepare=None, seed: int = 0):
+          recompute: bool = False, convert: bool = True, prepare=None, seed: int = 0,
+          mesh=None):
     """The sharded, materialized model (see the module note). fp8_all_gather: None or the recipe
     the gathered weights are cast with. convert=False keeps HF's own layers and `prepare(model)`
-    runs on the meta model before sharding (the bf16 and torchao baselines of the benchmark)."""
+    runs on the meta model before sharding (the bf16 and torchao baselines of the benchmark).
+    mesh: from make_mesh (default: 1D over every rank); with a "tp" dim the decoder layers are
+    tensor- and sequence-parallel over it and FSDP2 shards over "dp"."""
     import transformers
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from tritium.integrations.hf import convert_llama
     # use_cache=False: HF's default builds a KV cache in training, which torch.compile cannot
     # trace (the compiled torchao baseline would fall back to eager)
     config = transformers.LlamaConfig(**CONFIGS[config_name], tie_word_embeddings=False,
                                       attention_dropout=0.0, use_cache=False)
+    mesh = make_mesh(device) if mesh is None else mesh
+    tp = mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None
+    if tp is not None and not convert:
+        raise ValueError("tensor parallelism (a mesh with a 'tp' dim) needs convert=True: HF's "
+                         "own layers are not tensor-parallel here; use a 1D mesh (--tp 1)")
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(config).to(dtype)
     if convert:
-        convert_llama(model)
+        convert_llama(model, tp_group=tp, sequence_parallel=tp is not None)
     if fp8_all_gather is not None:
         from tritium.distributed import enable_fp8_all_gather
         enable_fp8_all_gather(model, fp8_all_gather)
@@ -105,13 +150,13 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
     if recompute:
         for layer in model.model.layers:
             _recompute(layer)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    dp = mesh["dp"] if tp is not None else mesh
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=dp, mp_policy=mp)
+    fully_shard(model, mesh=dp, mp_policy=mp)
     model.to_empty(device=device)
-    _init_weights(model, config, device, seed)
+    _init_weights(model, config, device, seed, mesh)
     return model, config
 
 
@@ -158,24 +203,30 @@ class GatherCounter:
             setattr(dist, name, real)
 
 
-def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0):
-    """Windows of real text (bytes as tokens), a different stream per rank."""
+def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0, mesh=None):
+    """Windows of real text (bytes as tokens), a different stream per dp rank (every rank
+    without a mesh)."""
     from tritium.demo import load_corpus, split_corpus
     data, _ = load_corpus()
     train, _ = split_corpus(data, seq_len)
-    g = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    rank = dist.get_rank() if mesh is None else _local_rank(mesh, "dp")
+    g = torch.Generator().manual_seed(seed * 1000 + rank)
     for _ in range(steps):
         starts = torch.randint(0, train.numel() - seq_len - 1, (batch,), generator=g)
         w = train[starts[:, None] + torch.arange(seq_len + 1)].to(device, torch.long)
         yield w[:, :-1], w[:, 1:]
 
 
-def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int = 2):
+def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int = 2,
+          dp: int = None):
     """Train over `data`; returns per-step dicts (loss, tokens/s after warm-up, peak GiB,
-    all-gather bytes). One progress line per step on rank 0."""
+    all-gather bytes). One progress line per step on rank 0. dp: the number of data-parallel
+    groups (default: every rank; under TP the TP ranks of a group share a batch, so a step
+    trains batch * seq * dp tokens)."""
     import tritium as te
     from tritium.distributed import precompute_fp8_scales_for_fsdp
     world, rows = dist.get_world_size(), []
+    dp = world if dp is None else dp
     cuda = next(model.parameters()).device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -198,8 +249,8 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
             if after_step is not None:
                 after_step()
         loss = loss.detach()
-        dist.all_reduce(loss)
-        tokens += x.numel() * world
+        dist.all_reduce(loss)   # the TP ranks of a dp group hold the same loss: the mean is dp's
+        tokens += x.numel() * dp
         elapsed = None if t_start is None else time.perf_counter() - t_start
         row = {"step": step + 1, "loss": loss.item() / world,
                "tokens_per_s": None if not elapsed else tokens / elapsed,
@@ -219,27 +270,35 @@ def main(argv=None) -> int:
     p.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--batch", type=int, default=2, help="sequences per rank per step")
+    p.add_argument("--batch", type=int, default=2, help="sequences per dp rank per step")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--fp8", choices=["none", "delayed", "current"], default="none")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="gather the bf16 weights as FP8 (enable_fp8_all_gather; needs --fp8)")
     p.add_argument("--recompute", action="store_true", help="recompute each decoder layer")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2D mesh dp x tp, "
+                   "sequence parallelism; must divide the number of processes)")
     p.add_argument("--device", choices=["auto", "cpu"], default="auto")
     args = p.parse_args(argv)
     device = setup(args.device)
+    try:
+        mesh = make_mesh(device, args.tp)
+    except ValueError as e:
+        p.error(str(e))
     import tritium as te
     rcp = fp8_recipe(args.fp8)
     if args.fp8_all_gather and rcp is None:
         p.error("--fp8-all-gather needs --fp8 delayed or --fp8 current")
     model, _ = build(args.config, device, fp8_all_gather=rcp if args.fp8_all_gather else None,
-                     recompute=args.recompute)
+                     recompute=args.recompute, mesh=mesh)
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"{args.config}: {n / 1e6:,.1f}M params on {dist.get_world_size()} x {device.type}; "
-              f"fp8={args.fp8} fp8_all_gather={args.fp8_all_gather}", flush=True)
-    train(model, opt, batches(args.seq_len, args.batch, args.steps, device), rcp=rcp)
+              f"(dp {mesh['dp'].size()} x tp {args.tp}); fp8={args.fp8} "
+              f"fp8_all_gather={args.fp8_all_gather}", flush=True)
+    data = batches(args.seq_len, args.batch, args.steps, device, mesh=mesh)
+    train(model, opt, data, rcp=rcp, dp=mesh["dp"].size())
     dist.destroy_process_group()
     return 0
 

@@ -213,6 +213,20 @@ class _GatherSeq(torch.autograd.Function):
         return reduce_scatter_dim0(dy, ctx.group), None
 
 
+class _GatherSeqSplitGrad(torch.autograd.Function):
+    """All-gather forward; backward keeps this rank's chunk of the gradient (every rank computed
+    the same full gradient from the same whole output, so nothing is summed)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, dy):
+        return _chunk0(dy, ctx.group).contiguous(), None
+
+
 class _ReduceScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -258,9 +272,14 @@ def reduce_from_tensor_parallel_region(x, group=None):
     return _ReduceFromTP.apply(x, _group(group, "reduce_from_tensor_parallel_region"))
 
 
-def gather_from_sequence_parallel_region(x, group=None):
-    """All-gather along dim 0 forward, reduce-scatter backward."""
-    return _GatherSeq.apply(x, _group(group, "gather_from_sequence_parallel_region"))
+def gather_from_sequence_parallel_region(x, group=None, tensor_parallel_output_grad=True):
+    """All-gather along dim 0 forward. Backward: reduce-scatter when the output feeds
+    tensor-parallel work (each rank holds a partial gradient: a column-parallel GEMM); with
+    tensor_parallel_output_grad=False, where every rank computes the same thing from the whole
+    output (a model's replicated head), this rank's chunk of the gradient (Megatron's
+    argument)."""
+    fn = _GatherSeq if tensor_parallel_output_grad else _GatherSeqSplitGrad
+    return fn.apply(x, _group(group, "gather_from_sequence_parallel_region"))
 
 
 def reduce_scatter_to_sequence_parallel_region(x, group=None):
@@ -335,10 +354,14 @@ def load_full_state_dict(model: torch.nn.Module, full_state_dict: dict, strict: 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict:
     """The full (tp_size=1) state dict of a TP model, on every rank (one all-gather per sharded
-    parameter, collective over each module's TP group: call it on every rank)."""
+    parameter, collective over each module's TP group: call it on every rank). DTensor entries
+    (a model sharded with FSDP2 over the other mesh dim) are made whole first (full_tensor)."""
+    from torch.distributed.tensor import DTensor
     sharded = _sharded_params(model)
     out = {}
     for key, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
         if key in sharded and isinstance(value, torch.Tensor):
             dim, blocks, tp = sharded[key]
             if tp.size > 1:

@@ -39,6 +39,22 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
     the embedding's Parameter, and both gradients accumulate into it. fp8_lm_head=True runs the
     lm_head GEMMs in FP8 inside an enabled fp8_autocast (per-chunk current scaling, see
     functional/linear_cross_entropy.py); off by default.
+  * Tensor and sequence parallelism (`tp_group=` a ProcessGroup or a DeviceMesh such as
+    mesh["tp"], `sequence_parallel=`): the TransformerLayers are built with that group and
+    set_parallel_mode=True (QKV and fc1 column-parallel, proj and fc2 row-parallel) and load
+    this rank's shards of the HF weights (q, k, v and gate, up sharded per block); the heads,
+    the KV heads and intermediate_size must divide by the group's size. Embeddings, the final
+    norm, the rotary embedding and lm_head stay whole and replicated: every TP rank computes
+    them identically (same weights, same batch). Under sequence parallelism the decoder layers
+    are built sbhd and run on this rank's chunk of the sequence, [s / tp, b, h] (SP splits
+    dim 0; in bshd that is the batch, which one sequence per rank cannot split): the first
+    layer transposes the embeddings to [s, b, h] and takes its chunk (backward: all-gather),
+    the last all-gathers its output and transposes it back, the gather's backward keeping
+    this rank's chunk of the gradient (every rank computed the whole gradient). So the HF parts
+    see whole [b, s, h] tensors and get identical gradients on every TP rank; attention sees
+    the whole sequence after the QKV all-gather, so the mask and RoPE angles stay whole. Batch
+    rows with different position_ids are not supported there, and `to_hf_state_dict` needs a
+    tp_size=1 model.
   * Not supported (clear errors): KV caches (convert_llama sets config.use_cache = False; an
     explicit use_cache=True or past_key_values raises: generate(..., use_cache=False) works), flex-attention BlockMask, attention/MLP biases, activations other than SiLU,
     output_attentions (there are no attention weights to return).
@@ -50,7 +66,10 @@ import types
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
+from ..distributed.tensor_parallel import (gather_from_sequence_parallel_region, resolve_group,
+                                           scatter_to_sequence_parallel_region)
 from ..functional.linear_cross_entropy import linear_cross_entropy
 
 from .llama import hf_llama_layer_weights, llama_mlp_weights, load_llama_decoder_layer
@@ -121,8 +140,9 @@ class _LayerInputs:
     def __init__(self):
         self.key, self.value = None, None
 
-    def get(self, wrapper, hidden_states, attention_mask, position_ids):
-        b, s = hidden_states.shape[:2]
+    def get(self, wrapper, hidden_states, attention_mask, position_ids, shape=None):
+        """shape: the (batch, sequence) attention sees (default: bshd hidden_states' own)."""
+        b, s = hidden_states.shape[:2] if shape is None else shape
         if torch.compiler.is_compiling():  # each layer's graph makes its own (no shared cache,
             return _layer_inputs(wrapper, hidden_states, attention_mask, position_ids, b, s,
                                  sync=False)  # no device sync: docs/compile.md)
@@ -168,6 +188,9 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         # gets the same position_ids and mask, so the first one prepares them for all.
         object.__setattr__(self, "_inputs", shared_inputs if shared_inputs is not None
                            else _LayerInputs())
+        # sequence parallelism (convert_llama): the TP group, and whether this layer is the
+        # first (scatters its input) or the last (gathers its output)
+        self._sp_group, self.scatter_input, self.gather_output = None, False, False
 
     def _freqs(self, pos: torch.Tensor) -> torch.Tensor:
         """[s, 1, 1, d] angles for one row of position_ids, as HF's LlamaRotaryEmbedding."""
@@ -187,8 +210,18 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         if scaling != 1.0:
             raise NotImplementedError(f"rope type with attention_scaling={scaling} (yarn, "
                                       "longrope) is not supported")
+        group, shape = self._sp_group, None
+        if group is not None:   # sbhd layers, this rank's chunk of the sequence (module note)
+            if self.scatter_input:
+                hidden_states = scatter_to_sequence_parallel_region(
+                    hidden_states.transpose(0, 1).contiguous(), group)
+            shape = (hidden_states.shape[1], hidden_states.shape[0] * dist.get_world_size(group))
         mask, mask_type, freqs = self._inputs.get(self, hidden_states, attention_mask,
-                                                  position_ids)
+                                                  position_ids, shape)
+        if group is not None and isinstance(freqs, list):
+            raise NotImplementedError("sequence parallelism needs one position_ids row for the "
+                                      "whole batch (rows with different positions run one at "
+                                      "a time, which a split sequence cannot do)")
         if not isinstance(freqs, list):
             out = self.layer(hidden_states, attention_mask=mask, self_attn_mask_type=mask_type,
                              rotary_pos_emb=freqs)
@@ -199,6 +232,10 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
                 rows.append(self.layer(hidden_states[i:i + 1], attention_mask=m,
                                        self_attn_mask_type=mask_type, rotary_pos_emb=row_freqs))
             out = torch.cat(rows)
+        if group is not None and self.gather_output:
+            out = gather_from_sequence_parallel_region(out, group,
+                                                       tensor_parallel_output_grad=False)
+            out = out.transpose(0, 1).contiguous()
         return (out,) if self.return_tuple else out
 
     def extra_repr(self) -> str:
@@ -250,10 +287,27 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     return out.to_tuple() if return_dict is False else out
 
 
-def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool = False):
+def _tp_size(config, tp_group, heads: int, groups: int) -> int:
+    """The TP group's size, after checking that it divides what tensor parallelism splits."""
+    if tp_group is None:
+        return 1
+    n = dist.get_world_size(tp_group)
+    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups),
+                        ("intermediate_size", config.intermediate_size)):
+        if value % n:
+            raise ValueError(f"convert_llama: tp_group has {n} ranks but the config's "
+                             f"{name}={value} is not divisible by {n}; use a tp_group whose "
+                             f"size divides {name} (tensor parallelism splits it in equal "
+                             "shards)")
+    return n
+
+
+def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool = False,
+                  tp_group=None, sequence_parallel: bool = False):
     """Swap every decoder layer of an HF Llama model for a tritium TransformerLayer holding
-    the same weights and, for a LlamaForCausalLM, route the training loss through
-    linear_cross_entropy (in place; returns the model). See the module note."""
+    the same weights (this rank's shards with `tp_group`) and, for a LlamaForCausalLM, route
+    the training loss through linear_cross_entropy (in place; returns the model). See the
+    module note."""
     from tritium.modules.transformer_layer import TransformerLayer
     inner = _llama_model(model)
     config = model.config
@@ -261,6 +315,11 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
     hidden, heads = config.hidden_size, config.num_attention_heads
     groups = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
+    group = resolve_group(tp_group, "convert_llama")
+    tp = _tp_size(config, group, heads, groups)
+    sp = tp > 1 and bool(sequence_parallel)
+    tp_args = {} if tp == 1 else dict(tp_group=group, sequence_parallel=sp,
+                                      set_parallel_mode=True)
     return_tuple = _layer_returns_tuple()
     shared = _LayerInputs()
     for i, hf_layer in enumerate(inner.layers):
@@ -272,13 +331,16 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
             layernorm_epsilon=config.rms_norm_eps, hidden_dropout=0.0,
             attention_dropout=getattr(config, "attention_dropout", 0.0) or 0.0,
             normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True,
-            qkv_weight_interleaved=False, attn_input_format="bshd",
+            qkv_weight_interleaved=False, attn_input_format="sbhd" if sp else "bshd",
             self_attn_mask_type="causal", layer_number=i + 1, params_dtype=weight.dtype,
-            device=weight.device)
+            device=weight.device, **tp_args)
         load_llama_decoder_layer(layer, **hf_llama_layer_weights(hf_layer))
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
                                                    shared)
+    for i, wrapper in enumerate(inner.layers):
+        wrapper._sp_group = group if sp else None
+        wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         model._tritium_fp8_lm_head = bool(fp8_lm_head)
@@ -306,6 +368,12 @@ def to_hf_state_dict(model) -> dict:
     decoder layers are the model's own tensors; the layers' entries are new tensors (split out
     of the fused QKV and fc1 weights)."""
     inner = _llama_model(model)
+    if any(isinstance(layer, TritiumLlamaDecoderLayer) and layer.layer.tp.size > 1
+           for layer in inner.layers):
+        raise NotImplementedError("to_hf_state_dict needs whole weights: this model's layers "
+                                  "hold tensor-parallel shards. Gather them with "
+                                  "tritium.distributed.tensor_parallel.gather_full_state_dict "
+                                  "(tritium key names), or convert a tp_group=None copy")
     prefix = "model." if inner is not model else ""
     out = {}
     for key, value in model.state_dict().items():

@@ -12,11 +12,17 @@ o_proj=..., input_layernorm=..., gate_proj=..., up_proj=..., down_proj=...,
 post_attention_layernorm=...)` (or `**hf_llama_layer_weights(hf_decoder_layer)`) fills a
 TransformerLayer built with RMSNorm, swiglu, bias=False and fuse_qkv_params=True, in the QKV
 layout its qkv_weight_interleaved flag says (docs/porting.md).
+
+Tensor-parallel modules (tp_size > 1, set_parallel_mode=True) take the FULL weights too and
+keep this rank's shard of each (the module's `_tp_layout`: gate and up, and q, k and v of a
+non-interleaved QKV, sharded per block); norm weights are replicated. Reading weights back
+(`llama_mlp_weights`) needs a tp_size=1 module.
 """
 from __future__ import annotations
 
 import torch
 
+from ..distributed.tensor_parallel import shard_tensor
 from ..functional.activation import GATED
 
 
@@ -37,6 +43,16 @@ def _check_module(mlp) -> None:
         raise ValueError("Llama's projections have no bias: build LayerNormMLP(bias=False)")
 
 
+def _copy_full(module, name: str, full: torch.Tensor) -> None:
+    """Copy `full` into module.<name>, or this rank's shard of it for a TP-sharded param."""
+    layout = module._tp_layout().get(name)
+    if layout is not None:
+        dim, blocks = layout
+        rank = module.tp.rank(type(module).__name__)
+        full = shard_tensor(full, dim, blocks, module.tp.size, rank)
+    getattr(module, name).copy_(full)
+
+
 def load_llama_mlp(mlp, *, gate_proj, up_proj, down_proj, norm_weight) -> None:
     """Copy Llama MLP weights into `mlp` (shapes checked first; nothing changes on error)."""
     _check_module(mlp)
@@ -49,9 +65,8 @@ def load_llama_mlp(mlp, *, gate_proj, up_proj, down_proj, norm_weight) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape} for "
                              f"hidden_size={h}, ffn_hidden_size={f}")
     with torch.no_grad():
-        mlp.fc1_weight[:f].copy_(gate)
-        mlp.fc1_weight[f:].copy_(up)
-        mlp.fc2_weight.copy_(down)
+        _copy_full(mlp, "fc1_weight", torch.cat([gate, up]))
+        _copy_full(mlp, "fc2_weight", down)
         mlp.layer_norm_weight.copy_(norm - 1 if mlp.zero_centered_gamma else norm)
     mlp._clear_weight_caches()
 
@@ -59,6 +74,10 @@ def load_llama_mlp(mlp, *, gate_proj, up_proj, down_proj, norm_weight) -> None:
 def llama_mlp_weights(mlp) -> dict:
     """The Llama names for `mlp`'s weights: gate_proj, up_proj, down_proj, norm_weight."""
     _check_module(mlp)
+    if mlp.tp.size > 1:
+        raise NotImplementedError("llama_mlp_weights reads a whole MLP: this one holds a "
+                                  f"tensor-parallel shard (tp_size={mlp.tp.size}); gather it "
+                                  "first (tensor_parallel.gather_full_state_dict)")
     f = mlp.ffn_hidden_size
     w = mlp.fc1_weight.detach()
     norm = mlp.layer_norm_weight.detach()
@@ -108,8 +127,8 @@ def load_llama_decoder_layer(layer, *, q_proj, k_proj, v_proj, o_proj, input_lay
                        norm_weight=post_attention_layernorm)
     load_llama_mlp(layer.layernorm_mlp, **mlp_weights)  # checks its shapes before writing
     with torch.no_grad():
-        qkv.weight.copy_(fused)
+        _copy_full(qkv, "weight", fused)
         qkv.layer_norm_weight.copy_(norm - 1 if qkv.zero_centered_gamma else norm)
-        attn.proj.weight.copy_(o)
+        _copy_full(attn.proj, "weight", o)
     qkv._clear_weight_caches()
     attn.proj._clear_weight_caches()
