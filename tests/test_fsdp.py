@@ -543,6 +543,41 @@ def test_high_precision_weight_gathered_as_fp8(randn):
         assert torch.equal(w._hp_shard, 2 * hp)
 
 
+def test_delayed_gather_in_backward_uses_the_forward_scale(randn):
+    """FSDP2 gathers a resharded weight again in backward, after fp8_autocast's exit updated
+    the delayed scale: that gather casts with the forward gather's scale (dgrad and a recompute
+    read the forward's fp8 weight) and records no amax; the next forward uses the new scale."""
+    import tritium as te
+    from tritium import recipe
+    from tritium.distributed import enable_fp8_all_gather
+    rcp = recipe.DelayedScaling(amax_history_len=4)
+    lin = te.Linear(32, 48, device="cpu")
+    enable_fp8_all_gather(lin, rcp)
+    lin.fp8_meta.prepare(rcp, lin.weight.device)
+    shards = torch.chunk(lin.weight.detach(), 4, dim=0)
+    fwd = lin.fp8_meta.fwd
+    fwd.scale.fill_(4.0)
+    forward = _gather(shards, 4, lin.weight.shape)[1][1]          # (rows, scale_inv)
+    fwd.scale.fill_(16.0)                                          # the exit's update
+    fwd.amax_history.zero_()
+    seen = []
+
+    class InBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            seen.append(_gather(shards, 4, lin.weight.shape)[1][1])
+            return g
+    x = torch.zeros(1, requires_grad=True)
+    InBackward.apply(x).sum().backward()
+    assert torch.equal(forward, torch.tensor([0.25])) and torch.equal(seen[0], forward)
+    assert not fwd.amax_history.any()                               # nothing recorded
+    assert torch.equal(_gather(shards, 4, lin.weight.shape)[1][1], torch.tensor([1 / 16]))
+
+
 def test_optimizer_steps_wrapped_weight(randn):
     """FusedAdam on a model whose weights are wrapped (no FSDP): it steps the wrapped tensor."""
     import tritium as te

@@ -18,7 +18,10 @@ One scale per weight across shards:
   * DelayedScaling: the module's own weight scale (its delayed-scaling state, equal on every
     rank); the shard's amax is recorded into the weight's amax slot and reduced with every other
     amax of the step in the region's one MAX all-reduce at fp8_autocast exit (fp8_group must
-    contain the shard group: the default group does).
+    contain the shard group: the default group does). A gather in backward (FSDP2 resharded
+    the weight after forward, or a recompute) casts with the scale of the forward's gather,
+    kept per weight, and records nothing: the scale updates at the forward's autocast exit,
+    and dgrad must read the fp8 weight the forward read.
   * Float8CurrentScaling: the weight's amax over all shards. `precompute_fp8_scales_for_fsdp
     (model)` reduces the local amaxes of ALL such weights in one all-reduce (call it after each
     optimizer.step(), as torchao's `precompute_float8_dynamic_scale_for_fsdp`); without it,
@@ -52,6 +55,7 @@ class _WeightConfig:
     module: torch.nn.Module
     slot: int                                   # the weight's forward slot in module.fp8_meta
     precomputed_scale: Optional[torch.Tensor] = None
+    forward_scale: Optional[torch.Tensor] = None  # delayed: the scale of the last forward gather
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -126,6 +130,15 @@ class FP8AllGatherWeight(torch.Tensor):
             check_amax_group_covers(mesh, "a weight cast to FP8 with its delayed scale")
             state = _weight_state(cfg, x.device)
             scale, amax = state.scale_slot(cfg.slot), state.amax_slot(cfg.slot)
+            if torch._C._current_graph_task_id() != -1 and cfg.forward_scale is not None:
+                # FSDP2 gathers again in backward (resharded after forward, or a recompute):
+                # the forward's scale, not the one updated since, so dgrad and the recompute
+                # read the fp8 weight the forward read (one fp8 weight per step, as TE's)
+                scale, amax = cfg.forward_scale, None
+            else:
+                if cfg.forward_scale is None:
+                    cfg.forward_scale = torch.empty_like(scale)
+                cfg.forward_scale.copy_(scale)
         else:
             scale, amax = cfg.precomputed_scale, None
             if scale is None:
