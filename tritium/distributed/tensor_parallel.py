@@ -161,6 +161,12 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
 
 def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Rank r's chunk (along dim 0) of the sum over ranks of x."""
+    return start_reduce_scatter_dim0(x, group)()
+
+
+def start_reduce_scatter_dim0(x: torch.Tensor, group):
+    """reduce_scatter_dim0 started asynchronously: returns a function that waits for it and
+    gives the result (work on other streams, e.g. a wgrad GEMM, runs meanwhile)."""
     n = dist.get_world_size(group)
     if x.shape[0] % n:
         raise ValueError(f"sequence parallelism: dim 0 of the tensor to reduce-scatter "
@@ -168,14 +174,19 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
                          "(dim 0) length must be a multiple of tp_size")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter(out, x, group=group)
-    return out
+    work = _reduce_scatter(out, x, group=group, async_op=True)
+    return lambda: (work.wait(), out)[1]
 
 
 def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    return start_all_reduce(x, group)()
+
+
+def start_all_reduce(x: torch.Tensor, group):
+    """all_reduce started asynchronously: returns a function that waits and gives the sum."""
     x = x.contiguous()
-    dist.all_reduce(x, group=group)
-    return x
+    work = dist.all_reduce(x, group=group, async_op=True)
+    return lambda: (work.wait(), x)[1]
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -53,7 +53,8 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
                                            gather_from_sequence_parallel_region,
                                            reduce_from_tensor_parallel_region, reduce_scatter_dim0,
                                            reduce_scatter_to_sequence_parallel_region,
-                                           sp_replicated)
+                                           sp_replicated, start_all_reduce,
+                                           start_reduce_scatter_dim0)
 from ..fp8.autocast import FP8Region, current as current_autocast
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair, transpose_fp8
 from ..fp8.recipe import Float8CurrentScaling, Recipe
@@ -251,8 +252,10 @@ def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
 
 
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
-                  wgrad_dtype, dyq=None):
-    """dyq: grad_output already in fp8, (dy8 [Tp, N], dy8^T [N, Tp] or None, scale_inv)."""
+                  wgrad_dtype, dyq=None, dgrad_ready=None):
+    """dyq: grad_output already in fp8, (dy8 [Tp, N], dy8^T [N, Tp] or None, scale_inv).
+    dgrad_ready(dx): called as soon as dx is final, before wgrad's GEMM (a column-parallel
+    GEMM starts its dgrad reduction there, so that it runs during wgrad)."""
     x8_t, x_si, w8_t, w_si = operands
     operands.clear()  # the caller's list must not keep the fp8 operands alive
     bwd_dtype = plan.recipe.fp8_format.backward_dtype
@@ -268,10 +271,14 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
         else:
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
                                               write_data=need_dgrad, write_transpose=need_wgrad)
-        if need_wgrad:  # wgrad first: its operands are freed before dx is allocated
+        if need_dgrad and dgrad_ready is not None:  # dgrad first: its reduction overlaps wgrad
+            dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
+            dx = dx if dx.shape[0] == tokens else dx[:tokens]
+            dgrad_ready(dx)
+        if need_wgrad:  # wgrad first otherwise: its operands are freed before dx is allocated
             dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
         del dy8_t, x8_t
-        if need_dgrad:
+        if need_dgrad and dx is None:
             dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
@@ -287,6 +294,8 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype, out=dx[t0:t0 + dy8.shape[0]])
             del dy8
         dx = dx[:tokens]
+        if dgrad_ready is not None:
+            dgrad_ready(dx)
     del w8_t
     if need_wgrad:  # dW row block = (dy column block)^T @ x, written in place
         dw = torch.empty(out_features, in_features, dtype=wgrad_dtype, device=dy2d.device)
@@ -315,10 +324,11 @@ class _LinearFunction(torch.autograd.Function):
         x2d = inp if len(shape) == 2 or isinstance(inp, Float8Tensor) else \
             inp.reshape(-1, shape[-1])
         tokens = math.prod(shape[:-1])
-        # tp (FP8 only): column-parallel: dgrad all-reduced (reduce-scattered under sequence
-        # parallelism, where the forward casts the local rows and all-gathers the fp8 bytes);
-        # row-parallel under sequence parallelism: the output reduce-scattered here, and the
-        # backward casts the local grad rows and all-gathers the fp8 bytes
+        # tp: column-parallel: dgrad all-reduced (reduce-scattered under sequence parallelism,
+        # where the forward all-gathers the input: in FP8 it casts the local rows and gathers
+        # the fp8 bytes), started before wgrad so that it overlaps it; row-parallel (FP8 only)
+        # under sequence parallelism: the output reduce-scattered here, and the backward casts
+        # the local grad rows and all-gathers the fp8 bytes
         column = tp if tp is not None and tp.mode == "column" else None
         ctx.column = column
         ctx.row_gather = (tp.group if tp is not None and tp.mode == "row" and tp.sequence_parallel
@@ -353,6 +363,10 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
+            if gather is not None:  # column-parallel under sequence parallelism, high precision
+                x2d = all_gather_dim0(x2d, gather)
+                tokens = tokens * dist.get_world_size(gather)
+                shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
             if isinstance(weight, Float8Tensor):
                 weight = weight.dequantize()
             if plan is not None and plan.fwd.amax_slot(plan.input_slot) is not None:
@@ -392,6 +406,13 @@ class _LinearFunction(torch.autograd.Function):
             grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
+        # column-parallel: dgrad's all-reduce (reduce-scatter under sequence parallelism) is
+        # started as soon as dx is done and runs during the wgrad GEMM (eager only)
+        reduced, dgrad_ready = [], None
+        if ctx.column is not None and not torch.compiler.is_compiling():
+            start = (start_reduce_scatter_dim0 if ctx.column.sequence_parallel
+                     else start_all_reduce)
+            dgrad_ready = lambda d: reduced.append(start(d, ctx.column.group))  # noqa: E731
         if ctx.fp8 and torch.compiler.is_compiling():
             dx, dw = _fp8_backward(plan, dy2d, list(ctx.saved_tensors), ctx.shape[-1],
                                    need_dgrad, need_wgrad, wgrad_dtype, dyq)
@@ -403,13 +424,15 @@ class _LinearFunction(torch.autograd.Function):
                     "supported; run the forward again instead")
             operands, ctx.fp8_operands = ctx.fp8_operands, None
             dx, dw = _fp8_backward(plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad,
-                                   wgrad_dtype, dyq)
+                                   wgrad_dtype, dyq, dgrad_ready)
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
                 amax_into(dy2d, plan.bwd.amax_slot(plan.grad_slot))
             if need_dgrad:
                 dx = dy2d @ weight
+                if dgrad_ready is not None:
+                    dgrad_ready(dx)
             if need_wgrad:
                 dw = (_wgrad_into_fp32(dy2d, x2d) if ctx.main_grad
                       else (dy2d.t() @ x2d).to(wgrad_dtype))
@@ -428,7 +451,9 @@ class _LinearFunction(torch.autograd.Function):
             plan.region.backward_done()
         if plan is not None and plan.update_bwd:
             update_states([plan.bwd], plan.amax_group, plan.recipe.reduce_amax)
-        if dx is not None and ctx.column is not None:
+        if reduced:
+            dx = reduced[0]()
+        elif dx is not None and ctx.column is not None:
             group = ctx.column.group
             dx = (reduce_scatter_dim0(dx, group) if ctx.column.sequence_parallel
                   else all_reduce(dx, group))
@@ -542,9 +567,12 @@ def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None):
 def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
     group = tp.group
     if tp.mode == "column":
-        # the input may be a fused cast's fp8 (tensorwise recipes; block-scaled ones gather the
-        # high-precision input and quantize after the gather)
-        if fp8 is not None and fp8.compute_in_fp8 and not is_block_recipe(fp8.recipe):
+        # the Function gathers the input (a fused cast's fp8 under tensorwise recipes) and
+        # overlaps the dgrad reduction with wgrad; block-scaled recipes (their own Function)
+        # and torch.compile's high-precision path use the autograd collectives below
+        block = fp8 is not None and fp8.compute_in_fp8 and is_block_recipe(fp8.recipe)
+        in_fp8 = fp8 is not None and fp8.compute_in_fp8 and not block
+        if in_fp8 or not (block or torch.compiler.is_compiling()):
             return _linear(inp, weight, bias, fp8, main_grad, tp=tp)
         inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
                else copy_to_tensor_parallel_region(inp, group))
