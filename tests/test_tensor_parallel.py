@@ -211,6 +211,32 @@ def _current_scaling_case(group, world, rank):
     return {"got": [y.detach(), lin.weight.grad], "want": [want_y, want_dw]}
 
 
+def _current_scaling_row_case(group, world, rank):
+    """Float8CurrentScaling, row-parallel SP Linear: the backward gathers the grad rows as fp8
+    cast with ONE scale from the amax of the whole (all ranks') grad; dgrad (this rank's input
+    features) and wgrad equal the independent emulation with that scale."""
+    import tritium as te
+    from tritium import recipe
+    from testlib import E4M3, E5M2, current_scale, emulated_linear
+    torch.manual_seed(31 + rank)
+    lin = te.Linear(64, 32, bias=False, parallel_mode="row", sequence_parallel=True,
+                    tp_group=group, device="cpu")
+    g = torch.Generator().manual_seed(32)
+    x = torch.randn(S, B, 64, generator=g)
+    dy = torch.randn(S, B, 32, generator=g)
+    dy[-1, 0, 0] = 40.0                             # the largest |dy| is in the last rank's rows
+    f = 64 // world
+    leaf = x[..., rank * f:(rank + 1) * f].clone().requires_grad_()
+    with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+        y = lin(leaf)
+    y.backward(dy.chunk(world)[rank])
+    w = lin.weight.detach()
+    _, want_dx, want_dw, _ = emulated_linear(
+        leaf.detach(), w, None, dy, current_scale(leaf, E4M3), current_scale(w, E4M3),
+        current_scale(dy, E5M2), E4M3, E5M2)
+    return {"got": [leaf.grad, lin.weight.grad], "want": [want_dx, want_dw]}
+
+
 def _init_case(group, world, rank):
     """With get_rng_state_tracker (seeded per rank) the shards are initialised in its fork and
     differ across ranks although the default generator is seeded alike."""
@@ -403,6 +429,7 @@ def _worker(rank, world, port, out_dir, cases):
             results["checkpoint"] = _checkpoint_case(group, world, rank)
             results["rng"] = _rng_case(group, world, rank)
             results["current"] = _current_scaling_case(group, world, rank)
+            results["current_row"] = _current_scaling_row_case(group, world, rank)
             results["init"] = _init_case(group, world, rank)
             results["errors"] = _errors(group, world, rank)
         if rank == 0:
@@ -467,6 +494,12 @@ def test_checkpoint_recompute_equals_no_recompute(world2):
 
 def test_current_scaling_one_scale_for_the_gathered_input(world2):
     res = world2["current"]
+    for i, (a, b) in enumerate(zip(res["got"], res["want"])):
+        torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
+
+
+def test_current_scaling_one_scale_for_the_gathered_grad(world2):
+    res = world2["current_row"]
     for i, (a, b) in enumerate(zip(res["got"], res["want"])):
         torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
 
