@@ -406,11 +406,58 @@ def _check_smoke(rank, world):
     assert torch.isfinite(loss)
 
 
+def _check_meta_fp8_params(rank, world):
+    """FP8 params built on the meta device, sharded, made real by to_empty and initialized by
+    reset_parameters: FSDP2's shards stay the params (filled in place, still Float8Tensors),
+    every shard of a weight has the one scale of the amax over all shards (recorded in the
+    weight's history slot), and a training step with FusedAdam masters runs."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    import tritium as te
+    from tritium import recipe
+    from tritium.fp8.tensor import Float8Tensor
+    rcp = recipe.DelayedScaling(amax_history_len=4)
+    torch.manual_seed(100 + rank)
+    with te.fp8_model_init(recipe=rcp):
+        m = te.LayerNormMLP(H, F, activation="swiglu", normalization="RMSNorm", bias=False,
+                            device="meta")
+    fully_shard(m)
+    m.to_empty(device="cpu")
+    ids = {n: id(p) for n, p in m.named_parameters()}
+    m.reset_parameters()
+    assert {n: id(p) for n, p in m.named_parameters()} == ids
+    hist = m.fp8_meta.fwd.amax_history[0]
+    for name, slot in (("fc1_weight", 1), ("fc2_weight", 3)):
+        shard = getattr(m, name)._local_tensor
+        assert isinstance(shard, Float8Tensor) and shard._data.abs().float().max() > 0
+        top = shard.dequantize().abs().amax().float().reshape(1)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        torch.testing.assert_close(top, hist[slot:slot + 1], rtol=1e-6, atol=0)
+        scales = [torch.zeros(1) for _ in range(world)]
+        dist.all_gather(scales, shard._scale_inv.reshape(1))
+        assert all(torch.equal(scales[0], x) for x in scales[1:]), scales
+    before = m.fc1_weight._local_tensor._data.view(torch.uint8).clone()
+    opt = te.optimizers.FusedAdam(m.parameters(), lr=1e-2, master_weights=True)
+    with te.fp8_autocast(fp8_recipe=rcp):   # (grads scaled into E5M2's range: step 1's scale is 1)
+        loss = m(torch.randn(G // world, H)).square().sum() * 1e4
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert not torch.equal(m.fc1_weight._local_tensor._data.view(torch.uint8), before)
+    with te.fp8_model_init(recipe=recipe.Float8CurrentScaling()):
+        cur = te.Linear(H, F, device="meta")
+    fully_shard(cur)
+    cur.to_empty(device="cpu")
+    with pytest.raises(NotImplementedError, match="DelayedScaling only"):
+        cur.reset_parameters()
+
+
 # --------------------------------------------------------------------------- the workers
 def _worker2(rank, world, ckpt, losses_file, ratio_file):
     from tritium import recipe
     cur, dly = recipe.Float8CurrentScaling(), recipe.DelayedScaling(amax_history_len=4)
     _check_errors(rank, world)
+    _check_meta_fp8_params(rank, world)
     _check_training(rank, world, "fp32", out=38)                 # 38 rows: uneven at 4 ranks
     _check_training(rank, world, "bf16", tol=BF16, out=38, eps=1e-3)
     _check_training(rank, world, "fp8", rcp=dly)

@@ -182,6 +182,12 @@ class Float8Tensor(QuantizedTensor):
             t = args[0]
             data = torch.zeros(args[1], dtype=t._fp8_dtype, device=t._data.device)
             return t._same_meta(data, scale_inv=t._scale_inv.clone())
+        if func is aten.empty_like.default:
+            # module.to_empty() (a meta-device model made real, e.g. FSDP2 shards): a
+            # Float8Tensor whose bytes reset_parameters fills; scale_inv 1 until then
+            t, device = args[0], kwargs.get("device") or args[0]._data.device
+            return t._same_meta(torch.empty_like(t._data, device=device),
+                                scale_inv=torch.ones_like(t._scale_inv, device=device))
         if func is aten.copy_.default and isinstance(args[0], Float8Tensor):
             return cls._copy_into(args[0], args[1])
 

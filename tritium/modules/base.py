@@ -95,13 +95,63 @@ class FP8Module(torch.nn.Module):
         return self._fp8_param_recipe is not None
 
     def _unquantize_fp8_params(self) -> None:
-        """Before re-initialising: give each FP8 weight a high-precision Parameter to init."""
+        """Before re-initialising: give each FP8 weight a high-precision Parameter to init. An
+        FSDP2 shard (a DTensor of a Float8Tensor, e.g. a meta-device model after to_empty)
+        gets a high-precision DTensor like it; `_quantize_fp8_params` then fills the shard in
+        place, so the parameter FSDP2 manages stays."""
+        self._fp8_shards = {}
         for name in self._fp8_weight_slots:
             p = self._parameters[name]
-            if isinstance(p, QuantizedTensor):
+            local = getattr(p, "_local_tensor", None)
+            if isinstance(local, QuantizedTensor):
+                self._check_shardable_fp8_init(name)
+                from torch.distributed.tensor import DTensor
+                hp = DTensor.from_local(torch.empty(local.shape, dtype=p.dtype, device=local.device),
+                                        p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+                self._fp8_shards[name] = p
+                self._parameters[name] = torch.nn.Parameter(hp, requires_grad=p.requires_grad)
+            elif isinstance(p, QuantizedTensor):
                 self._parameters[name] = torch.nn.Parameter(
                     torch.empty(p.shape, dtype=p.dtype, device=p.device),
                     requires_grad=p.requires_grad)
+
+    def _check_shardable_fp8_init(self, name: str) -> None:
+        if not isinstance(self._fp8_param_recipe, DelayedScaling):
+            raise NotImplementedError(
+                f"{type(self).__name__}.reset_parameters: the FSDP2-sharded FP8 weight {name!r} "
+                f"was made under {type(self._fp8_param_recipe).__name__}; sharded FP8 weights "
+                "are initialized in place under DelayedScaling only (build with "
+                "fp8_model_init(recipe=DelayedScaling()))")
+        if self._preserve_init_val:
+            raise NotImplementedError(
+                f"{type(self).__name__}.reset_parameters: preserve_high_precision_init_val is not "
+                f"supported for the FSDP2-sharded FP8 weight {name!r}; the optimizer's masters "
+                "start from the FP8 values")
+
+    def _fill_fp8_shard(self, name: str, slot: int, hp, recipe: DelayedScaling) -> None:
+        """This rank's shard of the initialized weight `hp` (a DTensor) quantized into the
+        FSDP2 shard in place, with ONE scale for the whole weight: the amax of every shard,
+        all-reduced over the mesh, recorded as a cast would record it."""
+        import torch.distributed as dist
+        target = self._fp8_shards.pop(name)
+        local_hp = hp.detach()._local_tensor
+        self.fp8_meta.prepare(recipe, local_hp.device)
+        state = self.fp8_meta.fwd
+        with torch.no_grad():
+            amax = (local_hp.abs().amax().float().reshape(1) if local_hp.numel()
+                    else torch.zeros(1, device=local_hp.device))
+            for group in hp.device_mesh.get_all_groups():
+                dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+            scale = compute_scale(amax, state.scale_slot(slot), fp8_max(state.fp8_dtype),
+                                  recipe.margin)
+            state.scale_slot(slot).copy_(scale)
+            state.amax_slot(slot).copy_(amax)
+            q = Float8Tensor.quantize(local_hp, state.scale_slot(slot), state.fp8_dtype)
+            shard = target._local_tensor
+            shard._data.copy_(q._data)
+            shard._scale_inv.copy_(q._scale_inv)
+        self._parameters[name] = target
 
     def _quantize_fp8_params(self) -> None:
         """After initialising: each GEMM weight becomes a Float8Tensor Parameter whose first
@@ -115,6 +165,9 @@ class FP8Module(torch.nn.Module):
             return self._quantize_block_params(recipe)
         for name, slot in self._fp8_weight_slots.items():
             p = self._parameters[name]
+            if name in getattr(self, "_fp8_shards", {}):
+                self._fill_fp8_shard(name, slot, p, recipe)
+                continue
             self.fp8_meta.prepare(recipe, p.device)
             state = self.fp8_meta.fwd
             value = p.detach()
