@@ -22,6 +22,9 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
                        scales from the amax history), weights gathered as FP8 with delayed scales;
   * tritium-fp8-delayed-ag-current-weights: delayed scaling of activations and gradients, the
                        weights gathered with current scales (precomputed after each step);
+  * tritium-fp8-params: the decoder layers' GEMM weights are FP8 params (fp8_model_init,
+                       DelayedScaling) built on the meta device: no weight cast in the step,
+                       FSDP2 gathers their fp8 bytes, 1 byte per weight element per GPU;
   * torchao-float8:    HF's layers through torchao float8 tensorwise (convert_to_float8_training,
                        enable_fsdp_float8_all_gather, precompute_float8_dynamic_scale_for_fsdp),
                        torch.compile per decoder layer.
@@ -52,7 +55,7 @@ from harness import finish  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
 VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
-            "tritium-fp8-delayed-ag-current-weights", "torchao-float8")
+            "tritium-fp8-delayed-ag-current-weights", "tritium-fp8-params", "torchao-float8")
 
 
 def _torchao_prepare(model):
@@ -70,7 +73,7 @@ def _setup_variant(name: str, args, device):
     """(model, optimizer, fp8 recipe or None, after-step hook or None) for a variant."""
     import tritium as te
     from tritium import recipe
-    rcp, after, prepare, convert, gather = None, None, None, True, None
+    rcp, after, prepare, convert, gather, params = None, None, None, True, None, None
     if args.tp > 1 and name in ("hf-bf16", "torchao-float8"):
         raise ValueError(f"{name} runs HF's own layers, which are not tensor-parallel here: "
                          "it is a 1D (--tp 1) peer")
@@ -82,10 +85,13 @@ def _setup_variant(name: str, args, device):
         rcp = gather = recipe.DelayedScaling()
     elif name == "tritium-fp8-delayed-ag-current-weights":
         rcp, gather = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
+    elif name == "tritium-fp8-params":
+        rcp = params = recipe.DelayedScaling()
     elif name == "torchao-float8":
         convert, prepare = False, _torchao_prepare
     model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
-                       convert=convert, prepare=prepare, seed=args.seed, mesh=args.mesh)
+                       convert=convert, prepare=prepare, seed=args.seed, mesh=args.mesh,
+                       fp8_params=params)
     if name == "torchao-float8":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731
