@@ -5,6 +5,7 @@
     torchrun --nproc-per-node=2 examples/train_fsdp.py --config llama3-8b --seq-len 4096 \
         --batch 1 --fp8 current --fp8-all-gather --recompute
     torchrun --nproc-per-node=2 examples/train_fsdp.py --device cpu --steps 5    # gloo
+    torchrun --nproc-per-node=2 examples/train_fsdp.py --fp8 delayed --fp8-params # FP8 params
     torchrun --nproc-per-node=8 examples/train_fsdp.py --tp 2 ...                # FSDP2 x TP
 
 How the model is made (docs/distributed.md, DESIGN.md section 11): the HF model is built on the
@@ -279,6 +280,9 @@ def main(argv=None) -> int:
     p.add_argument("--fp8", choices=["none", "delayed", "current"], default="none")
     p.add_argument("--fp8-all-gather", action="store_true",
                    help="gather the bf16 weights as FP8 (enable_fp8_all_gather; needs --fp8)")
+    p.add_argument("--fp8-params", action="store_true",
+                   help="the decoder layers' GEMM weights as FP8 params (fp8_model_init; needs "
+                        "--fp8 delayed)")
     p.add_argument("--recompute", action="store_true", help="recompute each decoder layer")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2D mesh dp x tp, "
                    "sequence parallelism; must divide the number of processes)")
@@ -293,8 +297,13 @@ def main(argv=None) -> int:
     rcp = fp8_recipe(args.fp8)
     if args.fp8_all_gather and rcp is None:
         p.error("--fp8-all-gather needs --fp8 delayed or --fp8 current")
+    if args.fp8_params and args.fp8 != "delayed":
+        p.error("--fp8-params needs --fp8 delayed (FSDP2 shards FP8 params of DelayedScaling)")
+    if args.fp8_params and args.fp8_all_gather:
+        p.error("--fp8-params already gathers FP8 bytes: drop --fp8-all-gather")
     model, _ = build(args.config, device, fp8_all_gather=rcp if args.fp8_all_gather else None,
-                     recompute=args.recompute, mesh=mesh)
+                     recompute=args.recompute, mesh=mesh,
+                     fp8_params=rcp if args.fp8_params else None)
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
