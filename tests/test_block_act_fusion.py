@@ -4,7 +4,10 @@
 
 Fused and unfused must agree bit for bit: outputs, input gradients and every parameter gradient
 over 3 steps of fresh random data, several activations (gated and plain), token counts that are
-not multiples of 128 (nor of 16). A spy on the fused entry point proves which path ran.
+not multiples of 128 (nor of 16), with and without fc1's bias (the backward's fused cast then
+returns a zero-stride carrier instead of the high-precision gradient). The backward half (the
+activation backward fused with fc1's 1x128 grad_output casts) is covered by the same runs.
+Spies on the fused entry points prove which path ran.
 """
 from __future__ import annotations
 
@@ -32,13 +35,19 @@ def _assert_bits(got, want, what):
 
 @pytest.fixture
 def spy(monkeypatch):
+    """Records (fwd / bwd, columnwise[, write_hp]) per call of the fused entry points."""
     calls = []
-    fn = block_ops.activation_fwd_blocks
+    fwd, bwd = block_ops.activation_fwd_blocks, block_ops.activation_bwd_blocks
 
-    def wrapped(*a, **k):
-        calls.append(k.get("columnwise"))
-        return fn(*a, **k)
-    monkeypatch.setattr(block_ops, "activation_fwd_blocks", wrapped)
+    def wrapped_fwd(*a, **k):
+        calls.append(("fwd", k["columnwise"]))
+        return fwd(*a, **k)
+
+    def wrapped_bwd(*a, **k):
+        calls.append(("bwd", k["columnwise"], k["write_hp"]))
+        return bwd(*a, **k)
+    monkeypatch.setattr(block_ops, "activation_fwd_blocks", wrapped_fwd)
+    monkeypatch.setattr(block_ops, "activation_bwd_blocks", wrapped_bwd)
     return calls
 
 
@@ -71,12 +80,16 @@ CASES = [("swiglu", torch.float32, (3, 47, 64), recipe.Float8BlockScaling()),
 @pytest.mark.parametrize("activation,dtype,shape,rec", CASES, ids=lambda v: str(v)[:24])
 def test_fused_activation_block_cast_equals_unfused(activation, dtype, shape, rec, spy):
     torch.manual_seed(0)
-    mlp = te.LayerNormMLP(64, 144, activation=activation, params_dtype=dtype, device="cpu")
+    bias = activation != "srelu"
+    mlp = te.LayerNormMLP(64, 144, activation=activation, params_dtype=dtype, device="cpu",
+                          bias=bias)
     unfused = copy.deepcopy(mlp)
     got = _run(mlp, True, rec, shape, dtype)
-    assert spy == [True] * 3  # the fused path ran every step, columnwise for fc2's wgrad
+    # the fused paths ran every step: forward with columnwise blocks (fc2's wgrad), backward
+    # with the high-precision grad only where fc1's bias needs it
+    assert spy == [("fwd", True), ("bwd", True, bias)] * 3
     want = _run(unfused, False, rec, shape, dtype)
-    assert len(spy) == 3      # and not with the fusion off
+    assert len(spy) == 6      # and not with the fusion off
     assert [k for k, _ in got] == [k for k, _ in want]
     for (name, g), (_, w) in zip(got, want):
         _assert_bits(g, w, name)
@@ -88,11 +101,11 @@ def test_inference_fused_rowwise_only_and_checkpoint_unfused(spy):
     rec = recipe.Float8BlockScaling()
     mlp = te.LayerNormMLP(64, 144, activation="swiglu", device="cpu")
     got = _run(mlp, True, rec, (37, 64), torch.float32, steps=1, grad=False)
-    assert spy == [False]   # no grad: no columnwise blocks
+    assert spy == [("fwd", False)]   # no grad: no columnwise blocks, no backward
     want = _run(mlp, False, rec, (37, 64), torch.float32, steps=1, grad=False)
     _assert_bits(got[0][1], want[0][1], "no-grad output")
     ckpt = te.LayerNormMLP(64, 144, activation="swiglu", device="cpu", checkpoint=True)
     _run(ckpt, True, rec, (37, 64), torch.float32, steps=1)
-    assert spy == [False]   # checkpoint=True keeps the unfused chain
+    assert len(spy) == 1  # checkpoint=True keeps the unfused chain
     _run(mlp, True, recipe.MXFP8BlockScaling(), (37, 64), torch.float32, steps=1)
-    assert spy == [False]   # MXFP8 is not fused
+    assert len(spy) == 1  # MXFP8 is not fused

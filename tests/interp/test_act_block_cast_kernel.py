@@ -86,3 +86,38 @@ def test_nan_and_inf_propagate_per_block(gen):
     want = ract.activation_fwd_blocks(x, "reglu", E4M3)
     for name, g, w in zip(rbc.BlockQuantized._fields, got, want):
         assert_same_bits(g, w, name, nan_as_nan=True)
+
+
+# (kind, tokens, F, dtype, fp8 dtype, columnwise, write_hp): gated F 72 / 100 make 128-wide
+# blocks of d(h) straddle the d_a | d_b halves
+BWD_CASES = [("swiglu", 130, 72, BF16, E5M2, True, True),
+             ("geglu", 17, 100, F32, E4M3, True, False),
+             ("reglu", 257, 72, BF16, E5M2, True, True),
+             ("gelu", 5, 136, F16, E5M2, False, True),
+             ("srelu", 130, 24, F32, E4M3, True, False),
+             ("glu", 1, 8, BF16, E5M2, True, True)]
+
+
+@pytest.mark.parametrize("kind,rows,f,dtype,fp8_dtype,columnwise,write_hp", BWD_CASES, ids=str)
+def test_activation_bwd_block_cast_equals_unfused(kind, rows, f, dtype, fp8_dtype, columnwise,
+                                                  write_hp, gen):
+    gated = kind in kact.GATED
+    x = (torch.randn(rows, 2 * f if gated else f, generator=gen) * 2).to(dtype)
+    dy = torch.randn(rows, f, generator=gen)
+    dy[rows // 2] *= 1000
+    dy = dy.to(dtype)
+    hp, got = kabc.activation_bwd_blocks(dy, x, kind, fp8_dtype, columnwise=columnwise,
+                                         write_hp=write_hp)
+    dx = kact.activation_bwd(dy, x, kind)
+    rows_p = -(-rows // 16) * 16
+    dxp = torch.cat([dx, dx.new_zeros(rows_p - rows, dx.shape[1])])
+    want = kbc.quantize_blocks(dxp, fp8_dtype, rowwise=True, columnwise=columnwise)
+    assert_same_bits(hp, dx if write_hp else None, "hp")
+    _blocks_equal(got, want, "fused vs unfused kernels")
+    _blocks_equal(got, rbc.quantize_blocks(dxp, fp8_dtype, rowwise=True, columnwise=columnwise),
+                  "cast half vs ref quantize_blocks")
+    if kind in EXACT_KINDS:
+        rhp, rbq = ract.activation_bwd_blocks(dy, x, kind, fp8_dtype, columnwise=columnwise,
+                                              write_hp=write_hp)
+        assert_same_bits(hp, rhp, "hp vs twin")
+        _blocks_equal(got, rbq, "kernel vs twin")

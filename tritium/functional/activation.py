@@ -17,7 +17,9 @@ Float8Tensor (the high-precision activation is never materialized); with
 (recording its amax) and returns it as a Float8Tensor, which fc1's `_LinearFunction.backward`
 uses without casting (autograd accepts a Float8Tensor as the gradient of a plain tensor).
 With `fp8_out=BlockCastSpec` (Float8BlockScaling) the forward writes fc2's 1x128 blocks and
-returns a carrier (`fused_cast.block_carrier`); the backward is the plain one.
+returns a carrier (`fused_cast.block_carrier`); with `fp8_grad=BlockGradCastSpec` the backward
+writes fc1's 1x128 grad_output blocks and returns them on a carrier (or on the high-precision
+d(x) when asked for it).
 """
 from __future__ import annotations
 
@@ -33,8 +35,8 @@ from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
 from ._apply import fast_apply
 from ..fp8 import block as block_ops
-from .fused_cast import (BlockCastSpec, CastSpec, GradCastSpec, block_carrier, carrier_outputs,
-                         from_carrier, wrap_fp8)
+from .fused_cast import (BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, block_carrier,
+                         carrier_outputs, from_carrier, wrap_fp8)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -108,6 +110,12 @@ class _Activation(torch.autograd.Function):
         if g is None:
             dx = _impl(x2).activation_bwd(dy2, x2, ctx.kind)
             return dx.view(x.shape), None, None, None
+        if isinstance(g, BlockGradCastSpec):
+            hp, bq = block_ops.activation_bwd_blocks(
+                dy2, x2, ctx.kind, g.fp8_dtype, columnwise=g.columnwise, write_hp=g.write_hp,
+                power_2_scale=g.power_2_scale, amax_epsilon=g.amax_epsilon)
+            hp = None if hp is None else hp.view(x.shape)
+            return block_carrier(bq, x.shape, x.dtype, hp), None, None, None
         state = g.state
         hp, data, data_t, scale_inv = _impl_fp8(x2).activation_bwd_fp8(
             dy2, x2, ctx.kind, state.scale_slot(g.slot), state.amax_slot(g.slot),

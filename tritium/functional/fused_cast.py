@@ -26,7 +26,10 @@ and returns a *carrier*: a zero-stride high-precision tensor of the activation's
 memory) whose `_block_operand` attribute holds the BlockQuantized; the block Linear Function
 takes that instead of quantizing, and returns its input gradient for the carrier, which
 autograd hands to the activation's backward (recomputed from fc1's output, as unfused).
-`block_operand(t)` reads it. Not fused there: the norm casts, the activation's backward,
+`block_operand(t)` reads it. The activation's backward does the same for fc1's grad_output
+(1x128 rowwise along 2F / F and columnwise along the tokens): it returns a carrier, or the
+high-precision d(h) carrying the blocks when fc1's bias gradient needs the values; autograd
+hands it to fc1's block Linear backward, which casts nothing. Not fused there: the norm casts,
 checkpoint=True (the reentrant checkpoint detaches the carrier), tensor parallelism.
 
 `fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
@@ -99,11 +102,28 @@ class BlockCastSpec:
     columnwise: bool
 
 
-def block_carrier(bq: BlockQuantized, shape, dtype) -> torch.Tensor:
-    """A zero-stride tensor of `shape` (no memory) carrying the block operand `bq`."""
-    carrier = bq.scale_inv.new_zeros((), dtype=dtype).expand(shape)
-    carrier._block_operand = bq
-    return carrier
+@dataclasses.dataclass(frozen=True)
+class BlockGradCastSpec:
+    """How a fused activation backward writes a block Linear's 1x128 grad_output: the recipe's
+    backward fp8 dtype and grad QParams, the columnwise form (wgrad), and `write_hp`: d(h) in
+    high precision too (the Linear's bias gradient sums it)."""
+
+    fp8_dtype: torch.dtype
+    power_2_scale: bool
+    amax_epsilon: float
+    columnwise: bool
+    write_hp: bool
+
+
+def block_carrier(bq: BlockQuantized, shape, dtype,
+                  hp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`hp` (the high-precision values, when written) or else a zero-stride tensor of `shape`
+    (no memory, `_block_carrier` set), carrying the block operand `bq`."""
+    if hp is None:
+        hp = bq.scale_inv.new_zeros((), dtype=dtype).expand(shape)
+        hp._block_carrier = True
+    hp._block_operand = bq
+    return hp
 
 
 def block_operand(t: torch.Tensor) -> Optional[BlockQuantized]:
@@ -188,6 +208,6 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
     return data, data_t, t._scale_inv
 
 
-__all__ = ["BlockCastSpec", "block_carrier", "block_fusable", "block_operand", "CastSpec",
-           "GradCastSpec", "carrier_outputs", "from_carrier", "fused_casts",
-           "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]
+__all__ = ["BlockCastSpec", "BlockGradCastSpec", "block_carrier", "block_fusable",
+           "block_operand", "CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier",
+           "fused_casts", "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]

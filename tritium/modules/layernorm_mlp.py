@@ -17,7 +17,8 @@ activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the 
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
 Under Float8BlockScaling the activation writes fc2's 1x128 input blocks instead of its bf16
-output (not with checkpoint=True or tensor parallelism; the backward is unfused).
+output, and its backward writes fc1's 1x128 grad_output blocks (plus the high-precision grad
+only when fc1_bias needs a gradient); not with checkpoint=True or tensor parallelism.
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
@@ -39,8 +40,8 @@ from ..distributed.tensor_parallel import TPConfig, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
-from ..functional.fused_cast import BlockCastSpec, CastSpec, GradCastSpec, block_fusable, \
-    fusable_state
+from ..functional.fused_cast import BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, \
+    block_fusable, fusable_state
 from ..functional.linear import linear
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
@@ -128,7 +129,8 @@ class LayerNormMLP(FP8Module):
     def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp, block_cast=None) -> torch.Tensor:
         h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp)
         if block_cast is not None:
-            return apply_activation(h, self.activation, fp8_out=block_cast)
+            return apply_activation(h, self.activation, fp8_out=block_cast[0],
+                                    fp8_grad=block_cast[1])
         if fused is None:
             return apply_activation(h, self.activation)
         fc2_input_slot, fc2_need_t = fused
@@ -156,10 +158,16 @@ class LayerNormMLP(FP8Module):
         block_cast = None  # Float8BlockScaling: fc2's 1x128 input blocks from the activation
         if (fc2_tp is None and not (self.checkpoint and torch.is_grad_enabled())
                 and block_fusable(inp, fc2_plan)):
-            q = fc2_plan.recipe.fp8_quant_fwd_inp
-            block_cast = BlockCastSpec(fc2_plan.recipe.fp8_format.forward_dtype,
-                                       bool(q.power_2_scale), float(q.amax_epsilon),
-                                       torch.is_grad_enabled())
+            r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
+            q, g = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
+            fwd = BlockCastSpec(r.fp8_format.forward_dtype, bool(q.power_2_scale),
+                                float(q.amax_epsilon), grad_on)
+            # fc1's grad_output blocks: fc1 is a block GEMM too (same recipe, no TP)
+            bwd = BlockGradCastSpec(
+                r.fp8_format.backward_dtype, bool(g.power_2_scale), float(g.amax_epsilon), True,
+                self.fc1_bias is not None and self.fc1_bias.requires_grad) if (
+                grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)) else None
+            block_cast = (fwd, bwd)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
                                                  self.return_layernorm_output, fc1_tp)
         if self.checkpoint and torch.is_grad_enabled():
