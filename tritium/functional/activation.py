@@ -30,11 +30,11 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device
+from ..fp8 import block as block_ops
 from ..ops import activation as ops_activation
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
 from ._apply import fast_apply
-from ..fp8 import block as block_ops
 from .fused_cast import (BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, block_carrier,
                          carrier_outputs, from_carrier, wrap_fp8)
 

@@ -46,9 +46,9 @@ import torch
 from ..fp8.autocast import AutocastState, current as current_autocast
 from ..fp8.cast import transpose_fp8
 from ..fp8.recipe import DelayedScaling, Float8BlockScaling
-from ..ref.block_cast import BlockQuantized
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
+from ..ref.block_cast import BlockQuantized
 
 _enabled = True
 

@@ -140,6 +140,21 @@ class LayerNormMLP(FP8Module):
         grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
         return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
 
+    def _block_casts(self, inp, fc1_plan, fc2_plan, fc1_tp):
+        """Float8BlockScaling: (fc2's 1x128 input blocks written by the activation, fc1's
+        grad_output blocks written by its backward or None), or None where not fused."""
+        if not block_fusable(inp, fc2_plan):
+            return None
+        r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
+        q, g = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
+        fwd = BlockCastSpec(r.fp8_format.forward_dtype, bool(q.power_2_scale),
+                            float(q.amax_epsilon), grad_on)
+        if not (grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)):
+            return fwd, None
+        bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
+        return fwd, BlockGradCastSpec(r.fp8_format.backward_dtype, bool(g.power_2_scale),
+                                      float(g.amax_epsilon), True, bias_grad)
+
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check(inp)
         state = fusable_state(inp)
@@ -155,19 +170,9 @@ class LayerNormMLP(FP8Module):
             norm_cast = norm_cast_spec(self, state.recipe, inp.device,
                                        grad_on and self.fc1_weight.requires_grad and not sp_gather)
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
-        block_cast = None  # Float8BlockScaling: fc2's 1x128 input blocks from the activation
-        if (fc2_tp is None and not (self.checkpoint and torch.is_grad_enabled())
-                and block_fusable(inp, fc2_plan)):
-            r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
-            q, g = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
-            fwd = BlockCastSpec(r.fp8_format.forward_dtype, bool(q.power_2_scale),
-                                float(q.amax_epsilon), grad_on)
-            # fc1's grad_output blocks: fc1 is a block GEMM too (same recipe, no TP)
-            bwd = BlockGradCastSpec(
-                r.fp8_format.backward_dtype, bool(g.power_2_scale), float(g.amax_epsilon), True,
-                self.fc1_bias is not None and self.fc1_bias.requires_grad) if (
-                grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)) else None
-            block_cast = (fwd, bwd)
+        block_cast = None
+        if fc2_tp is None and not (self.checkpoint and torch.is_grad_enabled()):
+            block_cast = self._block_casts(inp, fc1_plan, fc2_plan, fc1_tp)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
                                                  self.return_layernorm_output, fc1_tp)
         if self.checkpoint and torch.is_grad_enabled():
