@@ -109,3 +109,15 @@ def test_inference_fused_rowwise_only_and_checkpoint_unfused(spy):
     assert len(spy) == 1  # checkpoint=True keeps the unfused chain
     _run(mlp, True, recipe.MXFP8BlockScaling(), (37, 64), torch.float32, steps=1)
     assert len(spy) == 1  # MXFP8 is not fused
+
+
+def test_pre_quantized_input_of_the_wrong_form_is_refused():
+    from tritium.functional.fused_cast import block_carrier
+    from tritium.ref.block_cast import quantize_blocks
+
+    layer = te.Linear(64, 32, device="cpu")
+    bq = quantize_blocks(torch.randn(48, 64), torch.float8_e5m2, columnwise=True)
+    carrier = block_carrier(bq, (40, 64), torch.float32)  # 40 tokens pad to 48, but e5m2
+    with pytest.raises(ValueError, match=r"pre-quantized input must hold 1x128 .*e4m3fn"):
+        with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling()):
+            layer(carrier)
