@@ -74,6 +74,16 @@ KERNELS = {
              WRITE_T=True, UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64,
              BLOCK_C=64),
         dict(num_warps=8)),
+    ("act_block_cast", "_act_block_cast_kernel"): (
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, COLUMNWISE=True, FP8_MAX=E4MAX, OUT_DTYPE=E4,
+             EPS=0.0, POW2=True, BLOCK=128, SUB=32),
+        dict(num_warps=4)),
+    ("act_block_cast", "_act_bwd_block_cast_kernel"): (
+        {"dy_ptr": BF16P, "x_ptr": BF16P, "hp_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_HP=True, COLUMNWISE=True,
+             FP8_MAX=E4MAX, OUT_DTYPE=E4, EPS=0.0, POW2=True, BLOCK=128, SUB=32),
+        dict(num_warps=4)),
     ("activation", "_fwd_kernel"): (
         {"x_ptr": BF16P, "y_ptr": BF16P},
         dict(ACT=_act._CODE["swiglu"], GATED=True, BLOCK_R=_ACT[0], BLOCK_C=_ACT[1]),

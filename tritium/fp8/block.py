@@ -5,7 +5,11 @@ where `_device.use_triton` says so, else `tritium.ref.block_cast`. `block_gemm_t
 Triton GEMM on CUDA devices of compute capability >= 9.0 (TMA, FP8 wgmma) when the operands'
 rows are 16-byte aligned (K % 16 == 0), and under the interpreter on CPU tensors; elsewhere
 (the CPU tier, older GPUs, TRITIUM_EMULATE_FP8=1) the twin, which is exact fp8 products summed
-in fp32. MXFP8 has no kernel: `quantize_mx` / `mx_gemm_tn` are the emulation on every device.
+in fp32. `activation_fwd_blocks` / `activation_bwd_blocks` (LayerNormMLP's activation fused
+with fc2's 1x128 input casts, its backward with fc1's grad casts) run
+`tritium.kernels.act_block_cast` where `quantize_blocks` would run its kernel, else the twins in
+`tritium.ref.activation`. MXFP8 has no kernel: `quantize_mx` / `mx_gemm_tn` are the emulation on
+every device.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import functools
 import torch
 
 from .. import _device, _env
+from ..ref import activation as ref_activation
 from ..ref import block_cast as ref_cast
 from ..ref import block_gemm as ref_gemm
 
@@ -54,6 +59,22 @@ def _check_out(x, fp8_dtype, *, block_2d=False, rowwise=True, columnwise=False, 
                              f"tensor on {x.device}, got {got}")
 
 
+def activation_fwd_blocks(x: torch.Tensor, kind: str, fp8_dtype: torch.dtype,
+                          **kwargs) -> ref_cast.BlockQuantized:
+    if _device.use_triton(x):
+        from ..kernels import act_block_cast  # imports triton: on first use only
+        return act_block_cast.activation_fwd_blocks(x, kind, fp8_dtype, **kwargs)
+    return ref_activation.activation_fwd_blocks(x, kind, fp8_dtype, **kwargs)
+
+
+def activation_bwd_blocks(dy: torch.Tensor, x: torch.Tensor, kind: str, fp8_dtype: torch.dtype,
+                          **kwargs):
+    if _device.use_triton(x):
+        from ..kernels import act_block_cast  # imports triton: on first use only
+        return act_block_cast.activation_bwd_blocks(dy, x, kind, fp8_dtype, **kwargs)
+    return ref_activation.activation_bwd_blocks(dy, x, kind, fp8_dtype, **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -78,4 +99,5 @@ def block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
 quantize_mx = ref_cast.quantize_mx
 mx_gemm_tn = ref_gemm.mx_gemm_tn
 
-__all__ = ["quantize_blocks", "block_gemm_tn", "quantize_mx", "mx_gemm_tn"]
+__all__ = ["quantize_blocks", "activation_fwd_blocks", "activation_bwd_blocks",
+           "block_gemm_tn", "quantize_mx", "mx_gemm_tn"]

@@ -16,6 +16,10 @@ Float8Tensor (the high-precision activation is never materialized); with
 `fp8_grad=GradCastSpec` the backward writes d(x) as fp8 data + transpose with fc1's grad scale
 (recording its amax) and returns it as a Float8Tensor, which fc1's `_LinearFunction.backward`
 uses without casting (autograd accepts a Float8Tensor as the gradient of a plain tensor).
+With `fp8_out=BlockCastSpec` (Float8BlockScaling) the forward writes fc2's 1x128 blocks and
+returns a carrier (`fused_cast.block_carrier`); with `fp8_grad=BlockGradCastSpec` the backward
+writes fc1's 1x128 grad_output blocks and returns them on a carrier (or on the high-precision
+d(x) when asked for it).
 """
 from __future__ import annotations
 
@@ -26,11 +30,13 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .. import _device
+from ..fp8 import block as block_ops
 from ..ops import activation as ops_activation
 from ..ref import activation as ref_activation
 from ..ref.activation import ACTIVATIONS, GATED
 from ._apply import fast_apply
-from .fused_cast import CastSpec, GradCastSpec, carrier_outputs, from_carrier, wrap_fp8
+from .fused_cast import (BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, block_carrier,
+                         carrier_outputs, from_carrier, wrap_fp8)
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -83,6 +89,11 @@ class _Activation(torch.autograd.Function):
         shape = (*x.shape[:-1], f)
         if fp8_out is None:
             return _impl(x2).activation_fwd(x2, kind).view(shape)
+        if isinstance(fp8_out, BlockCastSpec):
+            bq = block_ops.activation_fwd_blocks(
+                x2, kind, fp8_out.fp8_dtype, columnwise=fp8_out.columnwise,
+                power_2_scale=fp8_out.power_2_scale, amax_epsilon=fp8_out.amax_epsilon)
+            return block_carrier(bq, shape, x.dtype)
         data, data_t, scale_inv = _impl_fp8(x2).activation_fwd_fp8(
             x2, kind, fp8_out.scale, fp8_out.amax, fp8_out.fp8_dtype,
             write_transpose=fp8_out.write_transpose)
@@ -99,6 +110,12 @@ class _Activation(torch.autograd.Function):
         if g is None:
             dx = _impl(x2).activation_bwd(dy2, x2, ctx.kind)
             return dx.view(x.shape), None, None, None
+        if isinstance(g, BlockGradCastSpec):
+            hp, bq = block_ops.activation_bwd_blocks(
+                dy2, x2, ctx.kind, g.fp8_dtype, columnwise=g.columnwise, write_hp=g.write_hp,
+                power_2_scale=g.power_2_scale, amax_epsilon=g.amax_epsilon)
+            hp = None if hp is None else hp.view(x.shape)
+            return block_carrier(bq, x.shape, x.dtype, hp), None, None, None
         state = g.state
         hp, data, data_t, scale_inv = _impl_fp8(x2).activation_bwd_fp8(
             dy2, x2, ctx.kind, state.scale_slot(g.slot), state.amax_slot(g.slot),

@@ -27,10 +27,14 @@ high-precision weight.
 CUDA graphs (make_graphed_callables) capture this path; with fp8_weight_caching the weight cast
 is the flagged block cast (quantize_blocks(skip=, out=): a device flag makes it a no-op on later
 micro-batches), as for tensorwise recipes; MXFP8 (emulated) re-quantizes at every replay.
-Not done: fused norm / activation block casts
-(LayerNormLinear / LayerNormMLP quantize the high-precision norm / activation output here), the
-FP8 all-gather of sequence parallelism (column-parallel layers gather the high-precision input,
-then quantize).
+Pre-quantized input (LayerNormMLP's fused activation block cast, `fused_cast.block_carrier`):
+the input is a zero-stride carrier whose BlockQuantized (1x128 rowwise + columnwise, tokens
+padded to 16) is used as it is, no cast; its gradient goes back to the carrier as usual.
+Likewise a grad_output written in blocks by the fused activation backward (a carrier, or the
+high-precision gradient when the bias gradient needs its values) is not cast again.
+Not done: fused norm block casts (LayerNormLinear / LayerNormMLP quantize the high-precision
+norm output here), the FP8 all-gather of sequence parallelism (column-parallel layers gather
+the high-precision input, then quantize).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from ..fp8.recipe import Float8BlockScaling, MXFP8BlockScaling, QParams, Recipe
 from ..fp8.tensor import Float8Tensor
 from ..ref.block_cast import BlockQuantized
 from ._apply import fast_apply
+from .fused_cast import block_operand
 
 
 def is_block_recipe(recipe: Recipe) -> bool:
@@ -129,6 +134,17 @@ def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
     return wq
 
 
+def _check_block_operand(xq: BlockQuantized, scheme: BlockScheme, shape, fp8_dtype, what: str):
+    """An operand a fused producer already quantized: its form must be what this GEMM casts."""
+    tokens, k = shape
+    tp = -(-tokens // 16) * 16
+    if scheme.mx or xq.data.dtype != fp8_dtype or tuple(xq.data.shape) != (tp, k):
+        raise ValueError(
+            f"block Linear: a pre-quantized {what} must hold 1x128 {fp8_dtype} blocks of "
+            f"[{tp}, {k}] (tokens padded to 16), got {xq.data.dtype}{tuple(xq.data.shape)}; "
+            "quantize it with the recipe the Linear runs under")
+
+
 class _BlockLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan, main_grad: Sequence, column=None):
@@ -141,8 +157,12 @@ class _BlockLinearFunction(torch.autograd.Function):
         x2d = inp.reshape(-1, shape[-1])
         tokens = x2d.shape[0]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
-        xq = scheme.quantize(_pad16(x2d), scheme.x_q, scheme.fwd_dtype, rowwise=True,
-                             columnwise=need_wgrad)
+        xq = block_operand(inp)
+        if xq is None:
+            xq = scheme.quantize(_pad16(x2d), scheme.x_q, scheme.fwd_dtype, rowwise=True,
+                                 columnwise=need_wgrad)
+        else:
+            _check_block_operand(xq, scheme, x2d.shape, scheme.fwd_dtype, "input")
         wq = _weight_operands(plan, scheme, weight, need_dgrad)
         out = scheme.gemm(xq.data, wq.data, xq.scale_inv, wq.scale_inv, inp.dtype, bias,
                           b_block_2d=scheme.w_2d)[:tokens]
@@ -161,11 +181,24 @@ class _BlockLinearFunction(torch.autograd.Function):
         x_t, x_st, w_t, w_st = ctx.operands
         ctx.operands = None
         scheme, (need_dgrad, need_wgrad) = ctx.scheme, ctx.need
+        if need_wgrad and x_t is None:  # a pre-quantized input made without grad enabled
+            raise RuntimeError("block Linear: wgrad needs the input's columnwise blocks, which "
+                               "its fused producer did not write (it ran with grad disabled)")
         if isinstance(grad_out, Float8Tensor):
             grad_out = grad_out.dequantize()
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
-        dyq = scheme.quantize(_pad16(dy2d), scheme.g_q, scheme.bwd_dtype, rowwise=need_dgrad,
-                              columnwise=need_wgrad)
+        dyq = block_operand(grad_out)  # written in 1x128 blocks by a fused activation backward
+        if dyq is None:
+            dyq = scheme.quantize(_pad16(dy2d), scheme.g_q, scheme.bwd_dtype, rowwise=need_dgrad,
+                                  columnwise=need_wgrad)
+        else:
+            _check_block_operand(dyq, scheme, dy2d.shape, scheme.bwd_dtype, "grad_output")
+            if (need_wgrad and dyq.data_t is None) or (
+                    ctx.has_bias and ctx.needs_input_grad[2]
+                    and getattr(grad_out, "_block_carrier", False)):
+                raise RuntimeError("block Linear: a pre-quantized grad_output lacks the "
+                                   "columnwise blocks (wgrad) or the high-precision values "
+                                   "(bias gradient) this GEMM needs")
         dx = dw = db = None
         if need_wgrad:
             wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype

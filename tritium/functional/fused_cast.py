@@ -20,6 +20,18 @@ kernel): same scale, same values rounded to the high-precision dtype before scal
 scale needs the amax first), calibration, high precision, torch.autocast (the unfused path
 casts the norm output to the autocast dtype first), empty inputs.
 
+Float8BlockScaling (current scales per 1x128 block, nothing to read in advance): LayerNormMLP's
+activation writes fc2's 1x128 input blocks (rowwise and columnwise, `kernels.act_block_cast`)
+and returns a *carrier*: a zero-stride high-precision tensor of the activation's shape (no
+memory) whose `_block_operand` attribute holds the BlockQuantized; the block Linear Function
+takes that instead of quantizing, and returns its input gradient for the carrier, which
+autograd hands to the activation's backward (recomputed from fc1's output, as unfused).
+`block_operand(t)` reads it. The activation's backward does the same for fc1's grad_output
+(1x128 rowwise along 2F / F and columnwise along the tokens): it returns a carrier, or the
+high-precision d(h) carrying the blocks when fc1's bias gradient needs the values; autograd
+hands it to fc1's block Linear backward, which casts nothing. Not fused there: the norm casts,
+checkpoint=True (the reentrant checkpoint detaches the carrier), tensor parallelism.
+
 `fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
 """
 from __future__ import annotations
@@ -33,9 +45,10 @@ import torch
 
 from ..fp8.autocast import AutocastState, current as current_autocast
 from ..fp8.cast import transpose_fp8
-from ..fp8.recipe import DelayedScaling
+from ..fp8.recipe import DelayedScaling, Float8BlockScaling
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
+from ..ref.block_cast import BlockQuantized
 
 _enabled = True
 
@@ -65,6 +78,57 @@ def fusable_state(inp: torch.Tensor) -> Optional[AutocastState]:
     if inp.numel() == 0 or torch.is_autocast_enabled(inp.device.type):
         return None
     return state
+
+
+def block_fusable(inp: torch.Tensor, plan) -> bool:
+    """Whether the fused activation block cast applies to a GEMM with FP8 plan `plan` (None:
+    no FP8) whose input comes from an activation of `inp`."""
+    if not _enabled or plan is None or not plan.compute_in_fp8:
+        return False
+    if not isinstance(plan.recipe, Float8BlockScaling) or torch.compiler.is_compiling():
+        return False
+    return inp.numel() > 0 and not torch.is_autocast_enabled(inp.device.type)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockCastSpec:
+    """How a fused activation writes a block Linear's 1x128 input: fp8 dtype, the recipe's
+    input QParams (power_2_scale, amax_epsilon) and whether to write the columnwise form too
+    (the GEMM's wgrad needs it)."""
+
+    fp8_dtype: torch.dtype
+    power_2_scale: bool
+    amax_epsilon: float
+    columnwise: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGradCastSpec:
+    """How a fused activation backward writes a block Linear's 1x128 grad_output: the recipe's
+    backward fp8 dtype and grad QParams, the columnwise form (wgrad), and `write_hp`: d(h) in
+    high precision too (the Linear's bias gradient sums it)."""
+
+    fp8_dtype: torch.dtype
+    power_2_scale: bool
+    amax_epsilon: float
+    columnwise: bool
+    write_hp: bool
+
+
+def block_carrier(bq: BlockQuantized, shape, dtype,
+                  hp: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`hp` (the high-precision values, when written) or else a zero-stride tensor of `shape`
+    (no memory, `_block_carrier` set), carrying the block operand `bq`."""
+    if hp is None:
+        hp = bq.scale_inv.new_zeros((), dtype=dtype).expand(shape)
+        hp._block_carrier = True
+    hp._block_operand = bq
+    return hp
+
+
+def block_operand(t: torch.Tensor) -> Optional[BlockQuantized]:
+    """The BlockQuantized a fused activation attached to its output, or None."""
+    return getattr(t, "_block_operand", None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,5 +208,6 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
     return data, data_t, t._scale_inv
 
 
-__all__ = ["CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier", "fused_casts",
-           "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]
+__all__ = ["BlockCastSpec", "BlockGradCastSpec", "block_carrier", "block_fusable",
+           "block_operand", "CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier",
+           "fused_casts", "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]

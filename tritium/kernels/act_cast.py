@@ -24,7 +24,8 @@ the tile (Triton 3.6 miscompiles tl.trans of fp32 tiles when both layouts are st
 kernels/cast.py); recomputing a few exps is free in a memory-bound kernel. Traffic: inputs read
 once from DRAM, 1 byte per element written per layout.
 
-Not done here: a fused bias-gradient (column sum) of d(h); block scaling.
+Not done here: a fused bias-gradient (column sum) of d(h); block scaling (Float8BlockScaling's
+1x128 casts fused with the activation are `kernels.act_block_cast`).
 """
 from __future__ import annotations
 

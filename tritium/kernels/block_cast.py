@@ -17,8 +17,9 @@ current-scaling rule of `kernels.cast._current_scale` (div_rn, power-of-2 mask),
 non-zero int32 device flag every program returns before reading or writing, so `out` keeps what
 an earlier launch wrote.
 
-Not done here: fusing these casts into the norm / activation kernels (modules quantize the
-high-precision output of those), MXFP8 (emulated in `tritium.ref.block_cast.quantize_mx`).
+Fused into the activation (forward and backward) of LayerNormMLP: `kernels.act_block_cast`,
+which reuses the helpers here. Not done here: fusing these casts into the norm kernels (modules
+quantize the norm's high-precision output), MXFP8 (emulated in `ref.block_cast.quantize_mx`).
 """
 from __future__ import annotations
 

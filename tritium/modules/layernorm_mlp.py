@@ -16,6 +16,9 @@ norm writes fc1's fp8 input (+ transpose, amax), the activation writes fc2's fp8
 activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the high-precision
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
+Under Float8BlockScaling the activation writes fc2's 1x128 input blocks instead of its bf16
+output, and its backward writes fc1's 1x128 grad_output blocks (plus the high-precision grad
+only when fc1_bias needs a gradient); not with checkpoint=True or tensor parallelism.
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
@@ -37,7 +40,8 @@ from ..distributed.tensor_parallel import TPConfig, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
-from ..functional.fused_cast import CastSpec, GradCastSpec, fusable_state
+from ..functional.fused_cast import BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, \
+    block_fusable, fusable_state
 from ..functional.linear import linear
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
@@ -122,8 +126,11 @@ class LayerNormMLP(FP8Module):
             check_fp8_dims("LayerNormMLP", {"hidden_size": self.hidden_size,
                                             "ffn_hidden_size / tp_size": self.size_per_partition})
 
-    def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp) -> torch.Tensor:
+    def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp, block_cast=None) -> torch.Tensor:
         h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp)
+        if block_cast is not None:
+            return apply_activation(h, self.activation, fp8_out=block_cast[0],
+                                    fp8_grad=block_cast[1])
         if fused is None:
             return apply_activation(h, self.activation)
         fc2_input_slot, fc2_need_t = fused
@@ -132,6 +139,21 @@ class LayerNormMLP(FP8Module):
         fc1_bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
         grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
         return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
+
+    def _block_casts(self, inp, fc1_plan, fc2_plan, fc1_tp):
+        """Float8BlockScaling: (fc2's 1x128 input blocks written by the activation, fc1's
+        grad_output blocks written by its backward or None), or None where not fused."""
+        if not block_fusable(inp, fc2_plan):
+            return None
+        r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
+        q, g = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
+        fwd = BlockCastSpec(r.fp8_format.forward_dtype, bool(q.power_2_scale),
+                            float(q.amax_epsilon), grad_on)
+        if not (grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)):
+            return fwd, None
+        bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
+        return fwd, BlockGradCastSpec(r.fp8_format.backward_dtype, bool(g.power_2_scale),
+                                      float(g.amax_epsilon), True, bias_grad)
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None):
         self._check(inp)
@@ -148,6 +170,9 @@ class LayerNormMLP(FP8Module):
             norm_cast = norm_cast_spec(self, state.recipe, inp.device,
                                        grad_on and self.fc1_weight.requires_grad and not sp_gather)
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
+        block_cast = None
+        if fc2_tp is None and not (self.checkpoint and torch.is_grad_enabled()):
+            block_cast = self._block_casts(inp, fc1_plan, fc2_plan, fc1_tp)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
                                                  self.return_layernorm_output, fc1_tp)
         if self.checkpoint and torch.is_grad_enabled():
@@ -158,7 +183,7 @@ class LayerNormMLP(FP8Module):
                 return self._fc1_act(x, plan, fused, fc1_tp)
             act_out = torch.utils.checkpoint.checkpoint(fc1_act, ln_out, use_reentrant=True)
         else:
-            act_out = self._fc1_act(ln_out, fc1_plan, fused, fc1_tp)
+            act_out = self._fc1_act(ln_out, fc1_plan, fused, fc1_tp, block_cast)
         fc2_bias = None if self.return_bias else self.fc2_bias
         out = linear(act_out, self.fc2_weight, fc2_bias, fp8=fc2_plan, tp=fc2_tp)
         result = (out, sp_replicated(self.fc2_bias, fc2_tp)) if self.return_bias else (out,)

@@ -36,6 +36,12 @@ with fc2's input scale; `activation_bwd_fp8` is `activation_bwd` followed by the
 the rounded values into `amax` (unless None), write scale_inv = 1/scale exactly and zero-pad the
 rows to a multiple of 16: the unfused path, by construction.
 
+Activation + Float8BlockScaling 1x128 casts (twin of `tritium.kernels.act_block_cast`):
+`activation_fwd_blocks` is `activation_fwd`, zero rows to a multiple of 16 (as the block Linear
+pads its input), then `tritium.ref.block_cast.quantize_blocks` rowwise (and columnwise);
+`activation_bwd_blocks` is `activation_bwd`, the same padding, then `quantize_blocks` of d(x)
+(fc1's grad_output blocks), returning d(x) too when asked (fc1's bias gradient).
+
 Not done here: double backward.
 """
 from __future__ import annotations
@@ -44,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from .block_cast import BlockQuantized, quantize_blocks
 from .cast import cast_transpose
 
 ACTIVATIONS = ("gelu", "qgelu", "relu", "srelu", "silu",
@@ -171,6 +178,37 @@ def activation_fwd_fp8(x: torch.Tensor, kind: str, scale: torch.Tensor,
                           write_transpose=write_transpose)
 
 
+def activation_fwd_blocks(x: torch.Tensor, kind: str, fp8_dtype: torch.dtype, *,
+                          columnwise: bool = True, power_2_scale: bool = True,
+                          amax_epsilon: float = 0.0, pad_rows_to: int = 16) -> BlockQuantized:
+    """1x128 block fp8 of activation_fwd(x, kind), rows zero-padded to Rp -> BlockQuantized:
+    data [Rp, F], scale_inv [ceil(F/128), Rp] and (columnwise) data_t [F, Rp], scale_inv_t
+    [ceil(Rp/128), F]."""
+    y = activation_fwd(x, kind)
+    rows = y.shape[0]
+    rows_p = -(-rows // pad_rows_to) * pad_rows_to
+    if rows_p != rows:
+        y = torch.cat([y, y.new_zeros(rows_p - rows, y.shape[1])])
+    return quantize_blocks(y, fp8_dtype, rowwise=True, columnwise=columnwise,
+                           power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+
+
+def activation_bwd_blocks(dy: torch.Tensor, x: torch.Tensor, kind: str, fp8_dtype: torch.dtype,
+                          *, columnwise: bool = True, write_hp: bool = False,
+                          power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                          pad_rows_to: int = 16):
+    """1x128 block fp8 of activation_bwd(dy, x, kind) (rows zero-padded to Rp) ->
+    (dx [rows, W] or None, BlockQuantized: data [Rp, W], scale_inv [ceil(W/128), Rp] and
+    (columnwise) data_t [W, Rp], scale_inv_t [ceil(Rp/128), W]); W = x.shape[1]."""
+    dx = activation_bwd(dy, x, kind)
+    rows, w = dx.shape
+    rows_p = -(-rows // pad_rows_to) * pad_rows_to
+    dxp = torch.cat([dx, dx.new_zeros(rows_p - rows, w)]) if rows_p != rows else dx
+    bq = quantize_blocks(dxp, fp8_dtype, rowwise=True, columnwise=columnwise,
+                         power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    return (dx if write_hp else None), bq
+
+
 def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torch.Tensor,
                        amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
                        write_data: bool = True, write_transpose: bool = True,
@@ -185,4 +223,4 @@ def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torc
 
 
 __all__ = ["ACTIVATIONS", "GATED", "activation_fwd", "activation_bwd", "activation_fwd_fp8",
-           "activation_bwd_fp8"]
+           "activation_bwd_fp8", "activation_fwd_blocks", "activation_bwd_blocks"]
