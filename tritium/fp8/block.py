@@ -10,8 +10,8 @@ with fc2's 1x128 input casts, its backward with fc1's grad casts) run
 `tritium.kernels.act_block_cast` where `quantize_blocks` would run its kernel, else the twins in
 `tritium.ref.activation`. `norm_fwd_blocks` (LayerNorm / RMSNorm fused with the next GEMM's
 1x128 input casts) runs `tritium.kernels.norm_block_cast` there (hidden <= the norm kernels'
-MAX_HIDDEN), else the twins in `tritium.ref.norm`. MXFP8 has no kernel: `quantize_mx` / `mx_gemm_tn` are the emulation on
-every device.
+MAX_HIDDEN), else the twins in `tritium.ref.norm`. MXFP8 has no kernel: `quantize_mx` /
+`mx_gemm_tn` are the emulation on every device.
 """
 from __future__ import annotations
 

@@ -59,8 +59,9 @@ class LayerNormLinear(Linear):
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
             cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
         elif tp is None and self.tp.size == 1:  # Float8BlockScaling: the norm writes the blocks
-            cast = block_norm_spec(inp, torch.is_grad_enabled() and (
-                self.fuse_wgrad_accumulation or any(w.requires_grad for w in self._parts("weight"))))
+            wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
+                                                        for w in self._parts("weight"))
+            cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)
             if cast is not None:
                 self._check_fp8_dims()
         gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output, tp)
