@@ -202,6 +202,16 @@ KERNELS = {
              BLOCK_N=_NORM[1], BLOCK_M=max(_norm_cast._BLOCK_M, _NORM[0]),
              BLOCK_TN=_norm_cast._BLOCK_TN),
         dict(num_warps=_NORM[2])),
+    ("norm_block_cast", "_norm_stats_kernel"): (
+        {"x_ptr": BF16P, "w_ptr": BF16P, "b_ptr": BF16P, "n": "fp32", "eps": "fp32"},
+        dict(IS_RMS=False, BLOCK_ROWS=_NORM[0], BLOCK_N=_NORM[1]),
+        dict(num_warps=_NORM[2])),
+    ("norm_block_cast", "_norm_block_cast_kernel"): (
+        {"x_ptr": BF16P, "w_ptr": BF16P, "b_ptr": BF16P, "y_ptr": BF16P, "data_ptr": E4P,
+         "data_t_ptr": E4P},
+        dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=False, WRITE_HP=True, COLUMNWISE=True,
+             FP8_MAX=E4MAX, OUT_DTYPE=E4, EPS=0.0, POW2=True, BLOCK=128, SUB=32),
+        dict(num_warps=4)),
     ("rope", "_rope_kernel"): (
         {"x_ptr": BF16P, "pos_ptr": I32P, "y_ptr": BF16P},
         dict(INTERLEAVED=False, TRANSPOSE=False, BLOCK_R=_ROPE[0], BLOCK_D=_ROPE[1]),

@@ -8,8 +8,10 @@ rows are 16-byte aligned (K % 16 == 0), and under the interpreter on CPU tensors
 in fp32. `activation_fwd_blocks` / `activation_bwd_blocks` (LayerNormMLP's activation fused
 with fc2's 1x128 input casts, its backward with fc1's grad casts) run
 `tritium.kernels.act_block_cast` where `quantize_blocks` would run its kernel, else the twins in
-`tritium.ref.activation`. MXFP8 has no kernel: `quantize_mx` / `mx_gemm_tn` are the emulation on
-every device.
+`tritium.ref.activation`. `norm_fwd_blocks` (LayerNorm / RMSNorm fused with the next GEMM's
+1x128 input casts) runs `tritium.kernels.norm_block_cast` there (hidden <= the norm kernels'
+MAX_HIDDEN), else the twins in `tritium.ref.norm`. MXFP8 has no kernel: `quantize_mx` /
+`mx_gemm_tn` are the emulation on every device.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from .. import _device, _env
 from ..ref import activation as ref_activation
 from ..ref import block_cast as ref_cast
 from ..ref import block_gemm as ref_gemm
+from ..ref import norm as ref_norm
+
+_NORM_MAX_HIDDEN = 65536  # == kernels.norm.MAX_HIDDEN (not imported: it would import triton)
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,6 +80,21 @@ def activation_bwd_blocks(dy: torch.Tensor, x: torch.Tensor, kind: str, fp8_dtyp
     return ref_activation.activation_bwd_blocks(dy, x, kind, fp8_dtype, **kwargs)
 
 
+def norm_fwd_blocks(x: torch.Tensor, weight: torch.Tensor, bias, eps: float,
+                    zero_centered_gamma: bool, is_rms: bool, fp8_dtype: torch.dtype, **kwargs):
+    """(y or None, BlockQuantized, mean (empty for RMSNorm), rstd) of the fused norm."""
+    if x.shape[-1] <= _NORM_MAX_HIDDEN and _device.use_triton(x):
+        from ..kernels import norm_block_cast as impl  # imports triton: on first use only
+    else:
+        impl = ref_norm
+    if is_rms:
+        y, bq, rstd = impl.rmsnorm_fwd_blocks(x, weight, eps, zero_centered_gamma, fp8_dtype,
+                                              **kwargs)
+        return y, bq, rstd.new_empty(0), rstd
+    return impl.layernorm_fwd_blocks(x, weight, bias, eps, zero_centered_gamma, fp8_dtype,
+                                     **kwargs)
+
+
 @functools.lru_cache(maxsize=None)
 def _hopper(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (9, 0)
@@ -99,5 +119,5 @@ def block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
 quantize_mx = ref_cast.quantize_mx
 mx_gemm_tn = ref_gemm.mx_gemm_tn
 
-__all__ = ["quantize_blocks", "activation_fwd_blocks", "activation_bwd_blocks",
+__all__ = ["quantize_blocks", "activation_fwd_blocks", "activation_bwd_blocks", "norm_fwd_blocks",
            "block_gemm_tn", "quantize_mx", "mx_gemm_tn"]

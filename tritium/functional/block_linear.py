@@ -27,13 +27,13 @@ high-precision weight.
 CUDA graphs (make_graphed_callables) capture this path; with fp8_weight_caching the weight cast
 is the flagged block cast (quantize_blocks(skip=, out=): a device flag makes it a no-op on later
 micro-batches), as for tensorwise recipes; MXFP8 (emulated) re-quantizes at every replay.
-Pre-quantized input (LayerNormMLP's fused activation block cast, `fused_cast.block_carrier`):
+Pre-quantized input (the fused activation block cast of LayerNormMLP, or the fused norm block
+cast of LayerNormLinear / LayerNormMLP; `fused_cast.block_carrier`):
 the input is a zero-stride carrier whose BlockQuantized (1x128 rowwise + columnwise, tokens
 padded to 16) is used as it is, no cast; its gradient goes back to the carrier as usual.
 Likewise a grad_output written in blocks by the fused activation backward (a carrier, or the
 high-precision gradient when the bias gradient needs its values) is not cast again.
-Not done: fused norm block casts (LayerNormLinear / LayerNormMLP quantize the high-precision
-norm output here), the FP8 all-gather of sequence parallelism (column-parallel layers gather
+Not done: the FP8 all-gather of sequence parallelism (column-parallel layers gather
 the high-precision input, then quantize).
 """
 from __future__ import annotations

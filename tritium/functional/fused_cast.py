@@ -29,8 +29,11 @@ autograd hands to the activation's backward (recomputed from fc1's output, as un
 `block_operand(t)` reads it. The activation's backward does the same for fc1's grad_output
 (1x128 rowwise along 2F / F and columnwise along the tokens): it returns a carrier, or the
 high-precision d(h) carrying the blocks when fc1's bias gradient needs the values; autograd
-hands it to fc1's block Linear backward, which casts nothing. Not fused there: the norm casts,
+hands it to fc1's block Linear backward, which casts nothing. Not fused there:
 checkpoint=True (the reentrant checkpoint detaches the carrier), tensor parallelism.
+The norm of LayerNormLinear / LayerNormMLP likewise writes the first GEMM's 1x128 input blocks
+(rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`) and returns a
+carrier (plus the high-precision output for return_layernorm_output), with the same skips.
 
 `fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
 """
@@ -81,13 +84,33 @@ def fusable_state(inp: torch.Tensor) -> Optional[AutocastState]:
 
 
 def block_fusable(inp: torch.Tensor, plan) -> bool:
-    """Whether the fused activation block cast applies to a GEMM with FP8 plan `plan` (None:
-    no FP8) whose input comes from an activation of `inp`."""
-    if not _enabled or plan is None or not plan.compute_in_fp8:
+    """Whether the fused activation / norm block cast applies to a GEMM with FP8 plan `plan`
+    (None: no FP8) whose input comes from an activation (or a norm) of `inp`."""
+    return plan is not None and plan.compute_in_fp8 and _block_ok(inp, plan.recipe)
+
+
+def _block_ok(inp: torch.Tensor, recipe) -> bool:
+    if not _enabled or not isinstance(recipe, Float8BlockScaling):
         return False
-    if not isinstance(plan.recipe, Float8BlockScaling) or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or torch.is_autocast_enabled(inp.device.type):
         return False
-    return inp.numel() > 0 and not torch.is_autocast_enabled(inp.device.type)
+    return inp.numel() > 0
+
+
+def block_input_spec(recipe: Float8BlockScaling, columnwise: bool) -> "BlockCastSpec":
+    """The BlockCastSpec of a block Linear's input under `recipe` (its input QParams)."""
+    q = recipe.fp8_quant_fwd_inp
+    return BlockCastSpec(recipe.fp8_format.forward_dtype, bool(q.power_2_scale),
+                         float(q.amax_epsilon), columnwise)
+
+
+def block_norm_spec(inp: torch.Tensor, columnwise: bool) -> Optional["BlockCastSpec"]:
+    """LayerNormLinear under Float8BlockScaling (the autocast state, no plan yet): the fused
+    norm's BlockCastSpec, or None where the norm is not fused."""
+    state = current_autocast()
+    if state is None or not state.enabled or not _block_ok(inp, state.recipe):
+        return None
+    return block_input_spec(state.recipe, columnwise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,5 +232,6 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
 
 
 __all__ = ["BlockCastSpec", "BlockGradCastSpec", "block_carrier", "block_fusable",
+           "block_input_spec", "block_norm_spec",
            "block_operand", "CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier",
            "fused_casts", "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]

@@ -17,6 +17,10 @@ scaling, see `tritium.functional.fused_cast`): the forward writes the next GEMM'
 returns it as a Float8Tensor (plus the high-precision output with `return_hp`, for
 return_layernorm_output). The backward is unchanged: it receives a plain gradient (the GEMM's
 dgrad; summed with the high-precision output's gradient when both arrive).
+With `fp8_cast=BlockCastSpec` (Float8BlockScaling) the forward writes the next GEMM's 1x128
+blocks (`tritium.kernels.norm_block_cast`) and returns them on a zero-stride carrier
+(`fused_cast.block_carrier`), plus the high-precision output with `return_hp`; the block
+Linear takes the carrier's blocks instead of quantizing.
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ from typing import Optional
 import torch
 
 from .. import _device
+from ..fp8 import block as block_ops
 from ..ops import norm as ops_norm
 from ..ref import norm as ref_norm
 from ._apply import fast_apply
-from .fused_cast import CastSpec, carrier_outputs, from_carrier, wrap_fp8
+from .fused_cast import BlockCastSpec, CastSpec, block_carrier, carrier_outputs, from_carrier, \
+    wrap_fp8
 
 _MAX_HIDDEN = ops_norm.MAX_HIDDEN
 
@@ -69,6 +75,21 @@ def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
     return out, y.view(x.shape)
 
 
+def _block_forward(ctx, x, x2d, weight, bias, eps, zero_centered_gamma, is_rms,
+                   cast: BlockCastSpec, return_hp: bool):
+    """The fused norm + 1x128 block casts: (carrier[, y]); saves what the backward reads."""
+    y, bq, mean, rstd = block_ops.norm_fwd_blocks(
+        x2d, weight, bias, eps, zero_centered_gamma, is_rms, cast.fp8_dtype,
+        columnwise=cast.columnwise, write_hp=return_hp, power_2_scale=cast.power_2_scale,
+        amax_epsilon=cast.amax_epsilon)
+    ctx.save_for_backward(x2d, weight, *(() if is_rms else (mean,)), rstd)
+    carrier = block_carrier(bq, x.shape, x.dtype)
+    if not return_hp:
+        return carrier
+    ctx.set_materialize_grads(False)  # d(out) + 0 would turn a -0.0 gradient into +0.0
+    return carrier, y.view(x.shape)
+
+
 def _grad(ctx, grads):
     """The one gradient of the norm's output (fused with return_hp: two outputs, summed; a
     compiled fused norm: the carrier's, the fp8 outputs take none)."""
@@ -91,6 +112,12 @@ class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, zero_centered_gamma, cast=None, return_hp=False):
         x2d = x.reshape(-1, x.shape[-1])
+        ctx.zero_centered_gamma = zero_centered_gamma
+        ctx.x_shape, ctx.bias = x.shape, bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        if isinstance(cast, BlockCastSpec):
+            return _block_forward(ctx, x, x2d, weight, bias, eps, zero_centered_gamma, False,
+                                  cast, return_hp)
         fp8_out = None
         if cast is None:
             y, mean, rstd = _impl(x2d).layernorm_fwd(x2d, weight, bias, eps, zero_centered_gamma)
@@ -99,9 +126,6 @@ class _LayerNormFunction(torch.autograd.Function):
                 x2d, weight, bias, eps, zero_centered_gamma, cast.scale, cast.amax,
                 cast.fp8_dtype, write_transpose=cast.write_transpose, write_hp=return_hp)
         ctx.save_for_backward(x2d, weight, mean, rstd)
-        ctx.zero_centered_gamma = zero_centered_gamma
-        ctx.x_shape, ctx.bias = x.shape, bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
         return _outputs(ctx, x, y, fp8_out, cast, return_hp)
 
     @staticmethod
@@ -124,6 +148,10 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered_gamma, cast=None, return_hp=False):
         x2d = x.reshape(-1, x.shape[-1])
+        ctx.zero_centered_gamma, ctx.x_shape = zero_centered_gamma, x.shape
+        if isinstance(cast, BlockCastSpec):
+            return _block_forward(ctx, x, x2d, weight, None, eps, zero_centered_gamma, True,
+                                  cast, return_hp)
         fp8_out = None
         if cast is None:
             y, rstd = _impl(x2d).rmsnorm_fwd(x2d, weight, eps, zero_centered_gamma)
@@ -132,7 +160,6 @@ class _RMSNormFunction(torch.autograd.Function):
                 x2d, weight, eps, zero_centered_gamma, cast.scale, cast.amax, cast.fp8_dtype,
                 write_transpose=cast.write_transpose, write_hp=return_hp)
         ctx.save_for_backward(x2d, weight, rstd)
-        ctx.zero_centered_gamma, ctx.x_shape = zero_centered_gamma, x.shape
         return _outputs(ctx, x, y, fp8_out, cast, return_hp)
 
     @staticmethod

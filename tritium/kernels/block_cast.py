@@ -18,8 +18,8 @@ non-zero int32 device flag every program returns before reading or writing, so `
 an earlier launch wrote.
 
 Fused into the activation (forward and backward) of LayerNormMLP: `kernels.act_block_cast`,
-which reuses the helpers here. Not done here: fusing these casts into the norm kernels (modules
-quantize the norm's high-precision output), MXFP8 (emulated in `ref.block_cast.quantize_mx`).
+and into the norm of LayerNormLinear / LayerNormMLP: `kernels.norm_block_cast`; both reuse the
+helpers here. Not done here: MXFP8 (emulated in `ref.block_cast.quantize_mx`).
 """
 from __future__ import annotations
 

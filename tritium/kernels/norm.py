@@ -24,6 +24,7 @@ about 2% of a 16384x4096 bf16 backward on 132 SMs).
 
 Norm + FP8 cast: `tritium.kernels.norm_cast` runs the same forward tile (`_norm_fwd_tile`, same
 BLOCK_ROWS/BLOCK_N/num_warps from `_tile`) and writes the next GEMM's fp8 input directly.
+`tritium.kernels.norm_block_cast` does the same for Float8BlockScaling's 1x128 blocks.
 
 Limits: the whole row lives in registers, so hidden <= MAX_HIDDEN (65536); `tritium.functional`
 sends longer rows to the PyTorch twin. ptxas (sm_90, bf16) reports no spills up to hidden 8192

@@ -4,13 +4,15 @@
 (`layer_norm_weight` only); with zero_centered_gamma the weight starts at 0 and (1 + weight)
 is used. `apply_norm` runs the functional norm on any leading dims; with `fp8_cast` (a
 `tritium.functional.fused_cast.CastSpec`) the norm writes the next GEMM's fp8 input directly and
-returns a Float8Tensor, or (Float8Tensor, high-precision output) with `return_hp`.
+returns a Float8Tensor, or (Float8Tensor, high-precision output) with `return_hp`; with a
+`BlockCastSpec` (Float8BlockScaling) it returns a carrier of the 1x128 blocks instead.
 """
 from __future__ import annotations
 
 import torch
 
 from ..distributed.tensor_parallel import sp_replicated
+from ..functional.fused_cast import BlockCastSpec
 from ..functional.norm import layer_norm, rms_norm
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -58,6 +60,9 @@ def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
     is the fused norm's Float8Tensor and the second is written only when `want_hp`."""
     args = (module, inp, module.normalization, module.eps, module.zero_centered_gamma)
     kw = {"tp": tp} if tp is not None and tp.sequence_parallel else {}
+    if isinstance(fp8_cast, BlockCastSpec):  # a carrier of 1x128 blocks (+ y when wanted)
+        out = apply_norm(*args, fp8_cast=fp8_cast, return_hp=want_hp, **kw)
+        return out if want_hp else (out, None)
     if fp8_cast is None or (want_hp and torch.compiler.is_compiling()):
         # (compiled: a fused norm gives its fp8 output alone, see fused_cast.carrier_outputs)
         ln_out = apply_norm(*args, **kw)

@@ -9,7 +9,10 @@ returned too: (out, ln_out), or (out, bias, ln_out) with return_bias.
 Under fp8_autocast with DelayedScaling the norm writes the GEMM's fp8 input itself (norm + cast +
 amax + transpose in one kernel, bit-identical to norm then cast; `tritium.functional.fused_cast`
 says when it applies); the high-precision norm output is then written only for
-return_layernorm_output. Other recipes, calibration and high precision: norm, then the GEMM.
+return_layernorm_output. Under Float8BlockScaling the norm writes the GEMM's 1x128 input
+blocks instead (rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`,
+bit-identical to norm then the Linear's quantize_blocks), not under tensor parallelism. Other
+recipes, calibration and high precision: norm, then the GEMM.
 
 Tensor parallelism: as Linear (usually parallel_mode="column"). Under sequence parallelism the
 norm runs on this rank's rows, its output (in fp8 when fused) is all-gathered before the GEMM,
@@ -22,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from ..functional.fused_cast import fusable_state
+from ..functional.fused_cast import block_norm_spec, fusable_state
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
 from .linear import Linear
@@ -55,6 +58,12 @@ class LayerNormLinear(Linear):
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
             cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
+        elif tp is None and self.tp.size == 1:  # Float8BlockScaling: the norm writes the blocks
+            wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
+                                                        for w in self._parts("weight"))
+            cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)
+            if cast is not None:
+                self._check_fp8_dims()
         gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output, tp)
         out = super().forward(gemm_in, is_first_microbatch)
         if not self.return_layernorm_output:

@@ -16,9 +16,10 @@ norm writes fc1's fp8 input (+ transpose, amax), the activation writes fc2's fp8
 activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the high-precision
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
-Under Float8BlockScaling the activation writes fc2's 1x128 input blocks instead of its bf16
-output, and its backward writes fc1's 1x128 grad_output blocks (plus the high-precision grad
-only when fc1_bias needs a gradient); not with checkpoint=True or tensor parallelism.
+Under Float8BlockScaling the norm writes fc1's 1x128 input blocks (`kernels.norm_block_cast`),
+the activation writes fc2's 1x128 input blocks instead of its bf16 output, and its backward
+writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
+gradient); not with checkpoint=True or tensor parallelism.
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
@@ -40,8 +41,8 @@ from ..distributed.tensor_parallel import TPConfig, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
-from ..functional.fused_cast import BlockCastSpec, BlockGradCastSpec, CastSpec, GradCastSpec, \
-    block_fusable, fusable_state
+from ..functional.fused_cast import BlockGradCastSpec, CastSpec, GradCastSpec, block_fusable, \
+    block_input_spec, fusable_state
 from ..functional.linear import linear
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
@@ -146,9 +147,8 @@ class LayerNormMLP(FP8Module):
         if not block_fusable(inp, fc2_plan):
             return None
         r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
-        q, g = r.fp8_quant_fwd_inp, r.fp8_quant_bwd_grad
-        fwd = BlockCastSpec(r.fp8_format.forward_dtype, bool(q.power_2_scale),
-                            float(q.amax_epsilon), grad_on)
+        g = r.fp8_quant_bwd_grad
+        fwd = block_input_spec(r, grad_on)
         if not (grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)):
             return fwd, None
         bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
@@ -171,8 +171,12 @@ class LayerNormMLP(FP8Module):
                                        grad_on and self.fc1_weight.requires_grad and not sp_gather)
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
         block_cast = None
-        if fc2_tp is None and not (self.checkpoint and torch.is_grad_enabled()):
-            block_cast = self._block_casts(inp, fc1_plan, fc2_plan, fc1_tp)
+        if not (self.checkpoint and torch.is_grad_enabled()):
+            if fc2_tp is None:
+                block_cast = self._block_casts(inp, fc1_plan, fc2_plan, fc1_tp)
+            if fc1_tp is None and block_fusable(inp, fc1_plan):  # the norm writes fc1's blocks
+                norm_cast = block_input_spec(fc1_plan.recipe, torch.is_grad_enabled()
+                                             and self.fc1_weight.requires_grad)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
                                                  self.return_layernorm_output, fc1_tp)
         if self.checkpoint and torch.is_grad_enabled():

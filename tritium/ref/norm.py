@@ -26,6 +26,11 @@ that rounded y with the following GEMM's delayed-scaling `scale` (amax of the ro
 max-accumulated into `amax` unless it is None; scale_inv = 1/scale exactly; rows zero-padded to
 a multiple of 16). So the fused path is, by construction, the unfused norm followed by the
 unfused cast. Returns (y or None, data [Tp, H], data_t [H, Tp] or None, scale_inv, mean, rstd).
+
+Norm + Float8BlockScaling casts (`layernorm_fwd_blocks`, `rmsnorm_fwd_blocks`, twins of
+`tritium.kernels.norm_block_cast`): the forward above, y rounded to x.dtype, rows zero-padded to
+a multiple of 16, then `tritium.ref.block_cast.quantize_blocks(rowwise=True, columnwise=...)`.
+Returns (y or None, BlockQuantized, mean, rstd) (RMSNorm: no mean).
 """
 from __future__ import annotations
 
@@ -33,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from .block_cast import quantize_blocks
 from .cast import cast_transpose
 
 
@@ -114,5 +120,39 @@ def rmsnorm_fwd_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_cent
     return (*_cast(y, scale, amax, fp8_dtype, write_transpose, write_hp, pad_rows_to), rstd)
 
 
+def _blocks(y, fp8_dtype, columnwise, write_hp, power_2_scale, amax_epsilon, pad_rows_to):
+    rows, n = y.shape
+    rows_p = -(-rows // pad_rows_to) * pad_rows_to
+    yp = torch.cat([y, y.new_zeros(rows_p - rows, n)]) if rows_p != rows else y
+    bq = quantize_blocks(yp, fp8_dtype, rowwise=True, columnwise=columnwise,
+                         power_2_scale=power_2_scale, amax_epsilon=amax_epsilon)
+    return (y if write_hp else None), bq
+
+
+def layernorm_fwd_blocks(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         eps: float, zero_centered_gamma: bool, fp8_dtype: torch.dtype, *,
+                         columnwise: bool = True, write_hp: bool = False,
+                         power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                         pad_rows_to: int = 16):
+    """LayerNorm whose output is written as Float8BlockScaling's 1x128 blocks (rows zero-padded
+    to Tp) -> (y or None, BlockQuantized: data [Tp, H], scale_inv [ceil(H/128), Tp] and
+    (columnwise) data_t [H, Tp], scale_inv_t [ceil(Tp/128), H], mean, rstd)."""
+    y, mean, rstd = layernorm_fwd(x, weight, bias, eps, zero_centered_gamma)
+    return (*_blocks(y, fp8_dtype, columnwise, write_hp, power_2_scale, amax_epsilon,
+                     pad_rows_to), mean, rstd)
+
+
+def rmsnorm_fwd_blocks(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                       zero_centered_gamma: bool, fp8_dtype: torch.dtype, *,
+                       columnwise: bool = True, write_hp: bool = False,
+                       power_2_scale: bool = True, amax_epsilon: float = 0.0,
+                       pad_rows_to: int = 16):
+    """RMSNorm with a 1x128 block fp8 output -> (y or None, BlockQuantized, rstd)."""
+    y, rstd = rmsnorm_fwd(x, weight, eps, zero_centered_gamma)
+    return (*_blocks(y, fp8_dtype, columnwise, write_hp, power_2_scale, amax_epsilon,
+                     pad_rows_to), rstd)
+
+
 __all__ = ["layernorm_fwd", "layernorm_bwd", "rmsnorm_fwd", "rmsnorm_bwd",
-           "layernorm_fwd_fp8", "rmsnorm_fwd_fp8"]
+           "layernorm_fwd_fp8", "rmsnorm_fwd_fp8", "layernorm_fwd_blocks",
+           "rmsnorm_fwd_blocks"]
