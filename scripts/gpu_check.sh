@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
 #        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [tests:EXPR]
-#        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG]
+#        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG] [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
 # tests:EXPR runs the gpu tier with pytest -k EXPR; block:REGEX the block bench's variants
@@ -9,7 +9,9 @@
 # baseline, a compiled variant with its eager self). Multi-GPU stages use the GPUs that
 # CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs),
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
-# arguments: + for a space).
+# arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
+# results also copied beside it (a caller that fetches a few files gets them all; JSON files of
+# the same name in two folders: the tarball keeps both).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -51,6 +53,8 @@ for s in $stages; do
     tp)     torchrun --standalone --nproc_per_node=2 benchmarks/bench_tp.py 2>&1 | tee "$OUT/bench_tp.log" | grep -v "^{" ;;
     fsdp)   torchrun --standalone --nproc-per-node="$ngpu" benchmarks/bench_fsdp.py 2>&1 | tee "$OUT/bench_fsdp_$ngpu.log" | grep -v "^{" ;;
     fsdp:*) a=${s#fsdp:}; torchrun --standalone --nproc-per-node="$ngpu" benchmarks/bench_fsdp.py ${a//+/ } 2>&1 | tee "$OUT/bench_fsdp_$ngpu.log" | grep -v "^{" ;;
+    pack)   t=$(mktemp -d); (cd "$OUT" && tar czf "$t/out.tgz" . && find . -name "*.json" \
+               -exec cp {} "$t/" \; && rm -rf ./* && mv "$t"/* .); ls "$OUT" ;;
     tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
 done
