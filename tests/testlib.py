@@ -108,3 +108,33 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+class WrappedWeight(torch.Tensor):
+    """A weight wrapper of the kind torchao's float8 training puts on params: no storage of its
+    own, one inner tensor (`_tensor`), every op run on the inner tensor."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
+                                                   device=inner.device, requires_grad=False)
+
+    def __init__(self, inner):
+        self._tensor = inner
+        self._precomputed_scale = None   # torchao sets one between steps: a second inner tensor
+
+    def __tensor_flatten__(self):
+        names = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None
+                               else [])
+        return names, None
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        return WrappedWeight(inner["_tensor"])
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        unwrap = lambda t: t._tensor if isinstance(t, WrappedWeight) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args),
+                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return WrappedWeight(out) if func is torch.ops.aten.detach.default else out

@@ -28,6 +28,8 @@ from tritium.optimizers import FusedAdam, FusedSGD
 from tritium.ref import adam as radam
 from tritium.ref import sgd as rsgd
 
+from testlib import WrappedWeight
+
 from interp._helpers import assert_same_bits as _same_bits, assert_same_optimizer_results
 
 pytestmark = [pytest.mark.gpu,
@@ -323,3 +325,25 @@ def test_capturable_scaled_states_in_cuda_graph_equals_eager():
 
     graph_p, opt, eager_p, eager = _eager_and_graphed(make, base, grads)
     assert_same_optimizer_results(graph_p, opt, eager_p, eager, nan_as_nan=True)
+
+
+def test_fused_adam_steps_the_inside_of_a_weight_wrapper():
+    """A CUDA param wrapped as torchao's float8 training wraps weights (no storage of its own,
+    later with a precomputed scale beside the data): the kernel steps the inner tensor, the
+    same bits as on a plain param (it once read the wrapper's null pointer: an illegal address)."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    plain = [torch.nn.Parameter(torch.randn(n, device="cuda", generator=g).to(torch.bfloat16))
+             for n in (1000, 4099)]
+    wrapped = [torch.nn.Parameter(WrappedWeight(p.detach().clone())) for p in plain]
+    opts = [FusedAdam(ps, lr=1e-2, master_weights=True) for ps in (plain, wrapped)]
+    for step in range(3):
+        for p, q in zip(plain, wrapped):
+            q._precomputed_scale = torch.ones((), device="cuda") if step else None
+            p.grad = torch.randn(p.shape, device="cuda", generator=g).to(torch.bfloat16)
+            q.grad = p.grad.clone()
+        for o in opts:
+            o.step()
+    torch.cuda.synchronize()
+    for p, q in zip(plain, wrapped):
+        assert torch.equal(q._tensor.view(torch.int16), p.detach().view(torch.int16))
+

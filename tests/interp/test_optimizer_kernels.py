@@ -24,6 +24,8 @@ from tritium.optimizers import FusedAdam, FusedSGD
 from tritium.ref import adam as radam
 from tritium.ref import sgd as rsgd
 
+from testlib import WrappedWeight
+
 from ._helpers import assert_same_bits, assert_same_optimizer_results, wide_randn
 
 pytestmark = [pytest.mark.interp,
@@ -371,43 +373,13 @@ def test_fused_adam_kernel_on_dtensor_shards():
         dist.destroy_process_group()
 
 
-class _WrappedWeight(torch.Tensor):
-    """A weight wrapper of the kind torchao's float8 training puts on params: no storage of its
-    own, one inner tensor (`_tensor`), every op run on the inner tensor."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype,
-                                                   device=inner.device, requires_grad=False)
-
-    def __init__(self, inner):
-        self._tensor = inner
-        self._precomputed_scale = None   # torchao sets one between steps: a second inner tensor
-
-    def __tensor_flatten__(self):
-        names = ["_tensor"] + (["_precomputed_scale"] if self._precomputed_scale is not None
-                               else [])
-        return names, None
-
-    @staticmethod
-    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return _WrappedWeight(inner["_tensor"])
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        unwrap = lambda t: t._tensor if isinstance(t, _WrappedWeight) else t  # noqa: E731
-        out = func(*torch.utils._pytree.tree_map(unwrap, args),
-                   **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
-        return _WrappedWeight(out) if func is torch.ops.aten.detach.default else out
-
-
 def test_fused_adam_kernel_steps_the_inside_of_a_weight_wrapper(gen):
     """A param wrapped by another library (torchao's float8 weights under FSDP2) is stepped on
     its inner tensor, also once the wrapper carries a precomputed scale beside it: the kernel
     reads raw pointers and a wrapper has none. Same bits as plain."""
     plain = [torch.nn.Parameter(wide_randn((n,), torch.bfloat16, gen, decades=1.0))
              for n in (33, 130)]
-    wrapped = [torch.nn.Parameter(_WrappedWeight(p.detach().clone())) for p in plain]
+    wrapped = [torch.nn.Parameter(WrappedWeight(p.detach().clone())) for p in plain]
     before = [p.detach().clone() for p in plain]
     opts = [FusedAdam(ps, lr=1e-2, master_weights=True) for ps in (plain, wrapped)]
     for step in range(2):
@@ -418,5 +390,5 @@ def test_fused_adam_kernel_steps_the_inside_of_a_weight_wrapper(gen):
         for o in opts:
             o.step()
     for p, q, b in zip(plain, wrapped, before):
-        assert isinstance(q, _WrappedWeight) and not torch.equal(q._tensor, b)
+        assert isinstance(q, WrappedWeight) and not torch.equal(q._tensor, b)
         assert_same_bits(q._tensor, p.detach())
