@@ -55,7 +55,7 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
                                            reduce_scatter_to_sequence_parallel_region,
                                            sp_replicated, start_all_reduce,
                                            start_reduce_scatter_dim0)
-from ..fp8.autocast import FP8Region, current as current_autocast
+from ..fp8.autocast import FP8Region
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair, transpose_fp8
 from ..fp8.recipe import Float8CurrentScaling, Recipe
 from ..fp8.recompute import FrozenScales
@@ -63,8 +63,9 @@ from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
 from .block_linear import apply_block_linear, is_block_recipe
-from .fused_cast import fp8_operands, pad16
+from .fused_cast import fp8_operands
 from .gemm import fp8_gemm_tn
+from .linear_sp import gathered_fp8
 
 
 class WeightCache:
@@ -341,7 +342,7 @@ class _LinearFunction(torch.autograd.Function):
             x2d = inp.dequantize().reshape(-1, shape[-1])
         if fp8:
             if gather is not None:
-                x8, x8_t, x_si = _gathered_fp8(plan, x2d, gather, need_wgrad)
+                x8, x8_t, x_si = gathered_fp8(plan, x2d, gather, need_wgrad)
                 tokens = tokens * dist.get_world_size(gather)
                 shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
                 w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
@@ -391,7 +392,7 @@ class _LinearFunction(torch.autograd.Function):
             if isinstance(grad_out, Float8Tensor):
                 grad_out = grad_out.dequantize()
             local = grad_out.reshape(-1, grad_out.shape[-1])
-            dyq = _gathered_fp8(plan, local, ctx.row_gather, need_wgrad, backward=True)
+            dyq = gathered_fp8(plan, local, ctx.row_gather, need_wgrad, backward=True)
             # dy2d only gives the backward its shape and dtype: the data is dyq's
             grad_out = torch.empty((local.shape[0] * dist.get_world_size(ctx.row_gather),
                                     local.shape[1]), dtype=local.dtype, device="meta")
@@ -463,54 +464,6 @@ class _LinearFunction(torch.autograd.Function):
 
 
 _apply_linear = fast_apply(_LinearFunction)
-
-
-_one_scale_checked: set = set()
-
-
-def _check_one_scale(plan: FP8Plan, group) -> None:
-    """The gathered rows are read with this rank's scale_inv, so under delayed scaling every TP
-    rank must hold the same scale: amaxes reduced over a group that holds the TP group."""
-    amax_group = None if current_autocast() is None else current_autocast().group
-    key = (id(group), id(amax_group), plan.recipe.reduce_amax)
-    if key in _one_scale_checked:
-        return
-    tp_ranks = set(dist.get_process_group_ranks(group))
-    amax_ranks = set(dist.get_process_group_ranks(amax_group or dist.group.WORLD))
-    if not plan.recipe.reduce_amax or not tp_ranks <= amax_ranks:
-        raise ValueError(
-            "sequence_parallel under DelayedScaling all-gathers fp8 rows that every TP rank "
-            "must have cast with one scale: use a recipe with reduce_amax=True and an fp8_group "
-            f"(fp8_autocast) that contains the TP group's ranks {sorted(tp_ranks)}")
-    _one_scale_checked.add(key)
-
-
-def _gathered_fp8(plan: FP8Plan, x2d, group, need_transpose: bool, backward: bool = False):
-    """Sequence parallelism under FP8: this rank's rows cast with the one scale every rank
-    uses (delayed: the shared scale slot, amax recorded locally and MAX-reduced at the update;
-    current: the local amaxes MAX-reduced first), then the fp8 bytes all-gathered; the
-    transpose wgrad needs is made after the gather. The forward gathers a column GEMM's input
-    (forward state, input slot), the backward a row GEMM's grad (backward state, grad slot).
-    Returns (x8 [Tp, K], x8^T, scale_inv): the same fp8 values as casting the gathered rows."""
-    fmt = plan.recipe.fp8_format
-    fp8_dtype = fmt.backward_dtype if backward else fmt.forward_dtype
-    state, slot = (plan.bwd, plan.grad_slot) if backward else (plan.fwd, plan.input_slot)
-    if isinstance(x2d, Float8Tensor):  # a fused norm wrote it with the shared scale
-        local, x_si = x2d._data.reshape(-1, x2d.shape[-1]), x2d._scale_inv
-    elif isinstance(plan.recipe, Float8CurrentScaling):
-        amax = torch.zeros(1, dtype=torch.float32, device=x2d.device)
-        amax_into(x2d, amax)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
-        local, _, x_si = plan.quantize(x2d, None, slot, fp8_dtype, pad_rows_to=1,
-                                       tensor_amax=amax)
-    else:
-        _check_one_scale(plan, group)
-        local, _, x_si = plan.quantize(x2d, state, slot, fp8_dtype, pad_rows_to=1)
-    full = all_gather_dim0(local, group)
-    tokens, k = full.shape
-    if tokens % 16:
-        full = torch.cat([full, full.new_zeros(pad16(tokens) - tokens, k)])
-    return full, (transpose_fp8(full) if need_transpose else None), x_si
 
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
