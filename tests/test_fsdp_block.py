@@ -154,8 +154,11 @@ def test_block_split_rules(randn):
     assert [s.shape[0] for s in shards] == [128] * 4
     for i, s in enumerate(shards):
         assert s._data_t is None and s._scale_inv.shape == (1, 3)
-        assert torch.equal(s._data.view(torch.uint8), w._data[128 * i:128 * (i + 1)].view(torch.uint8))
+        rows = w._data[128 * i:128 * (i + 1)]
+        assert torch.equal(s._data.view(torch.uint8), rows.view(torch.uint8))
         assert torch.equal(s._scale_inv, w._scale_inv[i:i + 1])
+    empty = torch.empty_like(shards[1])                   # module.to_empty()
+    assert type(empty) is Float8BlockTensor and empty._scale_inv.shape == (1, 3)
     # gather by hand through the extension points (as FSDP2 does) and rebuild the columnwise form
     inputs, metas = zip(*(s.fsdp_pre_all_gather(_Mesh(4), w.shape, None, None, None)
                           for s in shards))

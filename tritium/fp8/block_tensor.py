@@ -21,15 +21,15 @@ high-precision weight). In-place ops requantize the result into the tensor.
 FSDP2 (`fully_shard`, 128x128 blocks only): split / narrow / new_zeros / copy_ along dim 0 keep
 the fp8 bytes and slice the scale grid with them; a shard keeps no columnwise form (`_data_t`
 and `_scale_inv_t` None; `requantize_` then writes the rowwise form only). `view(-1)` (FSDP2's
-flat view of a shard) gives the flat rowwise fp8 data, and `untyped_storage()` its storage. Every shard but the
-last must hold whole 128-row blocks (a boundary inside a block would need a second scale for
-it), and FSDP2 needs every all-gather input of a short last shard padded to the full shard's
-shape, which the scale grid cannot be: so the rows must split evenly into whole blocks
-(N % (128 * world size) == 0); the split raises a ValueError otherwise, on every rank alike,
-before any collective. `fsdp_pre_all_gather` hands FSDP two inputs, the shard's fp8 bytes as
-uint8 (gloo has no fp8 dtypes) and its fp32 scales; `fsdp_post_all_gather` makes the
-columnwise form after the gather (data_t = transpose_fp8(data); for 128x128 blocks the scales
-of the transpose are the same numbers transposed). Nothing is reduced: block scales are local.
+flat view of a shard) gives the flat rowwise fp8 data, and `untyped_storage()` its storage.
+Every shard but the last must hold whole 128-row blocks (a boundary inside a block would need a
+second scale for it), and FSDP2 needs every all-gather input of a short last shard padded to the
+full shard's shape, which the scale grid cannot be: so the rows must split evenly into whole
+blocks (N % (128 * world size) == 0); the split raises a ValueError otherwise, on every rank
+alike, before any collective. `fsdp_pre_all_gather` hands FSDP two inputs, the shard's fp8 bytes
+as uint8 (gloo has no fp8 dtypes) and its fp32 scales; `fsdp_post_all_gather` makes the
+columnwise form after the gather (data_t = transpose_fp8(data); for 128x128 blocks the scales of
+the transpose are the same numbers transposed). Nothing is reduced: block scales are local.
 1x128 weights raise NotImplementedError (their columnwise tiles run along N, across shards).
 
 Deliberately not done: views other than the whole tensor, the fp8 all-gather of tensor
@@ -180,8 +180,8 @@ class Float8BlockTensor(QuantizedTensor):
         self._check_2d("FSDP2 sharding")
         if outer_size is not None:
             check_block_split(tuple(outer_size), mesh.size())
-        return ((self._data.contiguous().view(torch.uint8), self._scale_inv.contiguous()),
-                (None if outer_size is None else outer_size[0],))
+        # shards are equal (check_block_split): no padding rows to drop after the gather
+        return (self._data.contiguous().view(torch.uint8), self._scale_inv.contiguous()), ()
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded tensor from the gathered bytes and scales; the columnwise form is made
@@ -192,9 +192,6 @@ class Float8BlockTensor(QuantizedTensor):
             return None
         gathered, scale_inv = all_gather_outputs
         data = gathered.view(self._fp8_dtype)
-        rows = metadata[0]
-        if rows is not None and data.shape[0] != rows:
-            data, scale_inv = data[:rows], scale_inv[:-(-rows // BLOCK)]
         data_t, scale_inv_t = transpose_fp8(data), scale_inv.t().contiguous()
         full = self._same_meta((data, scale_inv, data_t, scale_inv_t), param_dtype)
         return full, (data, scale_inv, data_t, scale_inv_t)
