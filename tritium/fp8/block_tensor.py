@@ -18,8 +18,22 @@ anything else requantizes); every other op runs on the dequantized values in the
 (so it works with plain PyTorch ops and under non-block recipes, where it is cast like any
 high-precision weight). In-place ops requantize the result into the tensor.
 
-Deliberately not done: FSDP2 sharding (a shard of 128x128 blocks needs block-aligned splits),
-views other than the whole tensor, and the fp8 all-gather of tensor parallelism.
+FSDP2 (`fully_shard`, 128x128 blocks only): split / narrow / new_zeros / copy_ along dim 0 keep
+the fp8 bytes and slice the scale grid with them; a shard keeps no columnwise form (`_data_t`
+and `_scale_inv_t` None; `requantize_` then writes the rowwise form only). `view(-1)` (FSDP2's
+flat view of a shard) gives the flat rowwise fp8 data, and `untyped_storage()` its storage.
+Every shard but the last must hold whole 128-row blocks (a boundary inside a block would need a
+second scale for it), and FSDP2 needs every all-gather input of a short last shard padded to the
+full shard's shape, which the scale grid cannot be: so the rows must split evenly into whole
+blocks (N % (128 * world size) == 0); the split raises a ValueError otherwise, on every rank
+alike, before any collective. `fsdp_pre_all_gather` hands FSDP two inputs, the shard's fp8 bytes
+as uint8 (gloo has no fp8 dtypes) and its fp32 scales; `fsdp_post_all_gather` makes the
+columnwise form after the gather (data_t = transpose_fp8(data); for 128x128 blocks the scales of
+the transpose are the same numbers transposed). Nothing is reduced: block scales are local.
+1x128 weights raise NotImplementedError (their columnwise tiles run along N, across shards).
+
+Deliberately not done: views other than the whole tensor, the fp8 all-gather of tensor
+parallelism.
 Checkpoints: registered with `torch.serialization.add_safe_globals` (weights_only=True loads).
 """
 from __future__ import annotations
@@ -31,10 +45,12 @@ from torch.utils._pytree import tree_map
 
 from ..ref.block_cast import BlockQuantized, dequantize_blocks
 from . import block as block_ops
+from .cast import transpose_fp8
 from .formats import FP8_DTYPES
 from .quantized_tensor import QuantizedTensor
 
 aten = torch.ops.aten
+BLOCK = 128
 
 
 def _writes_self(func) -> bool:
@@ -90,11 +106,13 @@ class Float8BlockTensor(QuantizedTensor):
         """Write the block-scaled form of x (p's shape, any float dtype) into this tensor."""
         x = x.dequantize() if isinstance(x, QuantizedTensor) else x
         q = block_ops.quantize_blocks(x.reshape(self.shape).to(self._data.device), self._fp8_dtype,
-                                      block_2d=self._block_2d, rowwise=True, columnwise=True,
+                                      block_2d=self._block_2d, rowwise=True,
+                                      columnwise=self._data_t is not None,
                                       power_2_scale=self._qparams[0],
                                       amax_epsilon=self._qparams[1])
         for dst, src in zip(self.operands(), q):
-            dst.copy_(src)
+            if dst is not None:
+                dst.copy_(src)
         return self
 
     def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
@@ -120,19 +138,63 @@ class Float8BlockTensor(QuantizedTensor):
             return f"{head}, shape={tuple(self.shape)})"
 
     def __tensor_flatten__(self):
-        return (["_data", "_scale_inv", "_data_t", "_scale_inv_t"],
+        return ([n for n in ("_data", "_scale_inv", "_data_t", "_scale_inv_t")
+                 if getattr(self, n) is not None],
                 {"fp8_dtype": self._fp8_dtype, "dtype": self.dtype, "block_2d": self._block_2d,
                  "qparams": self._qparams})
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Float8BlockTensor(inner["_data"], inner["_scale_inv"], inner["_data_t"],
-                                 inner["_scale_inv_t"], meta["fp8_dtype"], meta["dtype"],
+        return Float8BlockTensor(inner["_data"], inner["_scale_inv"], inner.get("_data_t"),
+                                 inner.get("_scale_inv_t"), meta["fp8_dtype"], meta["dtype"],
                                  meta["block_2d"], meta["qparams"])
 
-    def _same_meta(self, tensors) -> "Float8BlockTensor":
-        return Float8BlockTensor(*tensors, self._fp8_dtype, self.dtype, self._block_2d,
+    def _same_meta(self, tensors, dtype=None) -> "Float8BlockTensor":
+        return Float8BlockTensor(*tensors, self._fp8_dtype, dtype or self.dtype, self._block_2d,
                                  self._qparams)
+
+    def _rows(self, start: int, end: int) -> "Float8BlockTensor":
+        """Rows [start, end) as a shard (no columnwise form); start on a block boundary."""
+        self._check_2d("a dim-0 slice")
+        if start % BLOCK:
+            raise ValueError(f"a dim-0 slice of a block-scaled FP8 weight {tuple(self.shape)} "
+                             f"must start on a {BLOCK}-row block boundary, got row {start}")
+        sr = slice(start // BLOCK, -(-end // BLOCK))
+        return self._same_meta((self._data[start:end], self._scale_inv[sr], None, None))
+
+    def _check_2d(self, what: str) -> None:
+        if not self._block_2d:
+            raise NotImplementedError(
+                f"{what} of a Float8BlockTensor with 1x128 blocks (w_block_scaling_dim=1): its "
+                "columnwise tiles run along N, across FSDP shards. Build the model with "
+                "Float8BlockScaling(w_block_scaling_dim=2) to shard it with FSDP2")
+
+    def untyped_storage(self):
+        """The rowwise fp8 bytes' storage (a wrapper holds none of its own; FSDP2 compares it)."""
+        return self._data.untyped_storage()
+
+    # ------------------------------------------------------------------ FSDP2 extension points
+    def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
+                            mp_policy=None):
+        """(all-gather inputs, metadata): the shard's fp8 bytes (uint8) and its fp32 scales."""
+        self._check_2d("FSDP2 sharding")
+        if outer_size is not None:
+            check_block_split(tuple(outer_size), mesh.size())
+        # shards are equal (check_block_split): no padding rows to drop after the gather
+        return (self._data.contiguous().view(torch.uint8), self._scale_inv.contiguous()), ()
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The unsharded tensor from the gathered bytes and scales; the columnwise form is made
+        here (never sent). With `out` (a re-gather into FSDP's re-allocated buffers): refill."""
+        if out is not None:
+            transpose_fp8(out._data, out=out._data_t)
+            out._scale_inv_t.copy_(out._scale_inv.t())
+            return None
+        gathered, scale_inv = all_gather_outputs
+        data = gathered.view(self._fp8_dtype)
+        data_t, scale_inv_t = transpose_fp8(data), scale_inv.t().contiguous()
+        full = self._same_meta((data, scale_inv, data_t, scale_inv_t), param_dtype)
+        return full, (data, scale_inv, data_t, scale_inv_t)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -141,13 +203,61 @@ class Float8BlockTensor(QuantizedTensor):
         if func in (aten.detach.default, aten.alias.default):
             return t._same_meta(t.operands())
         if func is aten.clone.default:
-            return t._same_meta([o.clone() for o in t.operands()])
+            return t._same_meta([None if o is None else o.clone() for o in t.operands()])
+        if func is aten.as_strided.default and _is_whole_view(t, *args[1:], **kwargs):
+            return t._same_meta(t.operands())   # FSDP2's view of the unsharded param
+        if func is aten.view.default and list(args[1]) == list(t.shape):
+            return t._same_meta(t.operands())   # e.g. DTensor.to_local()'s view_as
+        if func is aten.view.default and list(args[1]) in ([-1], [t.numel()]):
+            # FSDP2's flat view of a padded shard (kept, never read by a param with all-gather
+            # extension points): the rowwise fp8 bytes, whose storage `untyped_storage` reports
+            return t._data.view(-1)
+        if func in (aten.split.Tensor, aten.split_with_sizes.default):
+            # FSDP2 sharding (torch.chunk along dim 0): whole 128-row blocks per shard
+            dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+            if dim in (0, -2):
+                sizes = args[1]
+                if isinstance(sizes, int):
+                    n = t.shape[0]
+                    sizes = [min(sizes, n - i) for i in range(0, n, sizes)] if n else [0]
+                    check_block_split(tuple(t.shape), len(sizes), sizes[0])
+                starts = [sum(sizes[:i]) for i in range(len(sizes))]
+                return [t._rows(a, a + n) for a, n in zip(starts, sizes)]
+        if func in (aten.slice.Tensor, aten.narrow.default):
+            dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+            if dim in (0, -2):
+                a = args[2] if len(args) > 2 else 0
+                a = 0 if a is None else a
+                if func is aten.narrow.default:
+                    end = a + args[3]
+                else:
+                    end = args[3] if len(args) > 3 and args[3] is not None else t.shape[0]
+                    if len(args) > 4 and args[4] != 1:
+                        raise ValueError("a Float8BlockTensor takes dim-0 slices of step 1 only")
+                return t._rows(a, min(end, t.shape[0]))
+        if func is aten.new_zeros.default:
+            t._check_2d("new_zeros (FSDP2 padding)")
+            rows, cols = args[1]
+            dev = t._data.device
+            return t._same_meta((torch.zeros(rows, cols, dtype=t._fp8_dtype, device=dev),
+                                 torch.zeros(-(-rows // BLOCK), -(-cols // BLOCK),
+                                             device=dev), None, None))
+        if func is aten.empty_like.default:
+            # module.to_empty(): a tensor of the same form whose blocks reset_parameters fills
+            device = kwargs.get("device") or t._data.device
+            return t._same_meta([None if o is None else torch.empty_like(o, device=device)
+                                 for o in t.operands()])
         if func is aten.copy_.default and isinstance(t, Float8BlockTensor):
             src = args[1]
             if (isinstance(src, Float8BlockTensor) and src._fp8_dtype == t._fp8_dtype
                     and src._block_2d == t._block_2d and src.shape == t.shape):
-                for dst, s in zip(t.operands(), src.operands()):
-                    dst.copy_(s)
+                t._data.copy_(src._data)
+                t._scale_inv.copy_(src._scale_inv)
+                if t._data_t is not None and src._data_t is not None:
+                    t._data_t.copy_(src._data_t)
+                    t._scale_inv_t.copy_(src._scale_inv_t)
+                elif t._data_t is not None:
+                    return t.requantize_(src)
                 return t
             return t.requantize_(src)
 
@@ -157,6 +267,26 @@ class Float8BlockTensor(QuantizedTensor):
         if isinstance(t, Float8BlockTensor) and _writes_self(func):
             return t.requantize_(out)  # in-place op: it ran on a dequantized copy
         return out
+
+
+def _is_whole_view(t, size, stride, storage_offset=0) -> bool:
+    return (tuple(size) == tuple(t.shape) and tuple(stride) == (t.shape[1], 1)
+            and not storage_offset and t._data.is_contiguous())
+
+
+def check_block_split(shape: tuple, world: int, rows: int = None) -> None:
+    """FSDP2 splits a block-scaled weight [N, K] over `world` ranks in `rows`-row shards
+    (torch.chunk: ceil(N / world)): every shard must hold the same number of whole 128-row
+    blocks (see the module note)."""
+    n = shape[0]
+    rows = -(-n // world) if rows is None else rows
+    if world > 1 and n > rows and (rows % BLOCK or n % rows):
+        raise ValueError(
+            f"FSDP2 cannot shard the block-scaled FP8 weight of shape {tuple(shape)} over "
+            f"{world} ranks: its shards of {rows} rows would split a {BLOCK}x{BLOCK} scale "
+            f"block or leave a short last shard. Its rows must be a multiple of {BLOCK} x the "
+            f"shard world size ({BLOCK * world}): shard over fewer ranks, pad the layer's "
+            "output features, or keep this weight out of fully_shard / in high precision")
 
 
 torch.serialization.add_safe_globals([Float8BlockTensor])

@@ -13,7 +13,10 @@ Block-scaled FP8 params (`Float8BlockTensor`, kind 'fp8_block', from fp8_model_i
 Float8BlockScaling) have one scale per block, which the fused kernels do not write: the kernel
 steps their fp32 master as if it were an fp32 param (same bucket, same bits), then
 `p.requantize_(master)` writes every block from it. They need master_weights=True and fp32
-masters, and are not DTensors (FSDP2 / TP sharding of block params is not supported).
+masters. Under FSDP2 (a DTensor whose local tensor is a Float8BlockTensor shard of whole
+128x128 blocks) the master and moments are sharded like the param and the shard's blocks are
+requantized from the local master: exact, each block lies in one shard. Tensor-parallel
+(non-Shard(0)) placements of block params are refused.
 
 Step = plan + run. The plan reads every param of every group, checks its grad (present, dense,
 same shape and device, fp32/bf16/fp16) and its kind, and raises before anything was launched or
@@ -126,10 +129,12 @@ def check_param(p: torch.Tensor, where: str) -> str:
     if kind == "fp8":
         check_fp8_param(p, where)
     elif kind == "fp8_block":
-        if is_dtensor(p0):
-            raise ValueError(f"{where}: a block-scaled FP8 param (Float8BlockTensor) cannot be a "
-                             "DTensor (FSDP2 / tensor-parallel sharding) yet; build the model "
-                             "under fp8_model_init(recipe=DelayedScaling()) to shard FP8 params")
+        if is_dtensor(p0) and any(not (pl.is_replicate() or (pl.is_shard() and pl.dim == 0))
+                                  for pl in p0.placements):
+            raise ValueError(f"{where}: a block-scaled FP8 param (Float8BlockTensor) can be a "
+                             f"DTensor sharded on dim 0 only (FSDP2), got {p0.placements}; "
+                             "build tensor-parallel models under "
+                             "fp8_model_init(recipe=DelayedScaling()) to shard FP8 params")
     elif not p.is_contiguous():
         raise ValueError(f"{where}: params must be contiguous (got strides {p.stride()}); "
                          "use p.data = p.data.contiguous() before building the optimizer")
@@ -265,8 +270,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
         """After p's master changed: a current-scaled FP8 param (fp8_model_init under
         Float8CurrentScaling) takes its scale from the new master's amax and is rewritten with
         it; then the fp8 transpose follows the data. A block-scaled one is requantized from it."""
-        if isinstance(p, Float8BlockTensor):
-            p.requantize_(self.get_master_param(p))
+        if isinstance(local(p), Float8BlockTensor):
+            local(p).requantize_(local(self.get_master_param(p)))
             return
         current = getattr(p, "_current_scaling", None)
         if current is not None:  # never a DTensor shard (Float8Tensor's FSDP gather refuses those)
@@ -291,8 +296,8 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
     def _kernel_param(self, p: torch.Tensor) -> torch.Tensor:
         """What the step kernel writes as p: its storage, or for a block-scaled FP8 param its
         fp32 master (stepped as an fp32 param; the blocks are requantized after the step)."""
-        if isinstance(p, Float8BlockTensor):
-            return self.state[p]["master_param"]
+        if isinstance(local(p), Float8BlockTensor):
+            return local(self.state[p]["master_param"])
         return storage(p)
 
     def _table_cache(self, gi: int, key) -> dict:
