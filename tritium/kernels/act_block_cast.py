@@ -10,7 +10,7 @@ high-precision [T, F] activation ever reaching memory (one T x F write + read sa
 
 Numerics, equal to the unfused chain by construction: the values come from the plain kernel's
 `_fwd_values` (elementwise), are rounded to x.dtype (what the unfused cast reads) and go through
-`kernels.block_cast`'s helpers (`_amax_rows_nan`, `_current_scale`, `_scaled_fp8`); rows
+`kernels.block_cast`'s `_store_1x128` (amax, scale and cast of a 1x128 strip); rows
 T..Tp-1 are zeros (amax 0 -> scale 1, data 0), as the padded copy is.
 
 Layout: one program per 128x128 tile of (padded tokens Tp, F), walked in strips of SUB: rowwise
@@ -42,8 +42,8 @@ from ..fp8.formats import fp8_max
 from ..ref.block_cast import BLOCK, BlockQuantized
 from ._launch import Launcher
 from .activation import _CODE, GATED, _bwd_values, _check, _fwd_values, _rows_view
-from .block_cast import _amax_rows_nan
-from .cast import _TL_FP8, _current_scale, _scaled_fp8
+from .block_cast import _store_1x128
+from .cast import _TL_FP8
 
 
 @triton.jit
@@ -62,11 +62,8 @@ def _act_block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv
         valid = (rm[:, None] < R) & (rk_all[None, :] < F)
         y = _fwd_values(x_ptr, rm[:, None] * stride_x + rk_all[None, :], F, valid, ACT, GATED)
         y = tl.where(valid, y.to(in_ty).to(tl.float32), 0.0)
-        scale = _current_scale(_amax_rows_nan(y), FP8_MAX, EPS, POW2)
-        tl.store(data_ptr + rm[:, None] * F + rk_all[None, :],
-                 _scaled_fp8(y, scale[:, None], valid, FP8_MAX, OUT_DTYPE),
-                 mask=(rm[:, None] < Rp) & (rk_all[None, :] < F))
-        tl.store(scale_inv_ptr + pid_k * Rp + rm, tl.math.div_rn(1.0, scale), mask=rm < Rp)
+        _store_1x128(y, valid, rm, rk_all, Rp, F, data_ptr, scale_inv_ptr + pid_k * Rp,
+                     FP8_MAX, OUT_DTYPE, EPS, POW2)
     if COLUMNWISE:
         for c in range(0, BLOCK, SUB):  # columnwise: 1x128 along the tokens (x^T)
             rk = (k0 + c + tl.arange(0, SUB)).to(tl.int64)
@@ -74,12 +71,8 @@ def _act_block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv
             yt = _fwd_values(x_ptr, rm_all[None, :] * stride_x + rk[:, None], F, valid_t,
                              ACT, GATED)
             yt = tl.where(valid_t, yt.to(in_ty).to(tl.float32), 0.0)
-            scale_t = _current_scale(_amax_rows_nan(yt), FP8_MAX, EPS, POW2)
-            tl.store(data_t_ptr + rk[:, None] * Rp + rm_all[None, :],
-                     _scaled_fp8(yt, scale_t[:, None], valid_t, FP8_MAX, OUT_DTYPE),
-                     mask=(rk[:, None] < F) & (rm_all[None, :] < Rp))
-            tl.store(scale_inv_t_ptr + pid_m * F + rk, tl.math.div_rn(1.0, scale_t),
-                     mask=rk < F)
+            _store_1x128(yt, valid_t, rk, rm_all, F, Rp, data_t_ptr,
+                         scale_inv_t_ptr + pid_m * F, FP8_MAX, OUT_DTYPE, EPS, POW2)
 
 
 @triton.jit
@@ -117,22 +110,15 @@ def _act_bwd_block_cast_kernel(dy_ptr, x_ptr, hp_ptr, data_ptr, scale_inv_ptr, d
         if WRITE_HP:
             tl.store(hp_ptr + rm[:, None] * W + rk_all[None, :],
                      v.to(hp_ptr.dtype.element_ty), mask=valid)
-        scale = _current_scale(_amax_rows_nan(v), FP8_MAX, EPS, POW2)
-        tl.store(data_ptr + rm[:, None] * W + rk_all[None, :],
-                 _scaled_fp8(v, scale[:, None], valid, FP8_MAX, OUT_DTYPE),
-                 mask=(rm[:, None] < Rp) & (rk_all[None, :] < W))
-        tl.store(scale_inv_ptr + pid_k * Rp + rm, tl.math.div_rn(1.0, scale), mask=rm < Rp)
+        _store_1x128(v, valid, rm, rk_all, Rp, W, data_ptr, scale_inv_ptr + pid_k * Rp,
+                     FP8_MAX, OUT_DTYPE, EPS, POW2)
     if COLUMNWISE:
         for c in range(0, BLOCK, SUB):  # columnwise: 1x128 along the tokens (fc1's wgrad)
             rk = (k0 + c + tl.arange(0, SUB)).to(tl.int64)
             vt, valid_t = _dh_values(dy_ptr, x_ptr, rm_all[None, :], rk[:, None], R, F, W,
                                      stride_dy, stride_x, ACT, GATED)
-            scale_t = _current_scale(_amax_rows_nan(vt), FP8_MAX, EPS, POW2)
-            tl.store(data_t_ptr + rk[:, None] * Rp + rm_all[None, :],
-                     _scaled_fp8(vt, scale_t[:, None], valid_t, FP8_MAX, OUT_DTYPE),
-                     mask=(rk[:, None] < W) & (rm_all[None, :] < Rp))
-            tl.store(scale_inv_t_ptr + pid_m * W + rk, tl.math.div_rn(1.0, scale_t),
-                     mask=rk < W)
+            _store_1x128(vt, valid_t, rk, rm_all, W, Rp, data_t_ptr,
+                         scale_inv_t_ptr + pid_m * W, FP8_MAX, OUT_DTYPE, EPS, POW2)
 
 
 _launch = Launcher(_act_block_cast_kernel)

@@ -54,6 +54,21 @@ def _load(x_ptr, rows, cols, M, K, stride_xm, TRANSPOSED: tl.constexpr):
 
 
 @triton.jit
+def _store_1x128(v, valid, rows, cols, n_rows, n_cols, data_ptr, scale_inv_ptr,
+                 FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, EPS: tl.constexpr,
+                 POW2: tl.constexpr):
+    """A strip v [rows, cols] of values (`valid` where they exist), each row one 1x128 block:
+    its fp8 data at data[rows, cols] of a row-major [n_rows, n_cols] tensor and its scale_inv at
+    scale_inv_ptr + rows. Stores cover every position inside the tensor, so padding rows and
+    columns get zeros (the fused norm / activation casts, whose outputs are padded)."""
+    scale = _current_scale(_amax_rows_nan(v), FP8_MAX, EPS, POW2)
+    tl.store(data_ptr + rows[:, None] * n_cols + cols[None, :],
+             _scaled_fp8(v, scale[:, None], valid, FP8_MAX, OUT_DTYPE),
+             mask=(rows[:, None] < n_rows) & (cols[None, :] < n_cols))
+    tl.store(scale_inv_ptr + rows, tl.math.div_rn(1.0, scale), mask=rows < n_rows)
+
+
+@triton.jit
 def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_ptr, skip_ptr,
                        M, K, stride_xm, KB, MB,
                        FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, EPS: tl.constexpr,

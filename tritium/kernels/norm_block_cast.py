@@ -46,8 +46,8 @@ import triton.language as tl
 from ..fp8.formats import fp8_max
 from ..ref.block_cast import BLOCK, BlockQuantized
 from ._launch import Launcher
-from .block_cast import _amax_rows_nan
-from .cast import _TL_FP8, _current_scale, _scaled_fp8
+from .block_cast import _store_1x128
+from .cast import _TL_FP8
 from .norm import _norm_fwd_tile, _rows_contiguous, _tile
 
 
@@ -103,23 +103,16 @@ def _norm_block_cast_kernel(x_ptr, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
         if WRITE_HP:
             tl.store(y_ptr + rm[:, None] * N + rk_all[None, :], y.to(y_ptr.dtype.element_ty),
                      mask=valid)
-        scale = _current_scale(_amax_rows_nan(y), FP8_MAX, EPS, POW2)
-        tl.store(data_ptr + rm[:, None] * N + rk_all[None, :],
-                 _scaled_fp8(y, scale[:, None], valid, FP8_MAX, OUT_DTYPE),
-                 mask=(rm[:, None] < Rp) & (rk_all[None, :] < N))
-        tl.store(scale_inv_ptr + pid_k * Rp + rm, tl.math.div_rn(1.0, scale), mask=rm < Rp)
+        _store_1x128(y, valid, rm, rk_all, Rp, N, data_ptr, scale_inv_ptr + pid_k * Rp,
+                     FP8_MAX, OUT_DTYPE, EPS, POW2)
     if COLUMNWISE:
         for c in range(0, BLOCK, SUB):  # columnwise: 1x128 along the tokens (y^T)
             rk = (k0 + c + tl.arange(0, SUB)).to(tl.int64)
             yt, valid_t = _y_values(x_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rm_all[None, :],
                                     rk[:, None], R, N, stride_x, IS_RMS, HAS_BIAS,
                                     ZERO_CENTERED)
-            scale_t = _current_scale(_amax_rows_nan(yt), FP8_MAX, EPS, POW2)
-            tl.store(data_t_ptr + rk[:, None] * Rp + rm_all[None, :],
-                     _scaled_fp8(yt, scale_t[:, None], valid_t, FP8_MAX, OUT_DTYPE),
-                     mask=(rk[:, None] < N) & (rm_all[None, :] < Rp))
-            tl.store(scale_inv_t_ptr + pid_m * N + rk, tl.math.div_rn(1.0, scale_t),
-                     mask=rk < N)
+            _store_1x128(yt, valid_t, rk, rm_all, N, Rp, data_t_ptr,
+                         scale_inv_t_ptr + pid_m * N, FP8_MAX, OUT_DTYPE, EPS, POW2)
 
 
 _launch_stats = Launcher(_norm_stats_kernel)
