@@ -21,16 +21,9 @@ from tritium import recipe
 from tritium.fp8 import block as block_ops
 from tritium.functional.fused_cast import fused_casts
 
+from testlib import assert_bits
+
 pytestmark = pytest.mark.cpu
-
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
-
-
-def _assert_bits(got, want, what):
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    bad = (got.contiguous().view(_INT[got.element_size()])
-           != want.contiguous().view(_INT[want.element_size()])).sum().item()
-    assert bad == 0, f"{what}: {bad} of {got.numel()} elements differ"
 
 
 @pytest.fixture
@@ -92,7 +85,7 @@ def test_fused_activation_block_cast_equals_unfused(activation, dtype, shape, re
     assert len(spy) == 6      # and not with the fusion off
     assert [k for k, _ in got] == [k for k, _ in want]
     for (name, g), (_, w) in zip(got, want):
-        _assert_bits(g, w, name)
+        assert_bits(g, w, name)
     assert any(g.abs().max() > 0 for name, g in got if name.endswith("dfc1_weight"))
 
 
@@ -103,7 +96,7 @@ def test_inference_fused_rowwise_only_and_checkpoint_unfused(spy):
     got = _run(mlp, True, rec, (37, 64), torch.float32, steps=1, grad=False)
     assert spy == [("fwd", False)]   # no grad: no columnwise blocks, no backward
     want = _run(mlp, False, rec, (37, 64), torch.float32, steps=1, grad=False)
-    _assert_bits(got[0][1], want[0][1], "no-grad output")
+    assert_bits(got[0][1], want[0][1], "no-grad output")
     ckpt = te.LayerNormMLP(64, 144, activation="swiglu", device="cpu", checkpoint=True)
     _run(ckpt, True, rec, (37, 64), torch.float32, steps=1)
     assert len(spy) == 1  # checkpoint=True keeps the unfused chain

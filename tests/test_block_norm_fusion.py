@@ -21,17 +21,11 @@ from tritium import recipe
 from tritium.fp8 import block as block_ops
 from tritium.functional.fused_cast import fused_casts
 
+from testlib import assert_bits
+
 pytestmark = pytest.mark.cpu
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 H = 192
-
-
-def _assert_bits(got, want, what):
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    bad = (got.contiguous().view(_INT[got.element_size()])
-           != want.contiguous().view(_INT[want.element_size()])).sum().item()
-    assert bad == 0, f"{what}: {bad} of {got.numel()} elements differ"
 
 
 @pytest.fixture
@@ -111,7 +105,7 @@ def test_fused_norm_block_cast_equals_unfused(kind, norm, zc, ret_ln, dtype, sha
     assert len(spy) == 3      # and not with the fusion off
     assert [k for k, _ in got] == [k for k, _ in want]
     for (name, g), (_, w) in zip(got, want):
-        _assert_bits(g, w, name)
+        assert_bits(g, w, name)
     assert any(g.abs().max() > 0 for name, g in got if name.endswith("dlayer_norm_weight"))
 
 
@@ -122,7 +116,7 @@ def test_fused_norm_skips(spy):
     got = _run(lnl, True, rec, (37, H), torch.float32, steps=1, grad=False)
     assert spy == [(False, False, False)]   # no grad: rowwise blocks only
     want = _run(lnl, False, rec, (37, H), torch.float32, steps=1, grad=False)
-    _assert_bits(got[0][1], want[0][1], "no-grad output")
+    assert_bits(got[0][1], want[0][1], "no-grad output")
     ckpt = te.LayerNormMLP(H, 144, device="cpu", checkpoint=True)
     _run(ckpt, True, rec, (37, H), torch.float32, steps=1)
     assert len(spy) == 1  # checkpoint=True keeps the unfused norm

@@ -26,23 +26,11 @@ from tritium.ref import activation as ref_act
 from tritium.ref.cast import cast_transpose
 from tritium.ref import norm as ref_norm
 
+from testlib import assert_bits
+
 pytestmark = pytest.mark.cpu
 
 REC = recipe.DelayedScaling(amax_history_len=3)
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _bits(t):
-    return t.detach().contiguous().view(_INT[t.element_size()])
-
-
-def assert_bits(got, want, what):
-    assert (got is None) == (want is None), what
-    if got is None:
-        return
-    assert got.dtype == want.dtype and got.shape == want.shape, what
-    bad = (_bits(got) != _bits(want)).sum().item()
-    assert bad == 0, f"{what}: {bad} of {got.numel()} elements differ"
 
 
 @pytest.fixture

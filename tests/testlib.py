@@ -110,6 +110,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def assert_bits(got, want, what):
+    """got and want hold the same bits (or are both None): dtype, shape and every element."""
+    assert (got is None) == (want is None), what
+    if got is None:
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    bits = lambda t: t.detach().contiguous().view(_INT[t.element_size()])  # noqa: E731
+    bad = (bits(got) != bits(want)).sum().item()
+    assert bad == 0, f"{what}: {bad} of {got.numel()} elements differ"
+
+
 class WrappedWeight(torch.Tensor):
     """A weight wrapper of the kind torchao's float8 training puts on params: no storage of its
     own, one inner tensor (`_tensor`), every op run on the inner tensor."""
