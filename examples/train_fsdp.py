@@ -166,19 +166,22 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
 
 
 def _recompute(layer) -> None:
-    """Activation recomputation of a whole decoder layer with te.distributed.checkpoint
-    (torch's non-reentrant checkpoint underneath): the recompute in backward re-enters the
+    """Activation recomputation of a whole decoder layer with te.distributed.checkpoint, reentrant
+    (TE's default): the first forward runs without grad, so the FP8 layers skip what only
+    backward reads (the transposed fp8 copies of activations), and the host does less per layer
+    than with torch's non-reentrant checkpoint. The recompute in backward re-enters the
     forward's fp8_autocast with the forward's frozen scales, so delayed scaling recomputes
     exactly what the forward computed. FSDP2's hooks stay on the layer, outside the checkpoint.
     HF's own layers (the benchmark's baselines, compiled per layer for torchao) take torch's
-    checkpoint."""
+    non-reentrant checkpoint, which torch.compile traces."""
     from tritium.distributed import checkpoint
     forward = layer.forward
-    if not type(layer).__module__.startswith("tritium"):   # HF's own layers (the baselines):
-        checkpoint = torch.utils.checkpoint.checkpoint        # torch's, which torch.compile traces
+    reentrant = type(layer).__module__.startswith("tritium")
+    if not reentrant:
+        checkpoint = torch.utils.checkpoint.checkpoint
 
     def recomputed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=reentrant, **kwargs)
     layer.forward = recomputed
 
 
