@@ -131,7 +131,7 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
     tensor- and sequence-parallel over it and FSDP2 shards over "dp"."""
     import transformers
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from tritium.integrations.hf import convert_llama
+    from tritium.integrations.hf import convert_llama, fuse_cross_entropy
     # use_cache=False: HF's default builds a KV cache in training, which torch.compile cannot
     # trace (the compiled torchao baseline would fall back to eager)
     config = transformers.LlamaConfig(**CONFIGS[config_name], tie_word_embeddings=False,
@@ -147,6 +147,8 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
         import tritium as te
         with te.fp8_model_init(enabled=fp8_params is not None, recipe=fp8_params):
             convert_llama(model, tp_group=tp, sequence_parallel=tp is not None)
+    else:   # every variant's loss is the same fused lm_head + cross-entropy (no fp32 logits)
+        fuse_cross_entropy(model)
     if fp8_all_gather is not None:
         from tritium.distributed import enable_fp8_all_gather
         enable_fp8_all_gather(model, fp8_all_gather)
@@ -226,11 +228,14 @@ def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0, mesh=No
 
 
 def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int = 2,
-          dp: int = None):
+          dp: int = None, clip_grad_norm: float = 1.0):
     """Train over `data`; returns per-step dicts (loss, tokens/s after warm-up, peak GiB,
     all-gather bytes). One progress line per step on rank 0. dp: the number of data-parallel
     groups (default: every rank; under TP the TP ranks of a group share a batch, so a step
-    trains batch * seq * dp tokens)."""
+    trains batch * seq * dp tokens). clip_grad_norm: the global grad-norm clip of every Llama
+    recipe (torchtitan's default 1.0; 0 turns it off). Under TP (dp < world) it is off: each TP
+    rank holds other shards of the layers but the same replicated parameters, so torch's
+    clip_grad_norm_ would compute a different norm on each; a TP-aware norm is not built here."""
     import tritium as te
     from tritium.distributed import precompute_fp8_scales_for_fsdp
     world, rows = dist.get_world_size(), []
@@ -246,11 +251,11 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
             t_start, tokens = time.perf_counter(), 0
         with GatherCounter() as gathered:
             ctx = te.fp8_autocast(fp8_recipe=rcp) if rcp is not None else contextlib.nullcontext()
-            with ctx:
-                logits = model(input_ids=x).logits
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-            del logits
+            with ctx:   # the loss: tritium.linear_cross_entropy (fuse_cross_entropy)
+                loss = model(input_ids=x, shift_labels=y).loss
             loss.backward()
+            if clip_grad_norm and dp == world:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
             precompute_fp8_scales_for_fsdp(model)     # no-op without current-scaling gathers

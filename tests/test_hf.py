@@ -21,7 +21,7 @@ import tritium as te
 transformers = pytest.importorskip("transformers")
 
 from tritium.integrations.hf import (TritiumLlamaDecoderLayer, convert_llama,  # noqa: E402
-                                     to_hf_state_dict)
+                                     fuse_cross_entropy, to_hf_state_dict)
 
 from testlib import FP32_TOL  # noqa: E402
 
@@ -180,6 +180,28 @@ def test_fused_causal_lm_loss_equals_hf(tied):
         out, ref = conv(input_ids=ids, labels=labels), hf.eval()(input_ids=ids, labels=labels)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-6, atol=0)
     torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+
+
+def test_fuse_cross_entropy_alone_keeps_hf_layers():
+    """fuse_cross_entropy on an unconverted model: HF's decoder layers stay, the training loss
+    (shift_labels given directly, as a pre-shifted batch) equals HF's at 1e-6 relative and the
+    gradients at fp32 tolerance; a model without an nn.Linear lm_head is refused."""
+    hf = _hf_model()
+    fused = fuse_cross_entropy(copy.deepcopy(hf))
+    assert not any(isinstance(m, TritiumLlamaDecoderLayer) for m in fused.modules())
+    ids, targets = torch.randint(0, VOCAB, (2, 11)), torch.randint(0, VOCAB, (2, 11))
+    out = fused(input_ids=ids, shift_labels=targets)
+    logits = hf(input_ids=ids).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref, rtol=1e-6, atol=0)
+    out.loss.backward()
+    ref.backward()
+    ref_grads = dict(hf.named_parameters())
+    for name, p in fused.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, **FP32_TOL, msg=name)
+    with pytest.raises(TypeError, match="lm_head"):
+        fuse_cross_entropy(hf.model)
 
 
 def test_round_trip_state_dict():

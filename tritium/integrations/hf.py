@@ -343,8 +343,20 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
-        model._tritium_fp8_lm_head = bool(fp8_lm_head)
-        model.forward = types.MethodType(_causal_lm_forward, model)
+        fuse_cross_entropy(model, fp8_lm_head=fp8_lm_head)
+    return model
+
+
+def fuse_cross_entropy(model, *, fp8_lm_head: bool = False):
+    """Route a causal LM's training loss (`model(input_ids, labels=...)` or `shift_labels=`)
+    through linear_cross_entropy, keeping its decoder layers as they are (in place; returns the
+    model). `convert_llama` does this by default; this alone is for a model whose layers stay
+    HF's own (e.g. a torchao-converted baseline that should pay for the same loss)."""
+    if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
+        raise TypeError(f"fuse_cross_entropy: model must be a causal LM with an nn.Linear "
+                        f"lm_head (e.g. LlamaForCausalLM); {type(model).__name__} has none")
+    model._tritium_fp8_lm_head = bool(fp8_lm_head)
+    model.forward = types.MethodType(_causal_lm_forward, model)
     return model
 
 
