@@ -35,11 +35,11 @@ def _entry(rank, world, port):
         dist.destroy_process_group()
 
 
-def _model(block: bool, dtype=torch.float32, out: int = F, dim: int = 2):
+def _model(block: bool, dtype=torch.float32, out: int = F, dim: int = 2, seed: int = 0):
     import contextlib
     import tritium as te
     from tritium import recipe
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     ctx = (te.fp8_model_init(recipe=recipe.Float8BlockScaling(w_block_scaling_dim=dim))
            if block else contextlib.nullcontext())
     with ctx:

@@ -35,6 +35,16 @@ the transpose are the same numbers transposed). Nothing is reduced: block scales
 Deliberately not done: views other than the whole tensor, the fp8 all-gather of tensor
 parallelism.
 Checkpoints: registered with `torch.serialization.add_safe_globals` (weights_only=True loads).
+Distributed checkpoints (tritium.distributed.checkpointing, DCP): the param is saved as its
+dequantized values in the nominal dtype (so DCP writes plain storage and the checkpoint loads
+into a high-precision model too), and next to it `checkpoint_parts()`, the scales (and for 1x128
+blocks the columnwise form, which is quantized from high precision and cannot be derived from
+the rowwise one), each laid out with dim 0 along the weight's rows or 128-row blocks, so a
+dim-0 shard of the param is a dim-0 shard of every part and DCP reshards them together. Part
+names carry the block form (a checkpoint of the other form is refused by name). Requantizing the
+values would not do (the block amax of the dequantized values can pick another power-of-2
+scale); `load_checkpoint_` divides the values by the saved scales instead, which gives back the
+saved fp8 bytes bit for bit (values are fp8 x scale_inv).
 """
 from __future__ import annotations
 
@@ -173,6 +183,44 @@ class Float8BlockTensor(QuantizedTensor):
         """The rowwise fp8 bytes' storage (a wrapper holds none of its own; FSDP2 compares it)."""
         return self._data.untyped_storage()
 
+    # ------------------------------------------------------------------ distributed checkpoints
+    def checkpoint_parts(self) -> dict:
+        """What a distributed checkpoint keeps besides the dequantized values (see the module
+        note), new tensors (DCP loads into them); shapes as `checkpoint_layout`."""
+        if self._block_2d:
+            return {"scale_inv_128x128": self._scale_inv.clone()}
+        if self._data_t is None:
+            raise NotImplementedError("a 1x128 Float8BlockTensor without its columnwise form "
+                                      "cannot be checkpointed")
+        cols = dequantize_blocks(self._data_t, self._scale_inv_t).t().to(self.dtype)
+        return {"scale_inv_1x128": self._scale_inv.t().contiguous(), "columnwise_1x128": cols,
+                "scale_inv_t_1x128": self._scale_inv_t.clone()}
+
+    @torch.no_grad()
+    def load_checkpoint_(self, values: torch.Tensor, parts: dict) -> "Float8BlockTensor":
+        """Write the saved bytes back from a checkpoint's dequantized values and
+        `checkpoint_parts` (of this tensor's shape and block form), bit for bit."""
+        want = checkpoint_layout(self.shape, self._block_2d)
+        got = {n: tuple(t.shape) for n, t in parts.items()}
+        if got != want or tuple(values.shape) != tuple(self.shape):
+            raise ValueError(f"load_checkpoint_: a {'128x128' if self._block_2d else '1x128'} "
+                             f"block-scaled weight {tuple(self.shape)} needs values of its shape "
+                             f"and the parts {want}, got values {tuple(values.shape)} and {got}")
+        if self._block_2d:
+            s = parts["scale_inv_128x128"]
+            self._data.copy_(_fp8_of(values, s, True, self._fp8_dtype))
+            self._scale_inv.copy_(s)
+            if self._data_t is not None:
+                transpose_fp8(self._data, out=self._data_t)
+                self._scale_inv_t.copy_(s.t())
+            return self
+        s, st = parts["scale_inv_1x128"].t(), parts["scale_inv_t_1x128"]
+        self._data.copy_(_fp8_of(values, s, False, self._fp8_dtype))
+        self._scale_inv.copy_(s)
+        self._data_t.copy_(_fp8_of(parts["columnwise_1x128"].t(), st, False, self._fp8_dtype))
+        self._scale_inv_t.copy_(st)
+        return self
+
     # ------------------------------------------------------------------ FSDP2 extension points
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
                             mp_policy=None):
@@ -267,6 +315,29 @@ class Float8BlockTensor(QuantizedTensor):
         if isinstance(t, Float8BlockTensor) and _writes_self(func):
             return t.requantize_(out)  # in-place op: it ran on a dequantized copy
         return out
+
+
+def checkpoint_layout(shape, block_2d: bool) -> dict:
+    """{part name: shape} of `Float8BlockTensor.checkpoint_parts` for a weight (or a dim-0
+    shard of it) of `shape` [rows, K] with 128x128 (block_2d) or 1x128 blocks."""
+    rows, k = shape
+    kb, rb = -(-k // BLOCK), -(-rows // BLOCK)
+    if block_2d:
+        return {"scale_inv_128x128": (rb, kb)}
+    return {"scale_inv_1x128": (rows, kb), "columnwise_1x128": (rows, k),
+            "scale_inv_t_1x128": (rb, k)}
+
+
+def _expanded(scale_inv: torch.Tensor, shape, block_2d: bool) -> torch.Tensor:
+    """Each element's scale_inv for data of `shape` (scale_inv as quantize_blocks writes it)."""
+    m, k = shape
+    s = scale_inv.repeat_interleave(BLOCK, dim=0)[:m] if block_2d else scale_inv.t()
+    return s.repeat_interleave(BLOCK, dim=1)[:, :k]
+
+
+def _fp8_of(values: torch.Tensor, scale_inv: torch.Tensor, block_2d: bool, fp8_dtype):
+    """The fp8 numbers whose dequantized values are `values` (values / scale_inv, exact)."""
+    return (values.float() / _expanded(scale_inv, values.shape, block_2d)).to(fp8_dtype)
 
 
 def _is_whole_view(t, size, stride, storage_offset=0) -> bool:
