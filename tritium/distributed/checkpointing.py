@@ -90,8 +90,7 @@ def _block_parts(value) -> Optional[dict]:
         return parts
     shapes = checkpoint_layout(value.shape, local._block_2d)
     return {n: DTensor.from_local(t.contiguous(), value.device_mesh, value.placements,
-                                  run_check=False, shape=shapes[n],
-                                  stride=torch.empty(shapes[n], device="meta").stride())
+                                  run_check=False, shape=shapes[n], stride=(shapes[n][1], 1))
             for n, t in parts.items()}
 
 
