@@ -99,7 +99,6 @@ def _gathered_bytes(block: bool, dim: int = 2) -> int:
 def _check(rank, world):
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from tritium.fp8.block_tensor import Float8BlockTensor
 
     # misconfigurations first: raised at fully_shard, on every rank, before any collective
     with pytest.raises(ValueError, match=r"\(384, 256\).*2 ranks.*multiple of 128"):
