@@ -17,6 +17,15 @@ Why a wrapper (thin on purpose; torch does the work):
     loads its params before its extra_state), which gives back the saved fp8 bytes exactly (the
     saved value is fp8 * scale_inv; times the same scale it rounds to the same fp8 value). The
     optimizer's fp32 masters come from the optimizer state, so training resumes bit-exactly.
+  * Block-scaled FP8 params (Float8BlockTensor, fp8_model_init under Float8BlockScaling; FSDP2
+    shards of them) are saved as their dequantized values too, and their block scales (1x128:
+    also the columnwise form) under "fp8_block" {param name: Float8BlockTensor.checkpoint_parts}
+    as DTensors sharded like the param (dim 0 of every part follows the weight's rows), so DCP
+    reshards them with it. There is no module scale to requantize with: `set_state_dict`
+    rebuilds the bytes from the values and the saved scales (block_tensor.py's note), bit for
+    bit. A model whose block params do not match the checkpoint (none saved: a tensorwise or
+    high-precision checkpoint; the other block form; a tensorwise param where blocks were saved)
+    is refused by name before anything is loaded; a high-precision model loads the values.
   * High-precision weights wrapped for FP8 all-gather (tritium.distributed.fsdp) are saved as
     the plain tensors they wrap.
   * FP8 metadata (module extra_state: scales and amax histories as tensors, the recipe as plain
@@ -41,15 +50,18 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_state_dict as _torch_set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from ..fp8.block_tensor import Float8BlockTensor, checkpoint_layout
 from ..fp8.cast import transpose_fp8
 from ..fp8.tensor import Float8Tensor
 from .amax import reduce_amax_rows
+
+BLOCKS = "fp8_block"    # the state dict entry of block-scaled params' scales
 
 
 def _plain_local(t: torch.Tensor) -> Optional[torch.Tensor]:
     """The plain high-precision tensor to save for a tritium param's local tensor, or None when
     the param is plain already."""
-    if isinstance(t, Float8Tensor):
+    if isinstance(t, (Float8Tensor, Float8BlockTensor)):
         return t.dequantize()
     hp = getattr(t, "_hp_shard", None)          # fsdp.enable_fp8_all_gather's wrapper
     return None if hp is None else hp.detach()
@@ -66,6 +78,54 @@ def _savable(value):
         plain = _plain_local(value)
         return value if plain is None else plain
     return value
+
+
+def _block_parts(value) -> Optional[dict]:
+    """checkpoint_parts of a block-scaled param (DTensors placed like it), else None."""
+    local = value._local_tensor if isinstance(value, DTensor) else value
+    if not isinstance(local, Float8BlockTensor):
+        return None
+    parts = local.checkpoint_parts()
+    if not isinstance(value, DTensor):
+        return parts
+    shapes = checkpoint_layout(value.shape, local._block_2d)
+    return {n: DTensor.from_local(t.contiguous(), value.device_mesh, value.placements,
+                                  run_check=False, shape=shapes[n], stride=(shapes[n][1], 1))
+            for n, t in parts.items()}
+
+
+def _local(t):
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _check_blocks(model: torch.nn.Module, saved: set, where: str) -> None:
+    """Every block-scaled param of the model finds its parts (of its block form) among the
+    `saved` names ("<param>.<part>"), and no tensorwise FP8 param has block parts saved."""
+    for name, p in model.named_parameters():
+        local = _local(p)
+        mine = {n for n in saved if n.startswith(name + ".")}
+        if isinstance(local, Float8BlockTensor):
+            want = {f"{name}.{n}" for n in checkpoint_layout(local.shape, local._block_2d)}
+            form = "128x128" if local._block_2d else "1x128"
+            if want <= saved:
+                continue
+            if mine:
+                raise ValueError(
+                    f"{where}: the checkpoint holds block-scaled FP8 param {name!r} with "
+                    f"{'1x128' if local._block_2d else '128x128'} blocks, this model's has "
+                    f"{form} blocks; build it under fp8_model_init(recipe=Float8BlockScaling("
+                    f"w_block_scaling_dim={1 if local._block_2d else 2})) as it was saved")
+            raise ValueError(
+                f"{where}: the checkpoint holds no block scales for {name!r}, a block-scaled FP8 "
+                f"param ({form}) here: it was saved from a tensorwise-FP8 or high-precision "
+                "model; build the model as it was saved (or without fp8_model_init and load "
+                "the values)")
+        if isinstance(local, Float8Tensor) and mine:
+            raise ValueError(
+                f"{where}: the checkpoint holds {name!r} as a block-scaled FP8 param "
+                "(Float8BlockScaling), this model's is a tensorwise FP8 param; build it under "
+                "fp8_model_init(recipe=Float8BlockScaling(...)) as it was saved, or without "
+                "fp8_model_init to load the values")
 
 
 def _fp8_modules(model: torch.nn.Module):
@@ -100,7 +160,11 @@ def get_state_dict(model: torch.nn.Module, optimizers=(), *, fp8_recipe=None, am
     _prepare_fp8_meta(model, fp8_recipe)
     _reduce_pending_amaxes(model, amax_group)
     model_sd, optim_sd = _torch_get_state_dict(model, optimizers, options=options)
-    return {"model": {k: _savable(v) for k, v in model_sd.items()}, "optim": optim_sd}
+    state = {"model": {k: _savable(v) for k, v in model_sd.items()}, "optim": optim_sd}
+    blocks = {k: parts for k, v in model_sd.items() if (parts := _block_parts(v)) is not None}
+    if blocks:
+        state[BLOCKS] = blocks
+    return state
 
 
 @torch.no_grad()
@@ -111,6 +175,9 @@ def set_state_dict(model: torch.nn.Module, optimizers, state_dict: dict, *,
         raise ValueError("set_state_dict: state_dict must be the dict made by "
                          "tritium.distributed.checkpointing.get_state_dict ({'model', 'optim'})")
     model_sd = state_dict["model"]
+    blocks = state_dict.get(BLOCKS, {})
+    _check_blocks(model, {f"{k}.{n}" for k, parts in blocks.items() for n in parts},
+                  "set_state_dict")
     _torch_set_state_dict(model, optimizers, model_state_dict=model_sd,
                           optim_state_dict=state_dict.get("optim", {}), options=options)
     # FP8 params were quantized with the scale they had before the module's extra_state was
@@ -123,14 +190,21 @@ def set_state_dict(model: torch.nn.Module, optimizers, state_dict: dict, *,
             local.copy_(v)
             if local._transpose is not None:
                 transpose_fp8(local._data.reshape(-1, local._data.shape[-1]), out=local._transpose)
+        elif isinstance(local, Float8BlockTensor) and isinstance(value, torch.Tensor):
+            local.load_checkpoint_(_local(value), {n: _local(t) for n, t in blocks[name].items()})
 
 
-def _check_fp8_templates(model: torch.nn.Module, checkpoint_id) -> None:
-    """A clear error before DCP's, for a module whose FP8 state is saved but has no template."""
+def _saved_keys(checkpoint_id) -> Optional[set]:
+    """The checkpoint's (flattened) keys, or None for a storage other than a file system
+    (then DCP reports what does not match)."""
     try:
-        keys = dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata.keys()
-    except Exception:  # another storage: let DCP report
-        return
+        return set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    except Exception:
+        return None
+
+
+def _check_fp8_templates(model: torch.nn.Module, keys: set) -> None:
+    """A clear error before DCP's, for a module whose FP8 state is saved but has no template."""
     for name, m in _fp8_modules(model):
         tag = f"model.{name}._extra_state." if name else "model._extra_state."
         if m.fp8_meta.recipe is None and any(k.startswith(tag) for k in keys):
@@ -150,8 +224,13 @@ def load(checkpoint_id, model: torch.nn.Module, optimizers=(), *, fp8_recipe=Non
          **kwargs) -> None:
     """dcp.load into the (sharded) model and optimizers, at any world size (every rank calls
     it). See get_state_dict for fp8_recipe."""
+    keys = _saved_keys(checkpoint_id)
+    if keys is not None:     # before anything changes (get_state_dict prepares and reduces)
+        head = BLOCKS + "."
+        _check_blocks(model, {k[len(head):] for k in keys if k.startswith(head)}, "load")
     state = get_state_dict(model, optimizers, fp8_recipe=fp8_recipe)
-    _check_fp8_templates(model, checkpoint_id)
+    if keys is not None:
+        _check_fp8_templates(model, keys)
     dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
     set_state_dict(model, optimizers, state)
 

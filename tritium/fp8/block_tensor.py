@@ -18,23 +18,40 @@ anything else requantizes); every other op runs on the dequantized values in the
 (so it works with plain PyTorch ops and under non-block recipes, where it is cast like any
 high-precision weight). In-place ops requantize the result into the tensor.
 
-FSDP2 (`fully_shard`, 128x128 blocks only): split / narrow / new_zeros / copy_ along dim 0 keep
-the fp8 bytes and slice the scale grid with them; a shard keeps no columnwise form (`_data_t`
-and `_scale_inv_t` None; `requantize_` then writes the rowwise form only). `view(-1)` (FSDP2's
-flat view of a shard) gives the flat rowwise fp8 data, and `untyped_storage()` its storage.
-Every shard but the last must hold whole 128-row blocks (a boundary inside a block would need a
-second scale for it), and FSDP2 needs every all-gather input of a short last shard padded to the
-full shard's shape, which the scale grid cannot be: so the rows must split evenly into whole
-blocks (N % (128 * world size) == 0); the split raises a ValueError otherwise, on every rank
-alike, before any collective. `fsdp_pre_all_gather` hands FSDP two inputs, the shard's fp8 bytes
-as uint8 (gloo has no fp8 dtypes) and its fp32 scales; `fsdp_post_all_gather` makes the
-columnwise form after the gather (data_t = transpose_fp8(data); for 128x128 blocks the scales of
-the transpose are the same numbers transposed). Nothing is reduced: block scales are local.
-1x128 weights raise NotImplementedError (their columnwise tiles run along N, across shards).
+FSDP2 (`fully_shard`): split / narrow / new_zeros / copy_ along dim 0 keep the fp8 bytes and
+slice the scales with them. `view(-1)` (FSDP2's flat view of a shard) gives the flat rowwise fp8
+data, and `untyped_storage()` its storage. Every shard but the last must hold whole 128-row
+blocks (128x128: a boundary inside a block would need a second scale for it; 1x128: the
+columnwise tiles run 128 rows along N), and FSDP2 needs every all-gather input of a short last
+shard padded to the full shard's shape, which a scale grid cannot be: so the rows must split
+evenly into whole blocks (N % (128 * world size) == 0); the split raises a ValueError otherwise,
+on every rank alike, before any collective. Nothing is reduced: block scales are local, and
+`requantize_` of a shard from its local master (the optimizer) writes exactly the shard's
+part of what the whole weight's quantization would.
+  * 128x128: a shard keeps no columnwise form (`_data_t` and `_scale_inv_t` None; `requantize_`
+    then writes the rowwise form only). `fsdp_pre_all_gather` hands FSDP two inputs, the
+    shard's fp8 bytes as uint8 (gloo has no fp8 dtypes) and its fp32 scales;
+    `fsdp_post_all_gather` makes the columnwise form after the gather (data_t =
+    transpose_fp8(data), the scales of the transpose are the same numbers transposed).
+  * 1x128: the columnwise form is quantized from high precision (tiles along N) and cannot be
+    made from the rowwise bytes, so a shard keeps both (its rows' data and scale columns, its
+    columns of data_t and its rows of scale_inv_t) and the all-gather moves both: four inputs,
+    each with the shard's rows on dim 0 (the scales [Kb, rows] and data_t [K, rows] transposed
+    for the gather and back after it). That is 2 bytes per element, about bf16's.
 
 Deliberately not done: views other than the whole tensor, the fp8 all-gather of tensor
 parallelism.
 Checkpoints: registered with `torch.serialization.add_safe_globals` (weights_only=True loads).
+Distributed checkpoints (tritium.distributed.checkpointing, DCP): the param is saved as its
+dequantized values in the nominal dtype (so DCP writes plain storage and the checkpoint loads
+into a high-precision model too), and next to it `checkpoint_parts()`, the scales (and for 1x128
+blocks the columnwise form, which is quantized from high precision and cannot be derived from
+the rowwise one), each laid out with dim 0 along the weight's rows or 128-row blocks, so a
+dim-0 shard of the param is a dim-0 shard of every part and DCP reshards them together. Part
+names carry the block form (a checkpoint of the other form is refused by name). Requantizing the
+values would not do (the block amax of the dequantized values can pick another power-of-2
+scale); `load_checkpoint_` divides the values by the saved scales instead, which gives back the
+saved fp8 bytes bit for bit (values are fp8 x scale_inv).
 """
 from __future__ import annotations
 
@@ -154,45 +171,94 @@ class Float8BlockTensor(QuantizedTensor):
                                  self._qparams)
 
     def _rows(self, start: int, end: int) -> "Float8BlockTensor":
-        """Rows [start, end) as a shard (no columnwise form); start on a block boundary."""
-        self._check_2d("a dim-0 slice")
+        """Rows [start, end) as a shard (128x128: no columnwise form); start on a block
+        boundary."""
         if start % BLOCK:
             raise ValueError(f"a dim-0 slice of a block-scaled FP8 weight {tuple(self.shape)} "
                              f"must start on a {BLOCK}-row block boundary, got row {start}")
         sr = slice(start // BLOCK, -(-end // BLOCK))
-        return self._same_meta((self._data[start:end], self._scale_inv[sr], None, None))
-
-    def _check_2d(self, what: str) -> None:
-        if not self._block_2d:
-            raise NotImplementedError(
-                f"{what} of a Float8BlockTensor with 1x128 blocks (w_block_scaling_dim=1): its "
-                "columnwise tiles run along N, across FSDP shards. Build the model with "
-                "Float8BlockScaling(w_block_scaling_dim=2) to shard it with FSDP2")
+        if self._block_2d:
+            return self._same_meta((self._data[start:end], self._scale_inv[sr], None, None))
+        return self._same_meta((self._data[start:end], self._scale_inv[:, start:end],
+                                self._data_t[:, start:end], self._scale_inv_t[sr]))
 
     def untyped_storage(self):
         """The rowwise fp8 bytes' storage (a wrapper holds none of its own; FSDP2 compares it)."""
         return self._data.untyped_storage()
 
+    # ------------------------------------------------------------------ distributed checkpoints
+    def checkpoint_parts(self) -> dict:
+        """What a distributed checkpoint keeps besides the dequantized values (see the module
+        note), new tensors (DCP loads into them); shapes as `checkpoint_layout`."""
+        if self._block_2d:
+            return {"scale_inv_128x128": self._scale_inv.clone()}
+        if self._data_t is None:
+            raise NotImplementedError("a 1x128 Float8BlockTensor without its columnwise form "
+                                      "cannot be checkpointed")
+        cols = dequantize_blocks(self._data_t, self._scale_inv_t).t().to(self.dtype)
+        return {"scale_inv_1x128": self._scale_inv.t().contiguous(), "columnwise_1x128": cols,
+                "scale_inv_t_1x128": self._scale_inv_t.clone()}
+
+    @torch.no_grad()
+    def load_checkpoint_(self, values: torch.Tensor, parts: dict) -> "Float8BlockTensor":
+        """Write the saved bytes back from a checkpoint's dequantized values and
+        `checkpoint_parts` (of this tensor's shape and block form), bit for bit."""
+        want = checkpoint_layout(self.shape, self._block_2d)
+        got = {n: tuple(t.shape) for n, t in parts.items()}
+        if got != want or tuple(values.shape) != tuple(self.shape):
+            raise ValueError(f"load_checkpoint_: a {'128x128' if self._block_2d else '1x128'} "
+                             f"block-scaled weight {tuple(self.shape)} needs values of its shape "
+                             f"and the parts {want}, got values {tuple(values.shape)} and {got}")
+        if self._block_2d:
+            s = parts["scale_inv_128x128"]
+            self._data.copy_(_fp8_of(values, s, True, self._fp8_dtype))
+            self._scale_inv.copy_(s)
+            if self._data_t is not None:
+                transpose_fp8(self._data, out=self._data_t)
+                self._scale_inv_t.copy_(s.t())
+            return self
+        s, st = parts["scale_inv_1x128"].t(), parts["scale_inv_t_1x128"]
+        self._data.copy_(_fp8_of(values, s, False, self._fp8_dtype))
+        self._scale_inv.copy_(s)
+        self._data_t.copy_(_fp8_of(parts["columnwise_1x128"].t(), st, False, self._fp8_dtype))
+        self._scale_inv_t.copy_(st)
+        return self
+
     # ------------------------------------------------------------------ FSDP2 extension points
     def fsdp_pre_all_gather(self, mesh, outer_size=None, outer_stride=None, module=None,
                             mp_policy=None):
-        """(all-gather inputs, metadata): the shard's fp8 bytes (uint8) and its fp32 scales."""
-        self._check_2d("FSDP2 sharding")
+        """(all-gather inputs, metadata): the shard's fp8 bytes (uint8) and its fp32 scales;
+        1x128: of both forms, each with the shard's rows on dim 0 (see the module note)."""
         if outer_size is not None:
             check_block_split(tuple(outer_size), mesh.size())
         # shards are equal (check_block_split): no padding rows to drop after the gather
-        return (self._data.contiguous().view(torch.uint8), self._scale_inv.contiguous()), ()
+        data = self._data.contiguous().view(torch.uint8)
+        if self._block_2d:
+            return (data, self._scale_inv.contiguous()), ()
+        return (data, self._scale_inv.t().contiguous(),
+                self._data_t.t().contiguous().view(torch.uint8), self._scale_inv_t.contiguous()), ()
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The unsharded tensor from the gathered bytes and scales; the columnwise form is made
-        here (never sent). With `out` (a re-gather into FSDP's re-allocated buffers): refill."""
-        if out is not None:
-            transpose_fp8(out._data, out=out._data_t)
-            out._scale_inv_t.copy_(out._scale_inv.t())
-            return None
-        gathered, scale_inv = all_gather_outputs
-        data = gathered.view(self._fp8_dtype)
-        data_t, scale_inv_t = transpose_fp8(data), scale_inv.t().contiguous()
+        here (128x128) or put back in its layout (1x128). With `out` (a re-gather into FSDP's
+        re-allocated buffers, of which the gathered data is a view): refill the rest."""
+        if self._block_2d:
+            if out is not None:
+                transpose_fp8(out._data, out=out._data_t)
+                out._scale_inv_t.copy_(out._scale_inv.t())
+                return None
+            gathered, scale_inv = all_gather_outputs
+            data = gathered.view(self._fp8_dtype)
+            data_t, scale_inv_t = transpose_fp8(data), scale_inv.t().contiguous()
+        else:
+            gathered, scale_inv_rows, cols, scale_inv_t = all_gather_outputs
+            if out is not None:
+                out._scale_inv.copy_(scale_inv_rows.t())
+                transpose_fp8(cols.view(self._fp8_dtype), out=out._data_t)
+                return None
+            data = gathered.view(self._fp8_dtype)
+            scale_inv = scale_inv_rows.t().contiguous()
+            data_t = transpose_fp8(cols.view(self._fp8_dtype))
         full = self._same_meta((data, scale_inv, data_t, scale_inv_t), param_dtype)
         return full, (data, scale_inv, data_t, scale_inv_t)
 
@@ -235,13 +301,16 @@ class Float8BlockTensor(QuantizedTensor):
                     if len(args) > 4 and args[4] != 1:
                         raise ValueError("a Float8BlockTensor takes dim-0 slices of step 1 only")
                 return t._rows(a, min(end, t.shape[0]))
-        if func is aten.new_zeros.default:
-            t._check_2d("new_zeros (FSDP2 padding)")
+        if func is aten.new_zeros.default:       # FSDP2's storage of a shard: its own form
             rows, cols = args[1]
             dev = t._data.device
-            return t._same_meta((torch.zeros(rows, cols, dtype=t._fp8_dtype, device=dev),
-                                 torch.zeros(-(-rows // BLOCK), -(-cols // BLOCK),
-                                             device=dev), None, None))
+            rb, kb = -(-rows // BLOCK), -(-cols // BLOCK)
+            data = torch.zeros(rows, cols, dtype=t._fp8_dtype, device=dev)
+            if t._block_2d:
+                return t._same_meta((data, torch.zeros(rb, kb, device=dev), None, None))
+            return t._same_meta((data, torch.zeros(kb, rows, device=dev),
+                                 torch.zeros(cols, rows, dtype=t._fp8_dtype, device=dev),
+                                 torch.zeros(rb, cols, device=dev)))
         if func is aten.empty_like.default:
             # module.to_empty(): a tensor of the same form whose blocks reset_parameters fills
             device = kwargs.get("device") or t._data.device
@@ -269,6 +338,29 @@ class Float8BlockTensor(QuantizedTensor):
         return out
 
 
+def checkpoint_layout(shape, block_2d: bool) -> dict:
+    """{part name: shape} of `Float8BlockTensor.checkpoint_parts` for a weight (or a dim-0
+    shard of it) of `shape` [rows, K] with 128x128 (block_2d) or 1x128 blocks."""
+    rows, k = shape
+    kb, rb = -(-k // BLOCK), -(-rows // BLOCK)
+    if block_2d:
+        return {"scale_inv_128x128": (rb, kb)}
+    return {"scale_inv_1x128": (rows, kb), "columnwise_1x128": (rows, k),
+            "scale_inv_t_1x128": (rb, k)}
+
+
+def _expanded(scale_inv: torch.Tensor, shape, block_2d: bool) -> torch.Tensor:
+    """Each element's scale_inv for data of `shape` (scale_inv as quantize_blocks writes it)."""
+    m, k = shape
+    s = scale_inv.repeat_interleave(BLOCK, dim=0)[:m] if block_2d else scale_inv.t()
+    return s.repeat_interleave(BLOCK, dim=1)[:, :k]
+
+
+def _fp8_of(values: torch.Tensor, scale_inv: torch.Tensor, block_2d: bool, fp8_dtype):
+    """The fp8 numbers whose dequantized values are `values` (values / scale_inv, exact)."""
+    return (values.float() / _expanded(scale_inv, values.shape, block_2d)).to(fp8_dtype)
+
+
 def _is_whole_view(t, size, stride, storage_offset=0) -> bool:
     return (tuple(size) == tuple(t.shape) and tuple(stride) == (t.shape[1], 1)
             and not storage_offset and t._data.is_contiguous())
@@ -283,7 +375,7 @@ def check_block_split(shape: tuple, world: int, rows: int = None) -> None:
     if world > 1 and n > rows and (rows % BLOCK or n % rows):
         raise ValueError(
             f"FSDP2 cannot shard the block-scaled FP8 weight of shape {tuple(shape)} over "
-            f"{world} ranks: its shards of {rows} rows would split a {BLOCK}x{BLOCK} scale "
+            f"{world} ranks: its shards of {rows} rows would split a {BLOCK}-row scale "
             f"block or leave a short last shard. Its rows must be a multiple of {BLOCK} x the "
             f"shard world size ({BLOCK * world}): shard over fewer ranks, pad the layer's "
             "output features, or keep this weight out of fully_shard / in high precision")

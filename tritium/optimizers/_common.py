@@ -14,8 +14,9 @@ Float8BlockScaling) have one scale per block, which the fused kernels do not wri
 steps their fp32 master as if it were an fp32 param (same bucket, same bits), then
 `p.requantize_(master)` writes every block from it. They need master_weights=True and fp32
 masters. Under FSDP2 (a DTensor whose local tensor is a Float8BlockTensor shard of whole
-128x128 blocks) the master and moments are sharded like the param and the shard's blocks are
-requantized from the local master: exact, each block lies in one shard. Tensor-parallel
+128-row blocks; 1x128 shards hold both forms) the master and moments are sharded like the param
+and the shard's blocks are requantized from the local master: exact, each block (and each
+columnwise 1x128 tile along N) lies in one shard. Tensor-parallel
 (non-Shard(0)) placements of block params are refused.
 
 Step = plan + run. The plan reads every param of every group, checks its grad (present, dense,
