@@ -175,13 +175,18 @@ SPECS = {
         "Llama-3-8B trained with FSDP2 (seq 4096, FusedAdam fp32 masters, decoder layers "
         "recomputed; benchmarks/bench_fsdp.py); cells: tokens/s over all GPUs (speedup), peak "
         "memory per GPU, all-gather GiB per step per GPU",
-        tritium=("tritium-fp8-delayed-ag", "tritium-fp8-ag"),
+        tritium=("tritium-fp8-delayed-ag", "tritium-fp8-ag", "tritium-fp8-params"),
         cells=("{tokens_per_s:,.0f} tok/s ({speedup:.2f}x, {peak_gib_per_gpu:.1f} GiB, "
                "AG {all_gather_gib_per_step:.1f} GiB)", DEFAULT_CELL),
         targets=(Target("x2$", "tritium-fp8-delayed-ag", ">= 1.45x bf16 (2 GPUs)", at_least=1.45),
                  Target("", "tritium-fp8-delayed-ag", ">= 1.4x bf16 (every size)",
                         at_least=1.4)),
         headlines=(("x2$", "tritium-fp8-delayed-ag", "Llama-3-8B FSDP2 on 2 GPUs, FP8 all-gather"),)),
+    "tp": Spec(
+        "One Llama-3-8B TransformerLayer, tensor-parallel over 2 GPUs with sequence parallelism "
+        "(fwd+bwd; benchmarks/bench_tp.py)",
+        tritium=("fp8 delayed tp2 sp", "fp8 current tp2 sp"),
+        targets=(Target("", "fp8 delayed tp2 sp", ">= 1.4x bf16 TP=2", at_least=1.4),)),
     "moe": Spec(
         "Mixtral-8x7B-shaped MoE (8 experts, top-2, hidden 4096, ffn 14336, 8192 tokens), "
         "fwd+bwd",
