@@ -3,12 +3,11 @@ sequence-parallel converted Llama, bf16 against FP8 (issues 18 and 24).
 
 Two gloo processes, spawned once; the TP group is the world. The model: a tiny HF
 LlamaForCausalLM (bf16, GQA, L = 2 layers) converted with sequence_parallel=True, each decoder
-layer optionally recomputed in backward with te.distributed.checkpoint (reentrant, as
-examples/train_fsdp.py does). A step: forward with labels (the fused loss), backward. The second
-step of each run is counted (the first makes states and caches) by wrapping the collectives
-(`dist.*` and the two that tritium.distributed.tensor_parallel binds at import): kind, group,
-dtype and bytes sent by this rank, in issue order. What the design says a step issues, from the
-model's structure (docs/distributed.md, "Collectives per step"):
+layer optionally recomputed in backward with te.distributed.checkpoint (reentrant, TE's
+default). A step: forward with labels (the fused loss), backward. The second step of each run
+is counted (the first makes states and caches) by examples/train_fsdp.py's CollectiveLog: kind,
+group, dtype and bytes sent by this rank of every collective, in issue order. What the design
+says a step issues, from the model's structure (docs/distributed.md, "Collectives per step"):
   * all-gathers over TP: per layer the inputs of its two column-parallel GEMMs (QKV, fc1) in
     forward, again in the recompute, and the grads of its two row-parallel GEMMs (proj, fc2) in
     backward; plus the model's: the last layer's output (again in its recompute: the gather
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import traceback
 import zlib
 
 import pytest
@@ -45,12 +43,6 @@ WORLD, LAYERS, SEQ = 2, 2, 32
 HIDDEN, HEADS, KV_HEADS, FFN, VOCAB = 32, 4, 2, 64, 64
 SEED = zlib.crc32(b"test_tp_collectives")
 RUNS = [(rcp, recompute) for rcp in ("bf16", "delayed", "current") for recompute in (False, True)]
-_KINDS = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-          "reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-          "all_reduce": "all_reduce", "all_gather": "other", "broadcast": "other",
-          "barrier": "other", "reduce_scatter": "other", "all_to_all_single": "other",
-          "all_reduce_coalesced": "other"}
-_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
 def _model():
@@ -74,62 +66,11 @@ def _recompute(model) -> None:
             forward)
 
 
-class _Recorder:
-    """Wraps the collectives and the host-syncing tensor methods while `on`."""
-
-    def __init__(self):
-        self.log, self.syncs, self.on = [], [], False
-
-    @contextlib.contextmanager
-    def installed(self):
-        import torch.distributed as dist
-        from tritium.distributed import tensor_parallel as tp
-        saved = []
-
-        def patch(owner, name, fn):
-            saved.append((owner, name, getattr(owner, name)))
-            setattr(owner, name, fn)
-        for name, kind in _KINDS.items():
-            if hasattr(dist, name):
-                patch(dist, name, self._collective(kind, getattr(dist, name)))
-        for name in ("_all_gather", "_reduce_scatter"):
-            kind = "all_gather" if "gather" in name else "reduce_scatter"
-            patch(tp, name, self._collective(kind, getattr(tp, name)))
-        for name in _SYNCS:
-            patch(torch.Tensor, name, self._sync(name, getattr(torch.Tensor, name)))
-        try:
-            yield self
-        finally:
-            for owner, name, fn in reversed(saved):
-                setattr(owner, name, fn)
-
-    def _collective(self, kind, real):
-        import torch.distributed as dist
-
-        def wrapped(*args, **kwargs):
-            if self.on:
-                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-                group = kwargs.get("group")
-                ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-                # the bytes this rank sends: the smaller of a gather's tensors, the larger of
-                # a reduce-scatter's, the one tensor of an all-reduce
-                pick = min if kind == "all_gather" else max
-                t = pick(tensors, key=lambda x: x.numel())
-                self.log.append((kind, ranks, t.dtype, t.numel() * t.element_size()))
-            return real(*args, **kwargs)
-        return wrapped
-
-    def _sync(self, name, real):
-        import tritium
-        package = os.path.dirname(tritium.__file__) + os.sep
-
-        def wrapped(*args, **kwargs):
-            if self.on:
-                caller = traceback.extract_stack(limit=2)[0]   # the code that called the method
-                if caller.filename.startswith(package):
-                    self.syncs.append(f"{name} at {caller.filename}:{caller.lineno}")
-            return real(*args, **kwargs)
-        return wrapped
+def _collective_log():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "examples"))
+    from train_fsdp import CollectiveLog
+    return CollectiveLog()
 
 
 def _step(model, ids, rcp):
@@ -151,8 +92,8 @@ def _worker(rank, port, out_dir):
         recipes = {"bf16": None, "delayed": recipe.DelayedScaling(),
                    "current": recipe.Float8CurrentScaling()}
         ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(SEED))
-        res, rec = {}, _Recorder()
-        with rec.installed():
+        res = {}
+        with _collective_log() as rec:
             for name, recompute in RUNS:
                 model = _model()
                 if recompute:
