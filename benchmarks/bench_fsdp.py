@@ -226,8 +226,8 @@ def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
     packed = masking.find_packed_sequence_indices
     x, y = data[-2]
     dist.barrier()
-    if cuda:   # hold the GPU for about 3 walls (at ~2 GHz): the step's kernels queue behind
-        torch.cuda._sleep(int(6e6 * wall))
+    if cuda:   # hold the GPU for about 10 walls (at ~2 GHz): the step's kernels queue behind
+        torch.cuda._sleep(int(2e7 * wall))
         held = torch.cuda.Event()
         held.record()
     masking.find_packed_sequence_indices = lambda position_ids: None
@@ -262,7 +262,7 @@ def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
             log.on = False
-    row["syncs"], row["log"] = log.syncs, log.log
+    row.update(syncs=log.syncs, log=log.log, summary=log.summary())
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
     if dist.get_rank() != 0:
@@ -277,12 +277,7 @@ def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
             print(f"    sync: {site[:160]}")
     print(f"{name} collectives per step (rank 0), identical sequence on every rank: "
           f"{all(d['log'] == rows[0]['log'] for d in rows)}")
-    summary = {}
-    for kind, ranks, dtype, nbytes in rows[0]["log"]:
-        key = (kind, len(ranks), str(dtype).replace("torch.", ""))
-        count, total = summary.get(key, (0, 0))
-        summary[key] = (count + 1, total + nbytes)
-    for (kind, size, dtype), (count, total) in sorted(summary.items()):
+    for (kind, size, dtype), (count, total) in sorted(rows[0]["summary"].items()):
         print(f"    {kind:15s} group of {size}  {dtype:9s} x{count:<5d} {total / 2**20:10.2f} MiB")
 
 
