@@ -33,6 +33,9 @@ tensor- and sequence-parallel over "tp" (examples/train_fsdp.py: make_mesh); `--
 per dp rank (the N TP ranks of a dp group share it) and the case name ends in -tp{N}. hf-bf16
 and torchao-float8 are the 1D peers: with N > 1 they give a row with an error.
 --profile VARIANT: that variant's kernels under torch.profiler (compute-busy vs wall, NCCL time).
+--diagnose VARIANTS: per rank, wall vs host ms per step, device syncs, allocator retries and
+the collectives of a step (diagnose_variant; docs/distributed.md says how to read it). --layers N
+builds N decoder layers of the 8B shape (fewer GPUs, quicker runs).
 Reported per variant: ms per step and tokens/s (all GPUs, after --warmup steps), peak memory per
 GPU, bytes all-gathered per step per GPU, and the loss curve (first / last, and the mean of the
 last 10 steps relative to bf16's). Rows go through benchmarks/harness.py finish().
@@ -178,6 +181,106 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
             print("call sites:", repr(exc))
 
 
+def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
+    """Why a variant is slower than its kernels: `name` for --warmup steps, then on EVERY rank
+    (rank 0 prints each rank's line, so an asymmetry shows):
+      * wall ms per step over `steps` steps;
+      * host ms per step: one step enqueued while the GPU is held busy (torch.cuda._sleep), so
+        it measures the Python and launches alone ("waited" if the host still caught up with
+        the device: a sync inside the step); HF's packed-sequence check (a device sync per
+        forward, masking_utils.find_packed_sequence_indices) is skipped for this step only.
+        host >= wall: the step is bound by the host, and collectives then absorb the ranks'
+        host jitter (long NCCL kernels in a profile are waits, not transfers);
+      * device syncs of one step: CUDA's sync debug mode (call sites), and on any device the
+        host-syncing tensor methods tritium's own code calls (CollectiveLog.syncs);
+      * allocator retries and cudaFree calls during the timed steps (each a device sync, when
+        memory runs short) and peak memory;
+      * the collectives of one step by kind, group size and dtype (count, MiB), and whether
+        every rank issued the same sequence (a mismatch would hang or serialize NCCL)."""
+    import time
+    import traceback
+    import warnings
+    import transformers.masking_utils as masking
+    args.steps = args.warmup + steps + 2
+    model, opt, rcp, after = _setup_variant(name, args, device)
+    data = list(T.batches(args.seq_len, args.batch, args.steps, device, seed=args.seed,
+                          mesh=args.mesh))
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    run = lambda x, y: T.train_step(model, opt, x, y, rcp=rcp, after_step=after)  # noqa: E731
+    for x, y in data[:args.warmup]:
+        run(x, y)
+    sync()
+    dist.barrier()
+    mem0 = torch.cuda.memory_stats() if cuda else {}
+    t0 = time.perf_counter()
+    for x, y in data[args.warmup:args.warmup + steps]:
+        run(x, y)
+    sync()
+    wall = (time.perf_counter() - t0) * 1e3 / steps
+    mem1 = torch.cuda.memory_stats() if cuda else {}
+    row = {"wall": wall, "host": None, "waited": None, "cuda_syncs": [],
+           "retries": mem1.get("num_alloc_retries", 0) - mem0.get("num_alloc_retries", 0),
+           "frees": mem1.get("num_device_free", 0) - mem0.get("num_device_free", 0),
+           "peak_gib": mem1.get("allocated_bytes.all.peak", 0) / 2**30}
+    packed = masking.find_packed_sequence_indices
+    x, y = data[-2]
+    dist.barrier()
+    if cuda:   # hold the GPU for about 10 walls (at ~2 GHz): the step's kernels queue behind
+        torch.cuda._sleep(int(2e7 * wall))
+        held = torch.cuda.Event()
+        held.record()
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        t0 = time.perf_counter()
+        run(x, y)
+        row["host"] = (time.perf_counter() - t0) * 1e3
+    finally:
+        masking.find_packed_sequence_indices = packed
+    row["waited"] = cuda and held.query()
+    sync()
+    dist.barrier()
+
+    def seen(message, *a, **k):   # a sync debug warning: where the step called it
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings.py" not in f.filename]
+        site = "/".join(frames[-1].filename.rsplit("/", 2)[-2:]) if frames else "?"
+        row["cuda_syncs"].append(f"at {site}:{frames[-1].lineno if frames else 0}")
+    x, y = data[-1]
+    with T.CollectiveLog() as log, warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = seen
+        log.on = True
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run(x, y)
+            sync()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+            log.on = False
+    row.update(syncs=log.syncs, log=log.log, summary=log.summary())
+    rows = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, row)
+    if dist.get_rank() != 0:
+        return
+    for r, d in enumerate(rows):
+        host = "n/a" if d["host"] is None else f"{d['host']:.1f}" + (
+            " (waited for the device: a sync)" if d["waited"] else "")
+        print(f"{name} rank {r}: wall {d['wall']:.1f} ms/step | host {host} ms/step | "
+              f"alloc retries {d['retries']}, cudaFree {d['frees']}, peak {d['peak_gib']:.1f} "
+              f"GiB | device syncs {len(d['cuda_syncs'])}, tritium host syncs {len(d['syncs'])}")
+        for site in sorted(set(d["cuda_syncs"] + d["syncs"])):
+            print(f"    sync: {site[:160]}")
+    print(f"{name} collectives per step (rank 0), identical sequence on every rank: "
+          f"{all(d['log'] == rows[0]['log'] for d in rows)}")
+    for (kind, size, dtype), (count, total) in sorted(rows[0]["summary"].items()):
+        print(f"    {kind:15s} group of {size}  {dtype:9s} x{count:<5d} {total / 2**20:10.2f} MiB")
+
+
 def _print_call_sites(prof, names: list, steps: int, sites: int = 3) -> None:
     """For each kernel name, the Python call sites (innermost frames outside torch.nn's
     module machinery) of the ops that launched it, by GPU time."""
@@ -200,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--tiny", action="store_true", help="tiny config, short sequences: a dry run")
     p.add_argument("--batch", type=int, default=1, help="sequences per dp rank per step")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size (2D mesh dp x tp)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the config's 32); "
+                   "fewer fit fewer GPUs, e.g. for --diagnose on 2 GPUs at dp 1 x tp 2")
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5, help="steps left out of tokens/s")
@@ -216,8 +321,13 @@ def main(argv=None) -> int:
                    "compute-busy time and NCCL time per step; writes no result")
     p.add_argument("--profile-stacks", action="store_true",
                    help="with --profile: the Python call sites of the top kernels")
+    p.add_argument("--diagnose", metavar="VARIANTS", help="comma-separated variants: wall vs "
+                   "host ms per step, device syncs, allocator retries and the collectives of "
+                   "a step, on every rank (see diagnose_variant); writes no result")
     args = p.parse_args(argv)
     args.config = "tiny" if args.tiny else "llama3-8b"
+    if args.layers:
+        T.CONFIGS[args.config] = dict(T.CONFIGS[args.config], num_hidden_layers=args.layers)
     if args.tiny:
         args.seq_len, args.steps, args.warmup = min(args.seq_len, 128), min(args.steps, 6), 2
     device = T.setup(args.device)
@@ -225,8 +335,17 @@ def main(argv=None) -> int:
         args.mesh = T.make_mesh(device, args.tp)
     except ValueError as e:
         p.error(str(e))
-    if args.profile:
-        profile_variant(args.profile, args, device)
+    if args.profile or args.diagnose:
+        for name in (args.diagnose.split(",") if args.diagnose else ()):
+            if name not in VARIANTS:
+                p.error(f"--diagnose: unknown {name!r}; choose from {', '.join(VARIANTS)}")
+        if args.profile:
+            profile_variant(args.profile, args, device)
+        for name in (args.diagnose.split(",") if args.diagnose else ()):
+            diagnose_variant(name, args, device)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         dist.destroy_process_group()
         return 0
     rows = []
@@ -239,7 +358,8 @@ def main(argv=None) -> int:
             if dist.get_rank() == 0:
                 traceback.print_exc()
             row = {"variant": name, "error": f"{type(e).__name__}: {e}"}
-        row["case"] = (f"{args.config}-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
+        row["case"] = (f"{args.config}{f'-L{args.layers}' if args.layers else ''}"
+                       f"-s{args.seq_len}-b{args.batch}x{dist.get_world_size()}"
                        + ("" if args.recompute else "-no-recompute")
                        + (f"-tp{args.tp}" if args.tp > 1 else ""))
         rows.append(row)

@@ -24,7 +24,8 @@ Data: bytes of real text (the demo's corpus: Python's standard library source), 
 stream of random windows per dp rank (the TP ranks of a dp group get the same batch). Each step
 prints one progress line (loss averaged over ranks, tokens/s over all ranks, peak memory per
 device, bytes FSDP2 all-gathered per step per rank).
-`build()` and `train()` are also used by benchmarks/bench_fsdp.py.
+`build()` and `train()` are also used by benchmarks/bench_fsdp.py; `CollectiveLog` (a
+diagnostic: the collectives and host syncs of a step) by its --diagnose and by the tests.
 """
 from __future__ import annotations
 
@@ -213,6 +214,87 @@ class GatherCounter:
             setattr(dist, name, real)
 
 
+_COLLECTIVES = {"all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
+                "reduce_scatter_single": "reduce_scatter",
+                "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+                "all_gather": "all_gather_list", "reduce_scatter": "reduce_scatter_list",
+                "broadcast": "broadcast", "all_to_all_single": "all_to_all", "barrier": "barrier"}
+_HOST_SYNCS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
+
+
+class CollectiveLog:
+    """A diagnostic: every torch.distributed collective this rank issues while `on` is True
+    (FSDP2's, tritium's tensor-parallel ones, which tensor_parallel.py binds at import, and the
+    amax reductions) as (kind, group ranks, dtype, bytes this rank sends) in issue order; and in
+    `syncs` the tensor methods that make the host wait for the device (item, tolist, bool, ...)
+    called from tritium's own code. Install it with `with CollectiveLog() as log:` (before the
+    step: the wrappers stay in place until the block exits), then set `log.on`."""
+
+    def __init__(self):
+        self.log, self.syncs, self.on = [], [], False
+        self._saved = []
+
+    def __enter__(self):
+        from tritium.distributed import tensor_parallel
+        for name, kind in _COLLECTIVES.items():
+            if hasattr(dist, name):
+                self._patch(dist, name, self._collective(kind, getattr(dist, name)))
+        for name in ("_all_gather", "_reduce_scatter"):
+            self._patch(tensor_parallel, name, self._collective(
+                "all_gather" if "gather" in name else "reduce_scatter",
+                getattr(tensor_parallel, name)))
+        for name in _HOST_SYNCS:
+            self._patch(torch.Tensor, name, self._sync(name, getattr(torch.Tensor, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+        self._saved.clear()
+
+    def _patch(self, owner, name, fn):
+        self._saved.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, fn)
+
+    def _collective(self, kind, real):
+        def wrapped(*args, **kwargs):
+            if self.on:
+                tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+                group = kwargs.get("group") or next(
+                    (a for a in args if isinstance(a, dist.ProcessGroup)), None)
+                ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+                # what this rank sends: a gather's input (the smaller tensor), a
+                # reduce-scatter's input (the larger), an all-reduce's one tensor
+                pick = min if kind == "all_gather" else max
+                t = pick(tensors, key=lambda x: x.numel()) if tensors else None
+                self.log.append((kind, ranks, None if t is None else t.dtype,
+                                 0 if t is None else t.numel() * t.element_size()))
+            return real(*args, **kwargs)
+        return wrapped
+
+    def _sync(self, name, real):
+        import traceback
+        import tritium
+        package = os.path.dirname(tritium.__file__) + os.sep
+
+        def wrapped(*args, **kwargs):
+            if self.on:
+                caller = traceback.extract_stack(limit=2)[0]   # the code calling the method
+                if caller.filename.startswith(package):
+                    self.syncs.append(f"{name} at {caller.filename}:{caller.lineno}")
+            return real(*args, **kwargs)
+        return wrapped
+
+    def summary(self) -> dict:
+        """{(kind, group size, dtype): [count, bytes]} of the collectives logged."""
+        out = {}
+        for kind, ranks, dtype, nbytes in self.log:
+            row = out.setdefault((kind, len(ranks), str(dtype).replace("torch.", "")), [0, 0])
+            row[0] += 1
+            row[1] += nbytes
+        return out
+
+
 def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0, mesh=None):
     """Windows of real text (bytes as tokens), a different stream per dp rank (every rank
     without a mesh)."""
@@ -227,6 +309,28 @@ def batches(seq_len: int, batch: int, steps: int, device, seed: int = 0, mesh=No
         yield w[:, :-1], w[:, 1:]
 
 
+def train_step(model, opt, x, y, *, rcp=None, after_step=None,
+               clip_grad_norm: float = 0.0) -> torch.Tensor:
+    """One step: forward (under fp8_autocast with `rcp`) with the loss through
+    tritium.linear_cross_entropy (fuse_cross_entropy: no fp32 logits), backward, the grad-norm
+    clip (0: none), optimizer step, the FP8 gather scales' precompute, `after_step()`. Returns
+    the loss, detached; nothing here waits for the device."""
+    import tritium as te
+    from tritium.distributed import precompute_fp8_scales_for_fsdp
+    ctx = te.fp8_autocast(fp8_recipe=rcp) if rcp is not None else contextlib.nullcontext()
+    with ctx:
+        loss = model(input_ids=x, shift_labels=y).loss
+    loss.backward()
+    if clip_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    precompute_fp8_scales_for_fsdp(model)     # no-op without current-scaling gathers
+    if after_step is not None:
+        after_step()
+    return loss.detach()
+
+
 def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int = 2,
           dp: int = None, clip_grad_norm: float = 1.0):
     """Train over `data`; returns per-step dicts (loss, tokens/s after warm-up, peak GiB,
@@ -236,8 +340,6 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
     recipe (torchtitan's default 1.0; 0 turns it off). Under TP (dp < world) it is off: each TP
     rank holds other shards of the layers but the same replicated parameters, so torch's
     clip_grad_norm_ would compute a different norm on each; a TP-aware norm is not built here."""
-    import tritium as te
-    from tritium.distributed import precompute_fp8_scales_for_fsdp
     world, rows = dist.get_world_size(), []
     dp = world if dp is None else dp
     cuda = next(model.parameters()).device.type == "cuda"
@@ -250,18 +352,8 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
                 torch.cuda.synchronize()
             t_start, tokens = time.perf_counter(), 0
         with GatherCounter() as gathered:
-            ctx = te.fp8_autocast(fp8_recipe=rcp) if rcp is not None else contextlib.nullcontext()
-            with ctx:   # the loss: tritium.linear_cross_entropy (fuse_cross_entropy)
-                loss = model(input_ids=x, shift_labels=y).loss
-            loss.backward()
-            if clip_grad_norm and dp == world:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            precompute_fp8_scales_for_fsdp(model)     # no-op without current-scaling gathers
-            if after_step is not None:
-                after_step()
-        loss = loss.detach()
+            loss = train_step(model, opt, x, y, rcp=rcp, after_step=after_step,
+                              clip_grad_norm=clip_grad_norm if dp == world else 0.0)
         dist.all_reduce(loss)   # the TP ranks of a dp group hold the same loss: the mean is dp's
         tokens += x.numel() * dp
         elapsed = None if t_start is None else time.perf_counter() - t_start

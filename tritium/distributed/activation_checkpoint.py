@@ -140,7 +140,7 @@ def checkpoint(function, *args, distribute_saved_activations: bool = False,
     if use_reentrant:
         return _Checkpoint.apply(function, kwargs, get_rng_state_tracker, group,
                                  distribute_saved_activations, *args)
-    scope = recompute.RecomputeScope(current_autocast())
+    scope = recompute.RecomputeScope(current_autocast(), drops_saved_tensors=True)
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False,
         context_fn=lambda: _non_reentrant_contexts(scope, get_rng_state_tracker), **kwargs)

@@ -43,10 +43,13 @@ class FrozenScales:
 class RecomputeScope:
     """One checkpointed call: the frozen scales of the FP8 modules that ran in its forward."""
 
-    def __init__(self, autocast_state):
+    def __init__(self, autocast_state, drops_saved_tensors: bool = False):
         self.autocast_state = autocast_state   # fp8_autocast state active at the forward
         self.frozen: dict[int, FrozenScales] = {}
         self.recomputing = False
+        # torch's non-reentrant checkpoint: the forward runs with grad and its saved tensors
+        # are dropped and recomputed (the reentrant one runs its forward without grad)
+        self.drops_saved_tensors = drops_saved_tensors
 
     def forward_scales(self, state: Optional[ScalingState]):
         """The forward scales a module uses now: live (copied once) in the forward, the copy in
@@ -72,6 +75,14 @@ def current() -> Optional[RecomputeScope]:
     return _local.scope
 
 
+def drops_saved_tensors() -> bool:
+    """Inside a non-reentrant checkpoint (its forward or its recompute): what an autograd
+    Function keeps for backward must be saved tensors, which the checkpoint drops after the
+    forward and recomputes, not attributes of ctx, which would stay alive."""
+    scope = _local.scope
+    return scope is not None and scope.drops_saved_tensors
+
+
 @contextlib.contextmanager
 def scope(s: RecomputeScope, recomputing: bool):
     """Run the forward (recomputing=False) or the recompute of a checkpointed call in `s`; the
@@ -91,4 +102,4 @@ def scope(s: RecomputeScope, recomputing: bool):
         _local.scope = before
 
 
-__all__ = ["FrozenScales", "RecomputeScope", "current", "scope"]
+__all__ = ["FrozenScales", "RecomputeScope", "current", "drops_saved_tensors", "scope"]

@@ -58,6 +58,7 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
 from ..fp8.autocast import FP8Region
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair, transpose_fp8
 from ..fp8.recipe import Float8CurrentScaling, Recipe
+from ..fp8 import recompute
 from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
@@ -356,9 +357,12 @@ class _LinearFunction(torch.autograd.Function):
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
                 out = out[:tokens]
             # Kept as attributes, not saved tensors, so backward can drop each one as soon as
-            # its GEMM is done (lower peak memory); none of them is an input or output. Under
-            # torch.compile they are saved tensors (the compiled graph frees them itself).
-            if torch.compiler.is_compiling():
+            # its GEMM is done (lower peak memory); none of them is an input or output. Saved
+            # tensors under torch.compile (the compiled graph frees them itself) and inside a
+            # non-reentrant checkpoint (its hooks drop saved tensors after the forward and
+            # recompute them: attributes would stay alive the whole forward).
+            ctx.fp8_saved = torch.compiler.is_compiling() or recompute.drops_saved_tensors()
+            if ctx.fp8_saved:
                 ctx.save_for_backward(x8_t, x_si, w8_t, w_si)
                 ctx.fp8_operands = None
             else:
@@ -418,12 +422,15 @@ class _LinearFunction(torch.autograd.Function):
             dx, dw = _fp8_backward(plan, dy2d, list(ctx.saved_tensors), ctx.shape[-1],
                                    need_dgrad, need_wgrad, wgrad_dtype, dyq)
         elif ctx.fp8:
-            if ctx.fp8_operands is None:
+            if ctx.fp8_saved:
+                operands = list(ctx.saved_tensors)
+            elif ctx.fp8_operands is None:
                 raise RuntimeError(
                     "tritium.Linear under fp8_autocast frees its fp8 operands during backward: "
                     "a second backward through the same graph (retain_graph=True) is not "
                     "supported; run the forward again instead")
-            operands, ctx.fp8_operands = ctx.fp8_operands, None
+            else:
+                operands, ctx.fp8_operands = ctx.fp8_operands, None
             dx, dw = _fp8_backward(plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad,
                                    wgrad_dtype, dyq, dgrad_ready)
         else:
