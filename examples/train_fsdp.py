@@ -316,13 +316,13 @@ def train_step(model, opt, x, y, *, rcp=None, after_step=None,
     clip (0: none), optimizer step, the FP8 gather scales' precompute, `after_step()`. Returns
     the loss, detached; nothing here waits for the device."""
     import tritium as te
-    from tritium.distributed import precompute_fp8_scales_for_fsdp
+    from tritium.distributed import clip_grad_norm_, precompute_fp8_scales_for_fsdp
     ctx = te.fp8_autocast(fp8_recipe=rcp) if rcp is not None else contextlib.nullcontext()
     with ctx:
         loss = model(input_ids=x, shift_labels=y).loss
     loss.backward()
-    if clip_grad_norm:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+    if clip_grad_norm:   # TP-aware: shards summed over the TP group, replicated params once
+        clip_grad_norm_(model, clip_grad_norm)
     opt.step()
     opt.zero_grad(set_to_none=True)
     precompute_fp8_scales_for_fsdp(model)     # no-op without current-scaling gathers
@@ -337,9 +337,8 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
     all-gather bytes). One progress line per step on rank 0. dp: the number of data-parallel
     groups (default: every rank; under TP the TP ranks of a group share a batch, so a step
     trains batch * seq * dp tokens). clip_grad_norm: the global grad-norm clip of every Llama
-    recipe (torchtitan's default 1.0; 0 turns it off). Under TP (dp < world) it is off: each TP
-    rank holds other shards of the layers but the same replicated parameters, so torch's
-    clip_grad_norm_ would compute a different norm on each; a TP-aware norm is not built here."""
+    recipe (torchtitan's default 1.0; 0 turns it off), through
+    tritium.distributed.clip_grad_norm_ (right under TP too)."""
     world, rows = dist.get_world_size(), []
     dp = world if dp is None else dp
     cuda = next(model.parameters()).device.type == "cuda"
@@ -353,7 +352,7 @@ def train(model, opt, data, *, rcp=None, after_step=None, log=print, warmup: int
             t_start, tokens = time.perf_counter(), 0
         with GatherCounter() as gathered:
             loss = train_step(model, opt, x, y, rcp=rcp, after_step=after_step,
-                              clip_grad_norm=clip_grad_norm if dp == world else 0.0)
+                              clip_grad_norm=clip_grad_norm)
         dist.all_reduce(loss)   # the TP ranks of a dp group hold the same loss: the mean is dp's
         tokens += x.numel() * dp
         elapsed = None if t_start is None else time.perf_counter() - t_start

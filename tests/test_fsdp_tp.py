@@ -46,6 +46,7 @@ WORLD, DP, TP = 4, 2, 2
 ROWS, SEQ, VOCAB = 2, 32, 64       # global batch rows (1 per dp rank), sequence, vocabulary
 TOKENS = ROWS * (SEQ - 1)         # labelled tokens of a global batch (the loss divides by it)
 LR = 1e-3
+CLIP = 0.05                       # below every step's grad norm here: the clip acts each step
 SEED = zlib.crc32(b"test_fsdp_tp")
 
 
@@ -74,8 +75,11 @@ def _batch(step: int, dp_rank=None):
     return ids[dp_rank * per:(dp_rank + 1) * per]
 
 
-def _train(model, steps: int, dp_rank=None, rcp=None, fp8_group=None):
+def _train(model, steps: int, dp_rank=None, rcp=None, fp8_group=None, clip=None, norms=None):
+    """Losses of `steps` steps; with `clip`, tritium.distributed.clip_grad_norm_ before each
+    optimizer step, its norms appended to `norms`."""
     import tritium as te
+    from tritium.distributed import clip_grad_norm_
     opt = te.optimizers.FusedAdam(model.parameters(), lr=LR, master_weights=True)
     losses = []
     for step in range(steps):
@@ -85,6 +89,9 @@ def _train(model, steps: int, dp_rank=None, rcp=None, fp8_group=None):
         with ctx:
             loss = model(input_ids=ids, labels=ids, num_items_in_batch=TOKENS).loss
         loss.backward()
+        if clip is not None:   # the norm before the clip, then after it (max_norm inf: no-op)
+            norms.append(torch.stack([clip_grad_norm_(model, clip),
+                                      clip_grad_norm_(model, float("inf"))]))
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.detach())
@@ -219,6 +226,10 @@ def _worker(rank, port, out_dir):
         res["replicated_differ"] = _replicated_identical(model, mesh)
         full = {k: v for k, v in gather_full_state_dict(model).items()
                 if not k.endswith("_extra_state")}
+        # fp32, 3 steps with the grad-norm clip active (CLIP is below every step's norm)
+        clipped, norms = _sharded(mesh), []
+        clip_losses = _global_losses(_train(clipped, 3, dp_rank, clip=CLIP, norms=norms), mesh)
+        res["clip_replicated_differ"] = _replicated_identical(clipped, mesh, sharded_too=False)
         # FP8: 2 steps, amaxes reduced over the world
         rcp = recipe.DelayedScaling()
         fp8_model = _sharded(mesh)
@@ -231,6 +242,10 @@ def _worker(rank, port, out_dir):
             res["ref_weights"] = {k: v for k, v in ref.state_dict().items()
                                   if not k.endswith("_extra_state")}
             res["fp8_losses"] = fp8_losses
+            res["clip_losses"], res["clip_norms"] = clip_losses, torch.stack(norms)
+            ref, ref_norms = convert_llama(_hf_model()), []
+            res["ref_clip_losses"] = _train(ref, 3, clip=CLIP, norms=ref_norms)
+            res["ref_clip_norms"] = torch.stack(ref_norms)
             ref = convert_llama(_hf_model())
             res["ref_fp8_losses"] = _train(ref, 2, rcp=rcp, fp8_group=solo)
             res["fp8_states"], res["ref_fp8_states"] = _fp8_states(fp8_model), _fp8_states(ref)
@@ -257,6 +272,21 @@ def test_fp32_training_equals_one_process(results):
     # the run trained: every weight moved away from the shared initial model
     init = _init_state()
     assert all(not torch.equal(want[key], init[key]) for key in want)
+
+
+def test_clip_grad_norm_equals_one_process(results):
+    """tritium.distributed.clip_grad_norm_ on the dp2 x tp2 model: every step's norm (TP shards
+    summed over the TP group, replicated parameters once, FSDP shards over dp) equals the
+    one-process model's at FP32 tolerance, the clip acts (norm > CLIP) and leaves the global
+    norm at CLIP, training with it equals one process, and the replicated parameters stay
+    identical on the TP ranks. (Adam all but ignores a uniform gradient scale, so the losses
+    barely move with the clip: the norms are what this checks.)"""
+    norms, ref = results["clip_norms"], results["ref_clip_norms"]   # [step, (before, after)]
+    assert bool((ref[:, 0] > 2 * CLIP).all()), ref
+    torch.testing.assert_close(norms, ref, **FP32_TOL)
+    torch.testing.assert_close(norms[:, 1], torch.full((3,), CLIP), rtol=1e-5, atol=0)
+    torch.testing.assert_close(results["clip_losses"], results["ref_clip_losses"], **FP32_TOL)
+    assert results["clip_replicated_differ"] == []
 
 
 def _init_state():
