@@ -90,11 +90,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float,
         dist.all_reduce(total, group=dp_group)
     norm = total.sqrt()
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-    by_dtype = {}
-    for g in grads:
-        by_dtype.setdefault(_local(g).dtype, []).append(_local(g))
-    for dtype, gs in by_dtype.items():
-        torch._foreach_mul_(gs, coef.to(dtype))
+    torch._foreach_mul_([_local(g) for g in grads], coef)   # fp32 factor, as torch's clip
     return norm
 
 
