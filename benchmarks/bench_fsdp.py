@@ -9,9 +9,11 @@ Model: HF LlamaForCausalLM with Llama-3-8B's shape (32 layers, hidden 4096, 32 h
 ffn 14336, vocab 128256), built on the meta device, sharded with fully_shard per decoder layer
 and at the root (MixedPrecisionPolicy bf16 params, fp32 gradient reduction), materialized shard
 by shard (examples/train_fsdp.py: build()). FusedAdam with fp32 master weights, sequence 4096,
-`--batch` sequences per GPU (on an H200, 4 fit with recompute: 95 GiB in FP8), every decoder layer
-recomputed in backward (--no-recompute to keep activations), the learning rate warmed up
-linearly over --lr-warmup steps. Data: real text (the demo's corpus,
+`--batch` sequences per GPU (on 2 H200s at micro-batch 4: 67 GiB per GPU in bf16 and in FP8, 6
+fit easily), every decoder layer recomputed in backward (--no-recompute to keep activations),
+the learning rate warmed up linearly over --lr-warmup steps, the loss through
+linear_cross_entropy for every variant and the grad norm clipped at 1.0 (examples/train_fsdp.py
+train_step). Data: real text (the demo's corpus,
 bytes as tokens), the same batches for every variant. Variants, one run, one after another:
   * bf16:              the converted model (tritium TransformerLayers) in bf16: the baseline;
   * hf-bf16:           HF's own layers in bf16 (torch SDPA), for reference;

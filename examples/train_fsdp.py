@@ -21,7 +21,10 @@ Initialization: HF's modules (replicated over TP) draw from one seed per dp rank
 ranks of a dp group hold the same values; each TP-sharded tritium module draws from a stream of
 its own per (dp rank, TP rank, module), so the TP shards differ.
 Data: bytes of real text (the demo's corpus: Python's standard library source), a different
-stream of random windows per dp rank (the TP ranks of a dp group get the same batch). Each step
+stream of random windows per dp rank (the TP ranks of a dp group get the same batch). The step:
+the loss through tritium.linear_cross_entropy (no logits tensor; `fuse_cross_entropy` gives the
+same to models that keep HF's layers), the grad norm clipped at 1.0 with the TP-aware
+tritium.distributed.clip_grad_norm_, FusedAdam. Each step
 prints one progress line (loss averaged over ranks, tokens/s over all ranks, peak memory per
 device, bytes FSDP2 all-gathered per step per rank).
 `build()` and `train()` are also used by benchmarks/bench_fsdp.py; `CollectiveLog` (a
