@@ -36,9 +36,8 @@ import zlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from testlib import FP32_TOL, free_port
+from testlib import FP32_TOL, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -257,9 +256,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp_tp")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out / "results.pt", weights_only=False)
+    return spawn_results(_worker, WORLD, tmp_path_factory.mktemp("fsdp_tp"))
 
 
 def test_fp32_training_equals_one_process(results):

@@ -33,9 +33,8 @@ import zlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from testlib import free_port
+from testlib import spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -113,9 +112,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_collectives")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out / "results.pt", weights_only=False)
+    return spawn_results(_worker, WORLD, tmp_path_factory.mktemp("tp_collectives"))
 
 
 def _summary(log, kind, dtype=None):

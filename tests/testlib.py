@@ -8,6 +8,7 @@ layouts and padding. Also `free_port`, for the tests that start process groups.
 """
 from __future__ import annotations
 
+import os
 import socket
 
 import torch
@@ -108,6 +109,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def spawn_results(worker, world: int, out_dir, *args):
+    """Run worker(rank, port, str(out_dir), *args) in `world` processes (torch.multiprocessing,
+    a fresh rendezvous port) and return what they left in out_dir/results.pt."""
+    import torch.multiprocessing as mp
+    mp.spawn(worker, args=(free_port(), str(out_dir), *args), nprocs=world, join=True)
+    return torch.load(os.path.join(str(out_dir), "results.pt"), weights_only=False)
 
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

@@ -17,10 +17,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import test_tensor_parallel as cpu_tier
-from testlib import BF16_TOL, free_port
+from testlib import BF16_TOL, spawn_results
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -51,9 +50,7 @@ def _worker(rank, port, out_dir):
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp_gpu")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
-    return torch.load(out / "results.pt", weights_only=False)
+    return spawn_results(_worker, WORLD, tmp_path_factory.mktemp("tp_gpu"))
 
 
 @pytest.mark.parametrize("name", CASES)
