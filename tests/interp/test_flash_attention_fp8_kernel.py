@@ -75,3 +75,44 @@ def test_fp8_forward_refuses_bad_input():
     q = torch.zeros(1, 16, 2, 64).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="descale"):
         K.flash_attention_fp8_fwd(q, q, q, torch.ones(2), True, 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_dot_product_attention_runs_the_fp8_kernel(fmt, mask):
+    """Under fp8_autocast(fp8_dpa=True) DotProductAttention picks triton_fp8 here: its out is
+    the kernel's FP8 forward of the quantized q/k/v (fp16 here: the interpreter's bf16 tl.dot is
+    wrong), its grads the speed-mode flash backward on the dequantized q/k/v."""
+    import tritium as te
+    from tritium.attention import DotProductAttention, explain
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    gen = torch.Generator().manual_seed(3 + len(fmt) + len(mask))
+    b, s, h, h_kv, d = 2, 24, 4, 2, 64
+
+    def rnd(heads):
+        x = torch.randn(b, s, heads, d, generator=gen).half()
+        return (x.transpose(0, 1).contiguous() if fmt == "sbhd" else x).requires_grad_()
+    q, k, v = rnd(h), rnd(h_kv), rnd(h_kv)
+    assert explain(q, k, v, qkv_format=fmt, attn_mask_type=mask, fp8_dpa=True).backend \
+        == "triton_fp8"
+    m = DotProductAttention(h, d, num_gqa_groups=h_kv, qkv_format=fmt, attn_mask_type=mask)
+    r = recipe.Float8CurrentScaling(fp8_dpa=True)
+    with te.fp8_autocast(fp8_recipe=r):
+        out = m(q, k, v)
+    dy = torch.randn(out.shape, generator=gen).half()
+    out.backward(dy)
+
+    def bshd(x):
+        return x.transpose(0, 1) if fmt == "sbhd" else x
+    plan = F.FP8AttnPlan(r, None, False)
+    q8, k8, v8, descale = F.quantize(plan, bshd(q), bshd(k), bshd(v))
+    want, lse = K.flash_attention_fp8_fwd(q8, k8, v8, descale, mask == "causal", d ** -0.5,
+                                          out_dtype=torch.float16)
+    assert torch.equal(bshd(out.view(*out.shape[:2], h, d)), want)
+    deq = [F.dequantize(x, descale[i], torch.float16) for i, x in enumerate((q8, k8, v8))]
+    grads = K.flash_attention_bwd(bshd(dy.view(*dy.shape[:2], h, d)), *deq, want, lse,
+                                  mask == "causal", d ** -0.5, split=False,
+                                  grad_dtype=torch.float16)
+    for got, g in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.equal(bshd(got), g)
