@@ -30,13 +30,12 @@ from typing import Optional
 
 import torch
 
-from ..fp8 import recompute
+from ..fp8 import cast, recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import E4M3
 from ..fp8.recipe import DelayedScaling, Float8CurrentScaling
 from ..fp8.scaling import ScalingState
 from ..ref import attention as ref_attention
-from ..ref.cast import amax_into, current_scale
 from . import backends as B
 from . import masks as M
 
@@ -87,28 +86,41 @@ def record_amaxes(plan: FP8AttnPlan, q, k, v) -> None:
         for i, x in enumerate((q, k, v)):
             slot = plan.scales.amax_slot(i)
             if slot is not None:
-                amax_into(x, slot)
+                cast.amax_into(x, slot)
+
+
+def _rows(x: torch.Tensor):
+    """x as [rows, d] in its memory order (bshd, or the bshd view of sbhd: no copy) and the
+    map of a result of that shape back to x's shape and strides."""
+    d = x.shape[-1]
+    if x.is_contiguous():
+        return x.view(-1, d), lambda y: y.view(x.shape)
+    t = x.transpose(0, 1)
+    if t.is_contiguous():
+        return t.view(-1, d), lambda y: y.view(t.shape).transpose(0, 1)
+    return x.contiguous().view(-1, d), lambda y: y.view(x.shape)
 
 
 def quantize(plan: FP8AttnPlan, q, k, v):
-    """-> (q8, k8, v8 E4M3 with q/k/v's strides, descale fp32 [3])."""
-    out, scales = [], []
+    """-> (q8, k8, v8 E4M3 laid out like q, k, v, descale fp32 [3]). One fused cast per tensor
+    (the GEMMs' cast kernel, or its twin): delayed scaling reads the state's scale and
+    max-records the amax; current scaling measures the amax first."""
+    out, descale = [], []
+    current = None
+    if plan.scales is None:
+        current = (float(plan.recipe.amax_epsilon), plan.recipe.power_2_scale)
     with torch.no_grad():
         for i, x in enumerate((q, k, v)):
-            if plan.scales is None:   # current scaling
-                amax = x.abs().amax().float().reshape(1) if x.numel() else x.new_zeros(
-                    1, dtype=torch.float32)
-                r = plan.recipe
-                scale = current_scale(amax, E4M3, float(r.amax_epsilon), r.power_2_scale)
+            rows, back = _rows(x)
+            if current is None:
+                scale, amax = plan.scales.scale_slot(i), plan.scales.amax_slot(i)
             else:
-                slot = plan.scales.amax_slot(i)
-                if slot is not None:
-                    amax_into(x, slot)
-                scale = plan.scales.scale_slot(i)
-            out.append(ref_attention.quantize_e4m3(x, scale))
-            scales.append(scale.float().reshape(1))
-        descale = torch.ones(3, dtype=torch.float32, device=q.device) / torch.cat(scales)
-    return (*out, descale)
+                scale = amax = None
+            data, _, scale_inv = cast.quantize_2d(rows, E4M3, scale=scale, amax=amax,
+                                                  current=current, pad_rows_to=1)
+            out.append(back(data))
+            descale.append(scale_inv.reshape(1))
+    return (*out, torch.cat(descale))
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
