@@ -224,3 +224,36 @@ def test_thd_and_padding_run_in_the_emulation():
     rel = (out.float() - ref.float()).abs().max() / ref.float().abs().max()
     assert 1e-3 < rel.item() < 2 * U and q.grad.isfinite().all()
 
+
+
+@pytest.mark.parametrize("r", [CURRENT, recipe.DelayedScaling(fp8_dpa=True, amax_history_len=2)],
+                         ids=["current", "delayed"])
+def test_multihead_attention_checkpoint_core_attention(r):
+    """checkpoint_core_attention recomputes the FP8 attention under the forward's autocast and
+    scales: the same output and gradients as without it, no amax recorded by the recompute."""
+    torch.manual_seed(0)
+    mha = te.MultiheadAttention(128, 2, attention_dropout=0.0, params_dtype=torch.bfloat16,
+                                device="cpu")
+    x = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    results = []
+    for ckpt in (False, True):
+        xx = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=r):
+            y = mha(xx, checkpoint_core_attention=ckpt)
+        state = mha.core_attention.fp8_attn_state
+        if state is not None:   # delayed: the exit rolled the recorded amaxes out of row 0
+            assert not state.amax_history[0].any()
+        y.float().square().sum().backward()
+        if state is not None:   # the recompute recorded nothing; then reset every FP8 state
+            assert not state.amax_history[0].any()   # so that the second run starts alike
+            state.amax_history.zero_()
+            state.scale.fill_(1.0)
+            for m in mha.modules():
+                if hasattr(m, "fp8_meta") and m.fp8_meta.fwd is not None:
+                    for st in (m.fp8_meta.fwd, m.fp8_meta.bwd):
+                        st.amax_history.zero_()
+                        st.scale.fill_(1.0)
+        results.append([y.detach(), xx.grad] + [p.grad.clone() for p in mha.parameters()])
+        mha.zero_grad(set_to_none=True)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
