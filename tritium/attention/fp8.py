@@ -39,8 +39,6 @@ from ..ref import attention as ref_attention
 from . import backends as B
 from . import masks as M
 
-Q, K, V = 0, 1, 2
-
 
 class FP8AttnPlan:
     """One call's FP8 settings: the recipe and where the q/k/v scales come from."""
