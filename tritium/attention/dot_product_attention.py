@@ -249,7 +249,8 @@ _FP8_CACHE: dict = {}
 
 
 def _choose_fp8_cached(q, k, v, args, backend):
-    key = (backend, q.device, q.dtype, args.key(), torch.are_deterministic_algorithms_enabled())
+    key = (backend, q.device, q.dtype, args.key(), torch.are_deterministic_algorithms_enabled(),
+           _env.force_ref())
     hit = _FP8_CACHE.get(key)
     if hit is None:
         if len(_FP8_CACHE) > 4096:
