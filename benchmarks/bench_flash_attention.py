@@ -5,7 +5,11 @@ and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or wh
 cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
 kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN does,
 out and grads in bf16 like SDPA's), "tritium flash split" (the exact mode context parallelism
-runs: head/tail split of P / dS, fp32 out and grads). TFLOP/s count useful FLOPs (causal half;
+runs: head/tail split of P / dS, fp32 out and grads), and the forward alone of FP8 attention
+(recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward): "tritium fp8 kernel" (the
+FP8 flash forward on q/k/v already in E4M3) and "tritium fp8 layer" (with the per-tensor
+current-scaling quantization of q, k, v that DotProductAttention runs first); their
+err_vs_cudnn compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
 fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
 cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
 a wrong config shows here).
@@ -89,6 +93,8 @@ def _steps(blocks, variant):
     if variant == "sdpa cudnn":
         fwd, fwd_bwd, repeated = _sdpa_steps(blocks)
         return fwd, fwd_bwd, ({"kv_repeated": True} if repeated else {})
+    if " fp8 " in variant:
+        return _fp8_steps(blocks, variant)
     split = variant.endswith(" split")
     scale = 1 / math.sqrt(D)
     dt = None if split else blocks[0][0].dtype  # the speed mode: out / grads like SDPA's
@@ -111,6 +117,33 @@ def _steps(blocks, variant):
     dq = FA.flash_attention_bwd(do, q, k, v, out, lse, c, scale, split=split, grad_dtype=dt)[0]
     err = _rel_err((out, dq), _sdpa_out_dq(*blocks[0]))
     return fwd, fwd_bwd, {"configs": configs, "err_vs_cudnn": float(f"{err:.2e}")}
+
+
+def _fp8_steps(blocks, variant):
+    """FP8 attention's forward (no fwd_bwd: the backward is the bf16 one, timed above)."""
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    plan = F.FP8AttnPlan(recipe.Float8CurrentScaling(fp8_dpa=True), None, False)
+    scale, layer = 1 / math.sqrt(D), variant.endswith(" layer")
+    quantized = [(F.quantize(plan, q, k, v), c) for q, k, v, _, c in blocks]
+
+    def one(q, k, v, c):
+        return FA.flash_attention_fp8_fwd(*F.quantize(plan, q, k, v), c, scale,
+                                          out_dtype=torch.bfloat16)[0]
+
+    def fwd():
+        if layer:
+            for q, k, v, _, c in blocks:
+                one(q, k, v, c)
+        else:
+            for qkv8, c in quantized:
+                FA.flash_attention_fp8_fwd(*qkv8, c, scale, out_dtype=torch.bfloat16)
+
+    q, k, v, do, c = blocks[0]
+    err = _rel_err((one(q, k, v, c),), _sdpa_out_dq(*blocks[0])[:1])
+    cfg = FA.GPU_CFG["fwd_fp8"][D]
+    return fwd, None, {"configs": _cfg_arg("fwd", cfg, False)[6:],
+                       "err_vs_cudnn": float(f"{err:.2e}")}
 
 
 def _sdpa_out_dq(q, k, v, do, causal):
@@ -145,7 +178,8 @@ def _cases(args, g):
         yield f"cp2 rank S{s} D{D} causal", blocks, fl
 
 
-VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split"]
+VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split", "tritium fp8 kernel",
+            "tritium fp8 layer"]
 
 
 def _run(rows, args):
@@ -154,6 +188,8 @@ def _run(rows, args):
         for variant in VARIANTS:
             for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
                 row = {"case": f"{case} {mode}", "variant": variant}
+                if mode != "fwd" and " fp8 " in variant:
+                    continue  # FP8 attention: forward only (its backward is the bf16 one)
                 try:
                     fwd, fwd_bwd, extra = _steps(blocks, variant)
                     step = fwd if mode == "fwd" else fwd_bwd

@@ -58,8 +58,9 @@ def test_mmparams_qparams_and_current_scaling_fields():
     assert r.fp8_quant_fwd_inp == r.fp8_quant_bwd_grad == recipe.QParams(True, 1e-3)
     with pytest.raises(NotImplementedError, match="fp8_gemm_fprop"):
         recipe.Float8CurrentScaling(fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True))
-    with pytest.raises(NotImplementedError, match="FP8 attention"):
-        recipe.DelayedScaling(fp8_dpa=True)
+    with pytest.raises(NotImplementedError, match="fp8_mha=True"):
+        recipe.DelayedScaling(fp8_mha=True)
+    assert recipe.DelayedScaling(fp8_dpa=True).fp8_dpa
 
 
 def test_get_default_recipe():

@@ -446,6 +446,95 @@ CPU/gloo tables are in `docs/context_parallel.md`.
 """
 
 
+# --- FP8 attention (recipe fp8_dpa) -----------------------------------------------------------
+# (b, s, h, h_kv, d, mask, layout)
+ATTN_SHAPES = ((2, 128, 4, 2, 64, "causal", "bshd"), (1, 256, 2, 2, 128, "no_mask", "sbhd"),
+               (2, 96, 4, 1, 128, "causal", "bshd"))
+ATTN_MODES = ("bf16", "fp8 delayed", "fp8 current")
+
+
+def _attn_data(shape, gen):
+    b, s, h, h_kv, d, _, layout = shape
+
+    def one(heads):
+        x = torch.randn(b, s, heads, d, generator=gen).to(torch.bfloat16)
+        return x.transpose(0, 1).contiguous() if layout == "sbhd" else x
+    return one(h), one(h_kv), one(h_kv), torch.randn(
+        *(one(h).shape[:-2]), h * d, generator=gen).to(torch.bfloat16)
+
+
+def _attn_run(module, q, k, v, dy, recipe=None) -> dict:
+    q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    with te.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+        out = module(q, k, v)
+    out.backward(dy.to(out.dtype))
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def attention_fp8_errors(shapes=ATTN_SHAPES, seed: int = 0) -> dict:
+    """{(shape, mode): {tensor: (max rel, mean rel)}} of DotProductAttention vs float64 on the
+    same bf16 inputs: bf16 attention, and FP8 attention (fp8_dpa) under delayed scaling (after
+    WARMUP_STEPS steps on fresh data of the same distribution) and current scaling. max rel =
+    max|a - r| / max|r|, mean rel = mean|a - r| / mean|r|. CPU: the FP8 emulation."""
+    from .attention import DotProductAttention
+    from .fp8 import recipe as R
+    rows = {}
+    for shape in shapes:
+        b, s, h, h_kv, d, mask, layout = shape
+        gen = torch.Generator().manual_seed(seed + s + d)
+        m = DotProductAttention(h, d, num_gqa_groups=h_kv, qkv_format=layout,
+                                attn_mask_type=mask)
+        q, k, v, dy = _attn_data(shape, gen)
+        exact = _attn_run(m, *(x.double() for x in (q, k, v)), dy.double())
+        delayed = R.DelayedScaling(fp8_dpa=True, amax_history_len=16)
+        for _ in range(WARMUP_STEPS):
+            _attn_run(m, *_attn_data(shape, gen), delayed)
+        recipes = {"bf16": None, "fp8 delayed": delayed,
+                   "fp8 current": R.Float8CurrentScaling(fp8_dpa=True)}
+        for mode in ATTN_MODES:
+            got = _attn_run(m, q, k, v, dy, recipes[mode])
+            rows[(shape, mode)] = {
+                n: (((got[n].double() - r).abs().max() / r.abs().max()).item(),
+                    ((got[n].double() - r).abs().mean() / r.abs().mean()).item())
+                for n, r in exact.items()}
+    return rows
+
+
+def attention_fp8_appendix(seed: int = 0) -> str:
+    """The FP8 attention section of docs/numerics.md (CPU emulation; a few seconds)."""
+    lines = ["## DotProductAttention: bf16 vs FP8 attention (fp8_dpa)", "", ATTN_INTRO.strip(),
+             "",
+             "| shape (b, s, h, h_kv, d, mask, layout) | mode | output | grad q | grad k | "
+             "grad v |", "|---|---|---|---|---|---|"]
+    for (shape, mode), errs in attention_fp8_errors(seed=seed).items():
+        b, s, h, h_kv, d, mask, layout = shape
+        cells = " | ".join(f"{_fmt(mx)} / {_fmt(mean)}" for mx, mean in errs.values())
+        lines.append(f"| {b}, {s}, {h}, {h_kv}, {d}, {mask}, {layout} | {mode} | {cells} |")
+    lines += ["", ATTN_NOTE.strip()]
+    return "\n".join(lines) + "\n"
+
+
+ATTN_INTRO = """
+Against float64 attention of the same bf16 inputs (q, k, v, dO ~ N(0, 1)), on the CPU, where
+the FP8 path is the emulation `torch_fp8`: the Triton kernel's math, except that P is quantized
+against the exact row max instead of the running one. FP8: q, k, v per-tensor E4M3 (delayed:
+after 3 warm-up steps on fresh data; current: this call's amax), P in E4M3 with the fixed
+scale 448, backward in bf16 from the dequantized q, k, v. Each cell: max rel / mean rel
+(max|a - r| / max|r|, mean|a - r| / mean|r|). E4M3's unit roundoff is u = 2^-4 = 6.25e-2:
+tests/test_fp8_attention.py holds FP8 below 2u (max) and u (mean), bf16 below 2^-7 and 2^-8.
+"""
+
+ATTN_NOTE = """
+FP8 attention's backward is bf16 (the flash backward on the dequantized q, k, v with the
+forward's out and lse). TE's FP8 backward also quantizes dO and dS; this one does not: accuracy
+first, and the speed target (issue 26) is the forward. Its gradients carry the error of the
+quantized q, k, v (and of out, through rowsum(dO * out)), not that of FP8 backward products.
+The Triton kernel quantizes P against the running row max of its key tile (the CPU emulation
+against the exact one): that changes which values round where, not the size of the error;
+tests/interp/test_flash_attention_fp8_kernel.py holds the kernel to its twin.
+"""
+
+
 def main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -460,8 +549,8 @@ def main(args) -> int:
     results = measure(device, args.seeds, shapes, log=lambda s: print(s, flush=True))
     seconds = time.perf_counter() - t0
     text = render(results, device, args.seeds, shapes, seconds, INTRO,
-                  outlier_appendix() + "\n" + cp_appendix(args.out) + "\n"
-                  + lce_appendix(args.out))
+                  outlier_appendix() + "\n" + attention_fp8_appendix() + "\n"
+                  + cp_appendix(args.out) + "\n" + lce_appendix(args.out))
     with open(args.out, "w") as f:
         f.write(text)
     print(f"wrote {args.out} ({seconds:.1f} s)")

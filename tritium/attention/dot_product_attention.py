@@ -21,7 +21,11 @@ in backward). The module owns no parameters: forward is one functional call.
 Context parallelism: with a cp_group of more than one rank, forward runs
 `attention.cp.context_parallel_attention` (the ring or all_gather strategy; inputs are the local
 load-balanced part of the sequence); attributes cp_mode / cp_fp32_accumulation pick precision.
-Not supported (clear errors): core attention bias / ALiBi, inference KV caches, FP8 attention.
+FP8 attention (recipe fp8_dpa=True inside fp8_autocast): the module makes an FP8 plan
+(attention/fp8.py: q/k/v scales, its delayed-scaling state) and the call runs an FP8 backend
+(`triton_fp8` or the emulation `torch_fp8`), chosen and explained like the others.
+Not supported (clear errors): core attention bias / ALiBi, inference KV caches, fp8_mha, FP8
+attention with dropout or context parallelism.
 torch.compile: every format and mask traces without a graph break (backends.py says how the
 choice does); thd without max_seqlen_q/kv bounds them by the token count when compiling (the
 eager path reads cu_seqlens on the host). CP is one graph break (cp/__init__.py).
@@ -36,6 +40,7 @@ import torch
 from .. import _env
 from ..functional._apply import fast_apply
 from . import backends as B
+from . import fp8 as F
 from . import masks as M
 
 _FORMATS = ("sbhd", "bshd", "thd")
@@ -218,19 +223,40 @@ def dot_product_attention(query_layer, key_layer, value_layer, *, qkv_format="sb
                           attn_mask_type="causal", attention_mask=None, window_size=None,
                           softmax_scale=None, dropout_p=0.0, cu_seqlens_q=None,
                           cu_seqlens_kv=None, max_seqlen_q=None, max_seqlen_kv=None,
-                          backend="auto", return_lse=False):
+                          backend="auto", return_lse=False, fp8=None):
     """Attention with TE's formats and masks -> out ([s,b,h*d] / [b,s,h*d] / [t,h*d]), or
-    (out, lse) with return_lse (lse fp32 [b, h, s_q], or [h, t] for thd; not differentiable)."""
+    (out, lse) with return_lse (lse fp32 [b, h, s_q], or [h, t] for thd; not differentiable).
+    fp8: an `attention.fp8.FP8AttnPlan` (what DotProductAttention passes under fp8_dpa)."""
     q, k, v, args = prepare(query_layer, key_layer, value_layer, qkv_format=qkv_format,
                             attn_mask_type=attn_mask_type, attention_mask=attention_mask,
                             window_size=window_size, softmax_scale=softmax_scale,
                             dropout_p=dropout_p, cu_seqlens_q=cu_seqlens_q,
                             cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
                             max_seqlen_kv=max_seqlen_kv)
-    be = B.choose_cached(q, k, v, args, _backend_name(backend))
-    out, lse = _apply_attention(q, k, v, args, be)
+    if fp8 is not None and fp8.calibrating:
+        F.record_amaxes(fp8, q, k, v)
+    if fp8 is not None and not fp8.calibrating:
+        be = _choose_fp8_cached(q, k, v, args, _backend_name(backend))
+        out, lse = F.FP8Attention.apply(q, k, v, args, be, fp8)
+    else:
+        be = B.choose_cached(q, k, v, args, _backend_name(backend))
+        out, lse = _apply_attention(q, k, v, args, be)
     out = _format_out(out, qkv_format)
     return (out, lse) if return_lse else out
+
+
+_FP8_CACHE: dict = {}
+
+
+def _choose_fp8_cached(q, k, v, args, backend):
+    key = (backend, q.device, q.dtype, args.key(), torch.are_deterministic_algorithms_enabled(),
+           _env.force_ref())
+    hit = _FP8_CACHE.get(key)
+    if hit is None:
+        if len(_FP8_CACHE) > 4096:
+            _FP8_CACHE.clear()
+        hit = _FP8_CACHE[key] = F.choose(q, k, v, args, backend)[0]
+    return hit
 
 
 def attention_forward(q, k, v, args: B.AttnArgs, backend="auto"):
@@ -267,11 +293,22 @@ class Explanation:
     __repr__ = __str__
 
 
-def explain(query_layer, key_layer, value_layer, backend="auto", **kwargs) -> Explanation:
+def explain(query_layer, key_layer, value_layer, backend="auto", fp8_dpa=False,
+            **kwargs) -> Explanation:
     """Explanation of the backend choice for `dot_product_attention(q, k, v, **kwargs)`.
-    print() it, or read .backend (None when nothing fits) and .reasons {name: reason}."""
+    print() it, or read .backend (None when nothing fits) and .reasons {name: reason}.
+    fp8_dpa=True: the choice of an FP8 call (fp8_autocast with recipe fp8_dpa=True)."""
     kwargs.pop("return_lse", None)
+    kwargs.pop("fp8", None)
     q, k, v, args = prepare(query_layer, key_layer, value_layer, **kwargs)
+    if fp8_dpa:
+        try:
+            be, reasons = F.choose(q, k, v, args, _backend_name(backend))
+            return Explanation(be.name, reasons, args)
+        except RuntimeError as exc:
+            reasons = {n: b.check(q, k, v, args) or "supported, but not the forced one"
+                       for n, b in F.FP8_BACKENDS.items()}
+            return Explanation(None, reasons, args, str(exc))
     try:
         be, reasons = B.choose(q, k, v, args, _backend_name(backend))
         return Explanation(be.name, reasons, args)
@@ -319,6 +356,7 @@ class DotProductAttention(torch.nn.Module):
                               else float(softmax_scale))
         self.layer_number, self.attention_type = layer_number, attention_type
         self.backend = B.resolve_name(backend)
+        self.fp8_attn_state = None   # q/k/v delayed-scaling state under fp8_dpa (fp8.py)
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
@@ -364,6 +402,19 @@ class DotProductAttention(torch.nn.Module):
                 _fail(cls, f"{name} has shape {tuple(t.shape)}; its last two dims must be "
                       f"[heads, head_dim] = [{heads}, {dim}] (num_attention_heads / "
                       "num_gqa_groups, kv_channels)")
+        fp8 = None
+        if F.active():  # refusals first: nothing is recorded or created before them
+            dropout = self.attention_dropout if self.training else 0.0
+            if self._cp_size() > 1:
+                _fail(cls, "FP8 attention (recipe fp8_dpa=True) is not supported with context "
+                      "parallelism (cp_group of more than one rank); leave fp8_dpa off in the "
+                      "recipe of this module's fp8_autocast", NotImplementedError)
+            if dropout > 0:
+                _fail(cls, f"attention_dropout={dropout} is not supported with FP8 attention "
+                      "(recipe fp8_dpa=True); set attention_dropout=0.0 (or call eval()) or "
+                      "leave fp8_dpa off", NotImplementedError)
+            if isinstance(query_layer, torch.Tensor):
+                fp8 = F.plan_for(self, query_layer.device)
         if self._cp_size() > 1:
             from .cp import context_parallel_attention
             return context_parallel_attention(
@@ -383,7 +434,7 @@ class DotProductAttention(torch.nn.Module):
             softmax_scale=self.softmax_scale,
             dropout_p=self.attention_dropout if self.training else 0.0,
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
-            max_seqlen_kv=max_seqlen_kv, backend=self.backend)
+            max_seqlen_kv=max_seqlen_kv, backend=self.backend, fp8=fp8)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, "

@@ -46,7 +46,7 @@ class FP8Region:
         """Record a module's states; True when it is the first FP8 module of the region (with
         `again`, a recomputed forward: True when it is that module again)."""
         key = fwd if fwd is not None else bwd
-        first = not self.fwd and not self.bwd
+        first = self._first is None
         if first:
             self._first = key
         elif again:
@@ -56,6 +56,11 @@ class FP8Region:
             if state is not None:
                 table.setdefault(state, (group, reduce))
         return first
+
+    def register_forward(self, fwd: ScalingState, recipe: Recipe, group) -> None:
+        """Record a forward-only state (FP8 attention's q/k/v scales): it updates at exit like
+        the modules' forward states and never claims the region's backward update."""
+        self.fwd.setdefault(fwd, (group, bool(getattr(recipe, "reduce_amax", False))))
 
     @staticmethod
     def _update(table) -> None:

@@ -96,12 +96,23 @@ class QParams:
     amax_epsilon: float = 0.0
 
 
-def _check_attention_flags(recipe) -> None:
-    if recipe.fp8_dpa or recipe.fp8_mha:
+def _check_attention_flags(recipe, dpa_supported: bool = False) -> None:
+    """fp8_dpa (FP8 attention: E4M3 Q, K, V and P, docs/attention.md) runs under the per-tensor
+    recipes; fp8_mha (FP8 in and out of the attention block) nowhere."""
+    name = type(recipe).__name__
+    for flag in ("fp8_dpa", "fp8_mha"):
+        if not isinstance(getattr(recipe, flag), bool):
+            raise ValueError(f"{name}: {flag} must be a bool, got {getattr(recipe, flag)!r}")
+    if recipe.fp8_mha:
         raise NotImplementedError(
-            f"{type(recipe).__name__}(fp8_dpa={recipe.fp8_dpa}, fp8_mha={recipe.fp8_mha}): FP8 "
-            "attention is not implemented in tritium (attention runs in bf16/fp16 through "
-            "cuDNN/flash; see docs/porting.md); leave fp8_dpa and fp8_mha False")
+            f"{name}(fp8_mha=True): FP8 in and out of the attention block is not implemented in "
+            "tritium; use fp8_dpa=True (FP8 attention inside DotProductAttention, under "
+            "DelayedScaling or Float8CurrentScaling) with fp8_mha=False")
+    if recipe.fp8_dpa and not dpa_supported:
+        raise NotImplementedError(
+            f"{name}(fp8_dpa=True): FP8 attention runs under the per-tensor recipes only; use "
+            "recipe.DelayedScaling(fp8_dpa=True) or Float8CurrentScaling(fp8_dpa=True), or "
+            "leave fp8_dpa False")
 
 
 def _check_format(value) -> Format:
@@ -133,7 +144,8 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     # Accepted for TE compatibility; tritium computes wgrad in FP8 like fprop and dgrad.
     override_linear_precision: tuple = (False, False, False)
-    # TE's FP8 attention flags: accepted when False (FP8 attention is not implemented).
+    # TE's FP8 attention flags: fp8_dpa runs attention in FP8 (docs/attention.md); fp8_mha
+    # raises (not implemented).
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
@@ -155,7 +167,7 @@ class DelayedScaling(Recipe):
             raise ValueError("scaling_factor_compute_algo must be None or a callable")
         if tuple(self.override_linear_precision) != (False, False, False):
             raise ValueError("override_linear_precision is not supported: all three GEMMs run in FP8")
-        _check_attention_flags(self)
+        _check_attention_flags(self, dpa_supported=True)
 
     @property
     def uses_callables(self) -> bool:
@@ -168,7 +180,7 @@ class DelayedScaling(Recipe):
                 "amax_compute_algo": algo if isinstance(algo, str) else "callable",
                 "scaling_factor_compute_algo":
                     None if self.scaling_factor_compute_algo is None else "callable",
-                "reduce_amax": self.reduce_amax}
+                "reduce_amax": self.reduce_amax, "fp8_dpa": self.fp8_dpa}
 
 
 _FPROP, _SPLIT = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
@@ -213,7 +225,7 @@ class Float8CurrentScaling(Recipe):
                     f"Float8CurrentScaling({name}={getattr(self, name)}): tritium's FP8 GEMMs use "
                     "fast accumulation in fprop and split accumulation in dgrad/wgrad (TE's "
                     f"defaults); only {name}={want} is supported")
-        _check_attention_flags(self)
+        _check_attention_flags(self, dpa_supported=True)
 
     @property
     def fp8_quant_fwd_inp(self) -> QParams:
@@ -228,7 +240,8 @@ class Float8CurrentScaling(Recipe):
 
     def to_dict(self) -> dict:
         return {"type": "Float8CurrentScaling", "fp8_format": self.fp8_format.name,
-                "amax_epsilon": float(self.amax_epsilon), "power_2_scale": self.power_2_scale}
+                "amax_epsilon": float(self.amax_epsilon), "power_2_scale": self.power_2_scale,
+                "fp8_dpa": self.fp8_dpa}
 
 
 def _check_qparams(name: str, q) -> None:

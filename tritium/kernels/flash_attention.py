@@ -43,6 +43,14 @@ unit-stride d, packed heads, 16-byte aligned strides; pointer loads otherwise: t
 tiles cost registers, a 128 x 128 forward tile spills on sm90 without TMA), and
 `tl.range(warp_specialize=True)` on the forward's unmasked loop (with TMA; Triton 3.6 compiles
 it for sm90 at 8 warps, not at 4).
+FP8 forward (`flash_attention_fp8_fwd`, the FP8 constexpr; recipe fp8_dpa): q, k, v in E4M3
+with a dequant scale each (descale fp32 [3] on the device, read by the kernel: no host sync).
+S = tl.dot on the E4M3 tiles (fp32 accumulation; native wgmma on sm90), the q and k descales
+folded into qk_scale; online softmax in fp32 as above; P (in [0, 1], relative to the running
+max) times P_SCALE = 448 rounded to E4M3 for an E4M3 P @ V; out = acc * dv / 448 / l, written
+in out_dtype; lse from the unquantized P. Twin: `ref.flash_attention.flash_attention_fp8_fwd`
+with block_n = `fp8_block_n(...)` (P's quantization depends on the key tiling). No FP8
+backward: the attention layer runs the backward above on the dequantized inputs.
 Deliberately not here: dropout, sliding windows, padding masks, bottom-right
 causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
 """
@@ -79,6 +87,15 @@ def _mm_t(at, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
         lo = (at - hi.to(tl.float32)).to(b.dtype)
         acc = tl.dot(tl.trans(lo), b, acc, input_precision=PREC)
     return acc
+
+
+@triton.jit
+def _pv(p, v, acc, SPLIT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
+    """acc + P @ V: FP8 rounds P * 448 to v's E4M3 (P_SCALE, undone at the end)."""
+    if FP8:
+        return tl.dot((p * 448.0).to(v.dtype), v, acc)
+    else:
+        return _mm(p, v, acc, SPLIT, PREC)
 
 
 @triton.jit
@@ -121,14 +138,15 @@ def _rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d,
 
 
 @triton.jit
-def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
+def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sob, sos, soh, sod, slb, slh, sls,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                TMA: tl.constexpr, WS: tl.constexpr):
-    """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head."""
+                TMA: tl.constexpr, WS: tl.constexpr, FP8: tl.constexpr = False):
+    """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head;
+    FP8: E4M3 q/k/v with descale_ptr -> fp32 [3] (q, k, v dequant scales)."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
@@ -137,6 +155,8 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
     offs_d = tl.arange(0, D)
     m_ok = offs_m < s_q
     q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
+    if FP8:
+        qk_scale = qk_scale * tl.load(descale_ptr) * tl.load(descale_ptr + 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -157,7 +177,7 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _mm(p, v, acc * alpha[:, None], SPLIT, PREC)
+        acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
         m_i = m_new
     # diagonal band and key tail: masked
     for n0 in range(full, hi, BLOCK_N):
@@ -175,9 +195,11 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr,
         alpha = tl.exp2(m_i - m_use)
         p = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _mm(p, v, acc * alpha[:, None], SPLIT, PREC)
+        acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
         m_i = m_new
 
+    if FP8:
+        acc = acc * (tl.load(descale_ptr + 2) / 448.0)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
@@ -368,6 +390,9 @@ GPU_CFG = {
     "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
+# FP8 forward by head dim: the speed mode's fwd tiles (the E4M3 tiles are half the bytes, so
+# the same shapes leave room for more stages); not yet timed on a GPU.
+GPU_CFG["fwd_fp8"] = {128: Cfg(128, 64, 8, 3, tma=True), 64: Cfg(128, 128, 8, 3, tma=True)}
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
 
@@ -445,11 +470,69 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     cfg = _cfg("fwd", d, split, q.is_cuda)
     srcs, tma = _srcs(cfg, q, k, v)
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
-    _fwd_kernel[grid](*srcs, out, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
+    _fwd_kernel[grid](*srcs, out, lse, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                       CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
                       num_warps=cfg.warps, num_stages=cfg.stages)
+    return out, lse
+
+
+FP8_HEAD_DIMS = (64, 128)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+def fp8_block_n(d: int, device_is_cuda: bool) -> int:
+    """The FP8 forward's key tile (the twin's block_n) for head dim d."""
+    return _fp8_cfg(d, device_is_cuda).block_n
+
+
+def _fp8_cfg(d: int, device_is_cuda: bool) -> Cfg:
+    return GPU_CFG["fwd_fp8"][d] if device_is_cuda else INTERP_CFG
+
+
+def fp8_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Can the FP8 forward run these bshd E4M3 tensors? (head dim 64/128, GQA ratio)"""
+    return (q.dim() == k.dim() == v.dim() == 4 and q.dtype in FP8_DTYPES
+            and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in FP8_HEAD_DIMS
+            and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[0] == k.shape[0]
+            and k.shape == v.shape and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+
+
+def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            descale: torch.Tensor, causal: bool, scale: float,
+                            out_dtype: Optional[torch.dtype] = None,
+                            block_n: Optional[int] = None):
+    """E4M3 q/k/v (bshd, any strides), descale fp32 [3] (q, k, v) -> (out [b, s_q, h, d] in
+    out_dtype (None: fp32; or bf16 / fp16), lse fp32 [b, h, s_q]). block_n: the key tile
+    (None: `fp8_block_n`); the twin takes the same to quantize P at the same running maxima."""
+    if not fp8_supported(q, k, v):
+        raise ValueError(f"flash_attention_fp8_fwd: unsupported q{tuple(q.shape)} {q.dtype}, "
+                         f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd E4M3, "
+                         f"head dim in {FP8_HEAD_DIMS}, h % h_kv == 0)")
+    if (not isinstance(descale, torch.Tensor) or descale.shape != (3,)
+            or descale.dtype != torch.float32 or descale.device != q.device):
+        raise ValueError("flash_attention_fp8_fwd: descale must be a float32 [3] tensor (q, k, "
+                         f"v dequant scales) on {q.device}")
+    if out_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"flash_attention_fp8_fwd: out_dtype={out_dtype} must be None, float32, "
+                         "bfloat16 or float16")
+    b, s_q, h, d = q.shape
+    s_kv, h_kv = k.shape[1], k.shape[2]
+    out = torch.empty(b, s_q, h, d, dtype=out_dtype or torch.float32, device=q.device)
+    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or s_kv == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = _fp8_cfg(d, q.is_cuda)
+    if block_n is not None:
+        cfg = cfg._replace(block_n=int(block_n))
+    srcs, tma = _srcs(cfg, q, k, v)
+    grid = (triton.cdiv(s_q, cfg.block_m), b * h)
+    _fwd_kernel[grid](*srcs, out, lse, descale, s_q, s_kv, h, h // h_kv, scale * LOG2E,
+                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+                      CAUSAL=bool(causal), SPLIT=False, PREC="tf32", D=d,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
+                      FP8=True, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
@@ -509,5 +592,6 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "supported", "deterministic", "flops",
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd",
+           "fp8_supported", "fp8_block_n", "supported", "deterministic", "flops",
            "Cfg", "GPU_CFG"]

@@ -37,8 +37,10 @@ import torch
 import torch.utils.checkpoint
 
 from .._device import default_device
+from ..distributed.activation_checkpoint import checkpoint
 from ..distributed.tensor_parallel import TPConfig, divide
 from ..attention import DotProductAttention, apply_rotary_pos_emb
+from ..attention.fp8 import active as fp8_attention_active
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
@@ -233,7 +235,10 @@ class MultiheadAttention(torch.nn.Module):
                and self.core_attention.attention_dropout > 0 else contextlib.nullcontext())
         with rng:
             if checkpoint_core_attention and torch.is_grad_enabled():
-                context = torch.utils.checkpoint.checkpoint(
+                # FP8 attention (fp8_dpa): tritium's checkpoint, whose recompute reuses the
+                # forward's scales under its autocast and records no amax (fp8/recompute.py)
+                ckpt = checkpoint if fp8_attention_active() else torch.utils.checkpoint.checkpoint
+                context = ckpt(
                     lambda q_, k_, v_: self.core_attention(q_, k_, v_, **attn_kwargs), q, k, v,
                     use_reentrant=False)
             else:

@@ -16,12 +16,27 @@ Contract:
     over each kv head's query heads. Gradients are rounded once to the inputs' dtypes; D is
     only as exact as the out given (pass the fp32 out to keep 16-bit grads single-rounded).
   * Memory is O(b h s_q s_kv): a reference, not a kernel.
+
+FP8 attention (`attention_fp8_fwd`, recipe fp8_dpa): q, k, v arrive as E4M3 with one dequant
+scale each (`descale` fp32 [3]: q, k, v). S = (q8 k8^T) in fp32 times scale * log2(e) * dq * dk
+(the base-2 domain of the flash kernel), an online softmax over key blocks of `block_n` (None:
+one block, i.e. the exact row max), P = exp2(S - m) in [0, 1] quantized to E4M3 with the fixed
+scale P_SCALE = 448 (E4M3's max: P's largest value 1 lands on the top of the format and P keeps
+full precision down to 2^-6 / 448 ~ 3.5e-5 instead of 2^-6), acc = sum P8 v8 in fp32,
+out = acc * (dv / 448) / l with l the rowsum of the unquantized P (so lse is the fp32 one, and
+the bf16 backward's recomputed P agrees with it). The tiling matters: P is quantized relative to
+the running max, so `block_n` equal to the kernel's tile makes this the kernel's twin.
 """
 from __future__ import annotations
 
 from typing import Optional
 
 import torch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = 448.0
+P_SCALE = 448.0          # fixed scale of the softmax probabilities P in [0, 1] (see above)
+_LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 
 
 def _acc(dtype: torch.dtype) -> torch.dtype:
@@ -94,4 +109,45 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
             dv.transpose(1, 2).to(v.dtype))
 
 
-__all__ = ["attention_fwd", "attention_bwd"]
+def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x * scale (fp32) clamped to +-448 and rounded to E4M3 (nearest even); strides kept."""
+    return (x.float() * scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
+
+def attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+                      descale: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                      block_n: Optional[int] = None):
+    """FP8 attention (see the module note) -> (out fp32 [b, s_q, h, d_v], lse fp32 [b, h, s_q]).
+    q8/k8/v8 E4M3 bshd, descale fp32 [3] (1 / the q, k, v quantization scales)."""
+    f32, inf = torch.float32, float("inf")
+    groups = q8.shape[2] // k8.shape[2]
+    d = descale.float()
+    qk_scale = torch.tensor(scale * _LOG2E, dtype=f32, device=q8.device) * d[0] * d[1]
+    s = torch.matmul(q8.to(f32).transpose(1, 2), _heads_first(k8, groups, f32).transpose(-1, -2))
+    s = s * qk_scale
+    if mask is not None:
+        s = s.masked_fill(mask, -inf)
+    vf = _heads_first(v8, groups, f32)
+    b, h, sq, sk = s.shape
+    m = torch.full((b, h, sq), -inf, dtype=f32, device=s.device)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(b, h, sq, vf.shape[-1], dtype=f32, device=s.device)
+    step = max(sk, 1) if block_n is None else int(block_n)
+    for n0 in range(0, sk, step):
+        blk = s[..., n0:n0 + step]
+        m_new = torch.maximum(m, blk.amax(-1))
+        m_use = torch.where(m_new == -inf, torch.zeros_like(m_new), m_new)
+        alpha = torch.exp2(m - m_use)
+        p = torch.exp2(blk - m_use[..., None])
+        l = l * alpha + p.sum(-1)
+        p8 = (p * P_SCALE).to(E4M3)
+        acc = torch.matmul(p8.to(f32), vf[..., n0:n0 + step, :]) + acc * alpha[..., None]
+        m = m_new
+    acc = acc * (d[2] / P_SCALE)
+    l_safe = torch.where(l > 0, l, torch.ones_like(l))
+    out = acc / l_safe[..., None]
+    lse = torch.where(l > 0, (m + torch.log2(l_safe)) * _LN2, torch.full_like(l, -inf))
+    return out.transpose(1, 2), lse
+
+
+__all__ = ["attention_fwd", "attention_bwd", "attention_fp8_fwd", "quantize_e4m3", "P_SCALE"]

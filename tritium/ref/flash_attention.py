@@ -8,6 +8,11 @@ accepted for the signature and ignored: it is the kernel's way of approaching th
 (the kernel and this twin agree to fp32 reduction-order tolerance, not bit for bit: the
 kernel's online softmax and tiled sums reorder the additions). `out_dtype` / `grad_dtype` (None,
 fp32 or the input dtype) round the fp32 results once at the end; lse stays fp32.
+
+`flash_attention_fp8_fwd` is the twin of the kernel's FP8 forward (`attention_fp8_fwd` of
+ref/attention.py with the causal mask): pass the kernel's key tile as `block_n`
+(`kernels.flash_attention.fp8_block_n`) and it runs the kernel's online softmax, quantizing P
+relative to the same running maxima; block_n=None quantizes P against the exact row max.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from .attention import attention_bwd, attention_fwd
+from .attention import attention_bwd, attention_fp8_fwd, attention_fwd
 
 
 def _mask(s_q: int, s_kv: int, causal: bool, device):
@@ -49,4 +54,14 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     return tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd"]
+def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            descale: torch.Tensor, causal: bool, scale: float,
+                            out_dtype: Optional[torch.dtype] = None,
+                            block_n: Optional[int] = None):
+    """E4M3 q/k/v (bshd), descale fp32 [3] -> (out in out_dtype (None: fp32), lse fp32)."""
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    out, lse = attention_fp8_fwd(q, k, v, descale, mask, scale, block_n)
+    return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
+
+
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd"]

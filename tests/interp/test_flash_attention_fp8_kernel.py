@@ -1,0 +1,118 @@
+"""The FP8 flash forward (`kernels.flash_attention.flash_attention_fp8_fwd`) vs its twin
+(`ref.flash_attention.flash_attention_fp8_fwd` at the kernel's key tile) under the interpreter.
+
+Tolerance, stated: the kernel and the twin run the same math in the same order of key blocks,
+but not the same primitives (numpy's exp2 and matmul reduction order vs torch's differ in the
+last fp32 bit). lse agrees to fp32 tolerance (1e-5 relative). out agrees to fp32 tolerance
+except where such a last-bit difference moves one P entry across an E4M3 rounding boundary: that
+entry changes by one E4M3 step (2^-4 of its value) and its output row by at most
+2^-4 * max|v_dequantized|; the test allows that for at most 0.1% of out's elements and checks
+everything else at 1e-5. Cases: causal and no mask (s_q != s_kv too, with key tails), GQA,
+head dims 64 and 128, bshd and sbhd (the strided bshd view of an sbhd tensor), TMA descriptors.
+"""
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+from tritium.kernels import flash_attention as K
+from tritium.ref import flash_attention as R
+from tritium.ref.attention import quantize_e4m3
+
+pytestmark = [pytest.mark.interp,
+              pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")]
+
+# (s_q, s_kv, h, h_kv, d, causal, layout)
+CASES = [(33, 33, 2, 2, 64, True, "bshd"), (24, 40, 2, 1, 64, False, "sbhd"),
+         (40, 40, 4, 2, 128, True, "sbhd"), (17, 24, 2, 2, 128, False, "bshd"),
+         (32, 32, 2, 1, 128, True, "bshd")]
+
+
+def _fp8_inputs(s_q, s_kv, h, h_kv, d, layout, gen):
+    def one(s, heads, amp):
+        x = torch.randn(s, 2, heads, d, generator=gen) * amp
+        x = x.transpose(0, 1) if layout == "sbhd" else x.transpose(0, 1).contiguous()
+        scale = torch.tensor([448.0]) / x.abs().amax()
+        return quantize_e4m3(x, scale), 1.0 / scale
+    (q, dq), (k, dk), (v, dv) = one(s_q, h, 3.0), one(s_kv, h_kv, 2.0), one(s_kv, h_kv, 1.0)
+    return q, k, v, torch.cat([dq, dk, dv]).float()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}".format(
+    *c[:5], "causal" if c[5] else "nomask", c[6]))
+@pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
+def test_fp8_forward_matches_twin(case, tma, monkeypatch):
+    s_q, s_kv, h, h_kv, d, causal, layout = case
+    if tma:
+        monkeypatch.setattr(K, "INTERP_CFG", K.Cfg(16, 16, 4, 1, tma=True))
+    gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
+    q, k, v, descale = _fp8_inputs(s_q, s_kv, h, h_kv, d, layout, gen)
+    scale = d ** -0.5
+    out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale)
+    want_out, want_lse = R.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
+                                                   block_n=K.fp8_block_n(d, False))
+    assert out.dtype == torch.float32 and out.shape == want_out.shape
+    torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
+    vmax = (v.float() * descale[2]).abs().max().item()
+    err = (out - want_out).abs()
+    tight = err <= 1e-5 * want_out.abs().max().item() + 1e-5 * want_out.abs()
+    assert int((~tight).sum()) <= max(1, out.numel() // 1000), \
+        f"{int((~tight).sum())} of {out.numel()} outside fp32 tolerance"
+    assert err.max().item() <= 2.0 ** -4 * vmax, err.max().item()
+    # bf16 out is the fp32 result rounded once
+    out16, _ = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
+                                         out_dtype=torch.bfloat16)
+    assert out16.dtype == torch.bfloat16
+    assert torch.equal(out16, out.to(torch.bfloat16))
+
+
+def test_fp8_forward_refuses_bad_input():
+    q = torch.zeros(1, 16, 2, 32).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="head dim"):
+        K.flash_attention_fp8_fwd(q, q, q, torch.ones(3), True, 1.0)
+    q = torch.zeros(1, 16, 2, 64).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="descale"):
+        K.flash_attention_fp8_fwd(q, q, q, torch.ones(2), True, 1.0)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+@pytest.mark.parametrize("mask", ["causal", "no_mask"])
+def test_dot_product_attention_runs_the_fp8_kernel(fmt, mask):
+    """Under fp8_autocast(fp8_dpa=True) DotProductAttention picks triton_fp8 here: its out is
+    the kernel's FP8 forward of the quantized q/k/v (fp16 here: the interpreter's bf16 tl.dot is
+    wrong), its grads the speed-mode flash backward on the dequantized q/k/v."""
+    import tritium as te
+    from tritium.attention import DotProductAttention, explain
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    gen = torch.Generator().manual_seed(3 + len(fmt) + len(mask))
+    b, s, h, h_kv, d = 2, 24, 4, 2, 64
+
+    def rnd(heads):
+        x = torch.randn(b, s, heads, d, generator=gen).half()
+        return (x.transpose(0, 1).contiguous() if fmt == "sbhd" else x).requires_grad_()
+    q, k, v = rnd(h), rnd(h_kv), rnd(h_kv)
+    assert explain(q, k, v, qkv_format=fmt, attn_mask_type=mask, fp8_dpa=True).backend \
+        == "triton_fp8"
+    m = DotProductAttention(h, d, num_gqa_groups=h_kv, qkv_format=fmt, attn_mask_type=mask)
+    r = recipe.Float8CurrentScaling(fp8_dpa=True)
+    with te.fp8_autocast(fp8_recipe=r):
+        out = m(q, k, v)
+    dy = torch.randn(out.shape, generator=gen).half()
+    out.backward(dy)
+
+    def bshd(x):
+        return x.transpose(0, 1) if fmt == "sbhd" else x
+    plan = F.FP8AttnPlan(r, None, False)
+    q8, k8, v8, descale = F.quantize(plan, bshd(q), bshd(k), bshd(v))
+    want, lse = K.flash_attention_fp8_fwd(q8, k8, v8, descale, mask == "causal", d ** -0.5,
+                                          out_dtype=torch.float16)
+    assert torch.equal(bshd(out.view(*out.shape[:2], h, d)), want)
+    deq = [F.dequantize(x, descale[i], torch.float16) for i, x in enumerate((q8, k8, v8))]
+    grads = K.flash_attention_bwd(bshd(dy.view(*dy.shape[:2], h, d)), *deq, want, lse,
+                                  mask == "causal", d ** -0.5, split=False,
+                                  grad_dtype=torch.float16)
+    for got, g in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.equal(bshd(got), g)

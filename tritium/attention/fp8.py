@@ -1,0 +1,225 @@
+"""FP8 attention (TE's `fp8_dpa`): E4M3 Q, K, V and P in the forward, a 16-bit backward.
+
+Inside `fp8_autocast(recipe=DelayedScaling(fp8_dpa=True))` (or Float8CurrentScaling) a
+DotProductAttention call quantizes q, k, v to E4M3 with one scale per tensor:
+  * delayed scaling: the module owns a `ScalingState` of 3 slots (q, k, v) - one more set of
+    slots beside its GEMMs' - whose scales come from the amax history; each call max-records
+    its amaxes in row 0 and the state updates when the outermost autocast exits, like every
+    module's forward state (registered with the region without claiming its backward update);
+    under `tritium.distributed.checkpoint` the recompute reads the forward's frozen scales and
+    records nothing (fp8/recompute.py);
+  * current scaling: the scale of this call's amax (recipe's amax_epsilon / power_2_scale).
+The forward then runs on the E4M3 tensors (`FP8_BACKENDS`): "triton_fp8", the Triton flash
+kernel's FP8 forward (kernels/flash_attention.py), wherever the bf16 Triton backend could run
+the call and the head dim is 64 or 128; "torch_fp8", the emulation in ref/attention.py
+(exact row max, dense masks, thd through padding), everywhere else. P is quantized with the
+fixed scale 448 (ref/attention.py says why). out is in the input dtype, lse fp32.
+
+Backward: in the input dtype from the dequantized q, k, v (x8 * descale rounded to the input
+dtype: the values the forward used, to that rounding), the forward's out and lse, through the
+bf16 flash backward (triton_fp8) or the reference backward (torch_fp8). TE's FP8 backward also
+quantizes dO and dS; this one does not (accuracy first; the speed target is the forward). The
+gradient reaching the unquantized q, k, v is the one at the quantized point (straight through).
+Calibration (`fp8_autocast(enabled=False, calibrating=True)`) records the amaxes under delayed
+scaling and runs the 16-bit attention. Not here: FP8 attention with dropout, context
+parallelism, fp8_mha (FP8 in and out of the attention block).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..fp8 import cast, recompute
+from ..fp8.autocast import current as current_autocast
+from ..fp8.formats import E4M3
+from ..fp8.recipe import DelayedScaling, Float8CurrentScaling
+from ..fp8.scaling import ScalingState
+from ..ref import attention as ref_attention
+from . import backends as B
+from . import masks as M
+
+
+class FP8AttnPlan:
+    """One call's FP8 settings: the recipe and where the q/k/v scales come from."""
+    __slots__ = ("recipe", "scales", "calibrating")
+
+    def __init__(self, recipe, scales, calibrating: bool):
+        self.recipe, self.scales, self.calibrating = recipe, scales, calibrating
+
+
+def active() -> bool:
+    """Is FP8 attention on here (an fp8_autocast, enabled or calibrating, with fp8_dpa=True)?"""
+    state = current_autocast()
+    return (state is not None and (state.enabled or state.calibrating)
+            and bool(getattr(state.recipe, "fp8_dpa", False)))
+
+
+def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPlan]:
+    """The FP8 plan of `owner`'s call now (None: no fp8_autocast with fp8_dpa=True). Makes or
+    resizes the owner's delayed-scaling state and registers it with the autocast region."""
+    if not active():
+        return None
+    state = current_autocast()
+    recipe = state.recipe
+    if isinstance(recipe, Float8CurrentScaling):
+        return None if not state.enabled else FP8AttnPlan(recipe, None, False)
+    assert isinstance(recipe, DelayedScaling)  # the recipes refuse fp8_dpa elsewhere
+    st = getattr(owner, "fp8_attn_state", None)
+    if st is None or st.scale.device != device:
+        st = owner.fp8_attn_state = ScalingState(3, E4M3, recipe, device)
+    elif st.amax_history.shape[0] != recipe.amax_history_len:
+        st.resize_history(recipe.amax_history_len)
+    st.recipe = recipe
+    scope = recompute.current()
+    scales = st if scope is None else scope.forward_scales(st)
+    if scope is None or not scope.recomputing:
+        state.region.register_forward(st, recipe, state.group)
+    return FP8AttnPlan(recipe, scales, not state.enabled)
+
+
+def record_amaxes(plan: FP8AttnPlan, q, k, v) -> None:
+    """Calibration: max-record the amaxes of q, k, v (delayed scaling) and nothing else."""
+    with torch.no_grad():
+        for i, x in enumerate((q, k, v)):
+            slot = plan.scales.amax_slot(i)
+            if slot is not None:
+                cast.amax_into(x, slot)
+
+
+def _rows(x: torch.Tensor):
+    """x as [rows, d] in its memory order (bshd, or the bshd view of sbhd: no copy) and the
+    map of a result of that shape back to x's shape and strides."""
+    d = x.shape[-1]
+    if x.is_contiguous():
+        return x.view(-1, d), lambda y: y.view(x.shape)
+    t = x.transpose(0, 1)
+    if t.is_contiguous():
+        return t.view(-1, d), lambda y: y.view(t.shape).transpose(0, 1)
+    return x.contiguous().view(-1, d), lambda y: y.view(x.shape)
+
+
+def quantize(plan: FP8AttnPlan, q, k, v):
+    """-> (q8, k8, v8 E4M3 laid out like q, k, v, descale fp32 [3]). One fused cast per tensor
+    (the GEMMs' cast kernel, or its twin): delayed scaling reads the state's scale and
+    max-records the amax; current scaling measures the amax first."""
+    out, descale = [], []
+    current = None
+    if plan.scales is None:
+        current = (float(plan.recipe.amax_epsilon), plan.recipe.power_2_scale)
+    with torch.no_grad():
+        for i, x in enumerate((q, k, v)):
+            rows, back = _rows(x)
+            if current is None:
+                scale, amax = plan.scales.scale_slot(i), plan.scales.amax_slot(i)
+            else:
+                scale = amax = None
+            data, _, scale_inv = cast.quantize_2d(rows, E4M3, scale=scale, amax=amax,
+                                                  current=current, pad_rows_to=1)
+            out.append(back(data))
+            descale.append(scale_inv.reshape(1))
+    return (*out, torch.cat(descale))
+
+
+def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (x8.float() * descale).to(dtype)
+
+
+class TritonFP8Backend:
+    """The Triton flash kernel's FP8 forward; the bf16 Triton flash backward."""
+    name = "triton_fp8"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        why = B.BACKENDS["triton"].check(q, k, v, a)
+        if why is not None:
+            return "triton_fp8: " + why.split(": ", 1)[-1]
+        if a.d_qk not in (64, 128):
+            return f"triton_fp8: head dim {a.d_qk} unsupported (the FP8 kernel takes 64, 128)"
+        return None
+
+    def fwd(self, q8, k8, v8, descale, a, dtype):
+        from ..kernels import flash_attention as FA
+        out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, a.causal, a.scale,
+                                              out_dtype=dtype)
+        return out, lse, out
+
+    def bwd(self, dout, q, k, v, out, lse, a):
+        return B.BACKENDS["triton"].bwd(dout, q, k, v, out, lse, None, a)
+
+
+class TorchFP8Backend:
+    """The emulation (ref/attention.py): every mask and format; reference backward."""
+    name = "torch_fp8"
+
+    def check(self, q, k, v, a) -> Optional[str]:
+        return None
+
+    def fwd(self, q8, k8, v8, descale, a, dtype):
+        if a.fmt == "thd":
+            pd = B._Padded(a, q8.shape[0], k8.shape[0])
+            mask = B._dense_mask(a, q8.device, pd.q_pad, pd.kv_pad)
+            out, lse = ref_attention.attention_fp8_fwd(pd.q(q8), pd.kv(k8), pd.kv(v8), descale,
+                                                       mask, a.scale)
+            out = M.pack(out, pd.iq)
+            return out.to(dtype), pd.lse_out(lse), out
+        out, lse = ref_attention.attention_fp8_fwd(q8, k8, v8, descale,
+                                                   B._dense_mask(a, q8.device), a.scale)
+        return out.to(dtype), lse, out
+
+    def bwd(self, dout, q, k, v, out, lse, a):
+        return B.BACKENDS["torch"].bwd(dout, q, k, v, out, lse, (None, out), a)
+
+
+FP8_BACKENDS = {b.name: b for b in (TritonFP8Backend(), TorchFP8Backend())}
+_FORCED = {"triton": "triton_fp8", "torch": "torch_fp8"}
+
+
+def choose(q, k, v, a: B.AttnArgs, backend: str = "auto"):
+    """-> (FP8 backend, reasons {name: why not or 'selected ...'}); refuses what FP8 attention
+    cannot do with an error naming the fix."""
+    if a.dropout > 0:
+        raise NotImplementedError(
+            f"DotProductAttention: attention dropout {a.dropout} is not supported with "
+            "fp8_dpa=True; set attention_dropout=0.0 (or call model.eval()) or leave fp8_dpa off")
+    if backend != "auto" and backend not in _FORCED:
+        raise ValueError(f"DotProductAttention: backend={backend!r} has no FP8 attention; use "
+                         "'auto', 'triton' or 'torch' with fp8_dpa=True, or leave fp8_dpa off")
+    names = tuple(FP8_BACKENDS) if backend == "auto" else (_FORCED[backend],)
+    reasons, chosen = {}, None
+    for name in names:
+        why = FP8_BACKENDS[name].check(q, k, v, a)
+        if why is None and chosen is None:
+            chosen = FP8_BACKENDS[name]
+            reasons[name] = ("selected: forced by backend=" if backend != "auto" else
+                             "selected: first of " + ", ".join(names) + " that supports this call"
+                             + (" (FP8 emulation in PyTorch)" if name == "torch_fp8" else ""))
+        else:
+            reasons[name] = why or "not tried: an earlier backend was selected"
+    if chosen is None:
+        raise RuntimeError("DotProductAttention: no FP8 attention backend supports this call:\n  "
+                           + "\n  ".join(B.reason_line(n, r) for n, r in reasons.items()))
+    return chosen, reasons
+
+
+class FP8Attention(torch.autograd.Function):
+    """forward: quantize, FP8 forward; backward: 16-bit, from the dequantized inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, args, backend, plan):
+        q8, k8, v8, descale = quantize(plan, q, k, v)
+        out, lse, saved = backend.fwd(q8, k8, v8, descale, args, q.dtype)
+        ctx.save_for_backward(q8, k8, v8, descale, saved, lse)
+        ctx.args, ctx.backend, ctx.dtype = args, backend, q.dtype
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q8, k8, v8, descale, out, lse = ctx.saved_tensors
+        q, k, v = (dequantize(x, descale[i], ctx.dtype) for i, x in enumerate((q8, k8, v8)))
+        dq, dk, dv = ctx.backend.bwd(dout, q, k, v, out, lse, ctx.args)
+        return dq, dk, dv, None, None, None
+
+
+__all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active", "quantize",
+           "dequantize", "record_amaxes"]
