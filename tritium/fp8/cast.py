@@ -115,13 +115,16 @@ def quantize_2d(x: torch.Tensor, fp8_dtype: torch.dtype, *, scale: Optional[torc
 
 def quantize_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype, current: Optional[tuple]):
     """`quantize_2d` of two operands in one launch (a GEMM's input and weight). Jobs are
-    (x, scale, amax, pad_rows_to, write_data, write_transpose); with `current`, the scale and
-    amax entries are ignored: each operand's amax is measured first, as quantize_2d does."""
+    (x, scale, amax, pad_rows_to, write_data, write_transpose); with `current`, the scale entries
+    are ignored and each operand's amax is measured first, as quantize_2d does, unless its job
+    gives one: an amax the caller measured already (and keeps, to cast again with that scale)."""
     if current is not None:
-        amax = torch.zeros(2, dtype=torch.float32, device=a_job[0].device)
-        a_amax, b_amax = amax[0:1], amax[1:2]
-        amax_into(a_job[0], a_amax)
-        amax_into(b_job[0], b_amax)
-        a_job = (a_job[0], None, a_amax, *a_job[3:])
-        b_job = (b_job[0], None, b_amax, *b_job[3:])
+        fresh = torch.zeros(2, dtype=torch.float32, device=a_job[0].device)
+        jobs = []
+        for i, (x, _, amax, *rest) in enumerate((a_job, b_job)):
+            if amax is None:
+                amax = fresh[i:i + 1]
+                amax_into(x, amax)
+            jobs.append((x, None, amax, *rest))
+        a_job, b_job = jobs
     return cast_transpose_pair(a_job, b_job, fp8_dtype, current)

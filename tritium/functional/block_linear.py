@@ -11,8 +11,12 @@ Backward:
     dx = block_gemm(dy8, w8^T)     dw = block_gemm(dy8^T, x8^T)
 Every scale is a current scale of its own block (no amax history, nothing to reduce across
 ranks). The fp8 operands the backward needs (x8^T, w8^T and their scales) are kept as Function
-attributes and dropped after use. Tokens are padded with zero rows to a multiple of 16 (TMA's
-16-byte rows for wgrad's K = T); zero rows change no block's amax and no sum.
+attributes and dropped after use; w8^T's blocks only where they exist anyway (a weight cache, an
+FP8 param) or the weight is no Parameter, else backward quantizes them again from the Parameter
+just before dgrad (`_WeightRecast`; rule and cost: functional/_recast.py): every block's scale
+comes from the weight alone, so the bits are the forward's. Tokens are padded with zero rows to
+a multiple of 16 (TMA's 16-byte rows for wgrad's K = T); zero rows change no block's amax and no
+sum.
 
 MXFP8BlockScaling runs the same structure with 32-element E8M0 blocks along each GEMM's
 reduction dim (rowwise and columnwise made separately from high precision, weights too) and the
@@ -49,6 +53,7 @@ from ..fp8.recipe import Float8BlockScaling, MXFP8BlockScaling, QParams, Recipe
 from ..fp8.tensor import Float8Tensor
 from ..ref.block_cast import BlockQuantized
 from ._apply import fast_apply
+from ._recast import check_unchanged, recast_in_backward, weight_version
 from .fused_cast import block_operand
 
 
@@ -103,8 +108,26 @@ def _pad16(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(-(-rows // 16) * 16 - rows, t.shape[1])])
 
 
+class _WeightRecast:
+    """w8^T's blocks (data_t, scale_inv_t) quantized again in backward from the weight."""
+
+    __slots__ = ("scheme", "weight", "version")
+
+    def __init__(self, scheme: BlockScheme, weight: torch.Tensor):
+        self.scheme, self.weight, self.version = scheme, weight, weight_version(weight)
+
+    def __call__(self):
+        check_unchanged(self.weight, self.version)
+        s = self.scheme
+        wq = s.quantize(self.weight.detach(), s.w_q, s.fwd_dtype, rowwise=False, columnwise=True,
+                        block_2d=s.w_2d)
+        return wq.data_t, wq.scale_inv_t
+
+
 def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
                      need_t: bool) -> BlockQuantized:
+    """The weight's blocks; data_t is a _WeightRecast (scale_inv_t None) where backward
+    quantizes w8^T again."""
     if isinstance(weight, Float8BlockTensor):
         if (not scheme.mx and weight._block_2d == scheme.w_2d
                 and weight._fp8_dtype == scheme.fwd_dtype):
@@ -127,11 +150,12 @@ def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
             and cache.key == key):
         return cache.entry
     keep = cache is not None and plan.is_first_microbatch is not None
+    again = recast_in_backward(weight, need_t, keep)
     wq = scheme.quantize(weight.detach(), scheme.w_q, scheme.fwd_dtype, rowwise=True,
-                         columnwise=need_t or keep, block_2d=scheme.w_2d)
+                         columnwise=(need_t and not again) or keep, block_2d=scheme.w_2d)
     if keep:
         cache.entry, cache.key = wq, key
-    return wq
+    return wq._replace(data_t=_WeightRecast(scheme, weight)) if again else wq
 
 
 def _check_block_operand(xq: BlockQuantized, scheme: BlockScheme, shape, fp8_dtype, what: str):
@@ -205,6 +229,8 @@ class _BlockLinearFunction(torch.autograd.Function):
             dw = scheme.gemm(dyq.data_t, x_t, dyq.scale_inv_t, x_st, wgrad_dtype)
         del x_t, x_st
         if need_dgrad:
+            if callable(w_t):  # a _WeightRecast: w8^T's blocks quantized again now
+                w_t, w_st = w_t()
             dx = scheme.gemm(dyq.data, w_t, dyq.scale_inv, w_st, dy2d.dtype,
                              b_block_2d=scheme.w_2d)[:ctx.tokens].reshape(ctx.in_shape)
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -16,6 +16,13 @@ across micro-batches (`is_first_microbatch`): True casts and keeps, False reuses
 recording a new weight amax. Without FP8 (and without calibration or main_grad) the call is
 plain `F.linear`, so parity with `nn.Linear` is exact.
 
+What the forward keeps for backward: x8^T, and for dgrad the weight's fp8 transpose w8^T only
+where it exists anyway (a weight cache, an FP8 param, an FSDP2 FP8 gather) or the weight is no
+Parameter (rule and cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps
+a `WeightRecast`: the Parameter and what fixes its cast's scale (a copy of the delayed scale,
+which autocast exit updates before backward; the measured amax under current scaling), from
+which backward casts w8^T again just before dgrad: the forward's bits, no amax recorded.
+
 Float8Tensor operands (the fused norm / activation casts, see `tritium.functional.fused_cast`):
 an FP8 input of the forward's fp8 dtype is used as it is (its padded data and transpose), and an
 FP8 grad_output of the backward's dtype likewise (its high-precision copy, when the producer
@@ -41,6 +48,7 @@ Function returns no gradient for the weight, so `param.grad` stays None.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Optional, Sequence
 
@@ -63,6 +71,7 @@ from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
+from ._recast import check_unchanged, recast_in_backward, weight_version
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands
 from .gemm import fp8_gemm_tn
@@ -99,6 +108,42 @@ class WeightCache:
         quantize_2d(weight.detach(), fp8_dtype, scale=scale, amax=amax, current=current,
                     pad_rows_to=1, write_transpose=True, skip=self.skip, out=self.entry)
         return self.entry
+
+
+class WeightRecast:
+    """dgrad's w8^T cast again in backward instead of kept from forward (see the module note):
+    the weight and what fixes its cast's scale as the forward's cast had it."""
+
+    __slots__ = ("weight", "version", "fp8_dtype", "scale", "amax", "current")
+
+    def __init__(self, plan: "FP8Plan", weight: torch.Tensor):
+        self.weight, self.version = weight, weight_version(weight)
+        self.fp8_dtype = plan.recipe.fp8_format.forward_dtype
+        if isinstance(plan.recipe, Float8CurrentScaling):
+            # the weight's amax, measured now for the forward's cast and kept for backward's
+            self.scale, self.current = None, (plan.recipe.amax_epsilon, plan.recipe.power_2_scale)
+            self.amax = torch.zeros(1, dtype=torch.float32, device=weight.device)
+            amax_into(weight.detach(), self.amax)
+        else:  # a copy: autocast exit updates the live scale before backward (frozen: as it is)
+            scale = plan.fwd.scale_slot(plan.weight_slot)
+            self.scale = scale if isinstance(plan.fwd, FrozenScales) else scale.clone()
+            self.amax = self.current = None
+
+    def __call__(self) -> torch.Tensor:
+        """w8^T [K, N], bit for bit the forward's cast; records no amax."""
+        check_unchanged(self.weight, self.version)
+        return _cast_weight_t(self.weight, self.scale, self.amax, self.fp8_dtype, self.current)
+
+
+def _cast_weight_t(weight, scale, amax, fp8_dtype, current) -> torch.Tensor:
+    return cast_transpose(weight.detach(), scale, amax, fp8_dtype, pad_rows_to=1,
+                          write_data=False, write_transpose=True, current=current)[1]
+
+
+def _dgrad_weight(w8_t):
+    """dgrad's w8^T: kept from forward, or cast again now (a WeightRecast, or its compiled
+    form: a partial of `_cast_weight_t` over the saved tensors)."""
+    return w8_t() if callable(w8_t) else w8_t
 
 
 @dataclasses.dataclass
@@ -167,7 +212,8 @@ class FP8Plan:
                          need_dgrad: bool):
         """The forward GEMM's fp8 operands, ((x8, x8_t, x_si), (w8, w8_t, w_si)): x cast with
         its transpose when wgrad needs it, the weight with its transpose when dgrad does (or a
-        cache keeps it). Where both must be cast now, one launch casts both."""
+        cache keeps it; w8_t may be a WeightRecast instead, see `_recast`). Where both must be
+        cast now, one launch casts both."""
         fp8_dtype = self.recipe.fp8_format.forward_dtype
         key = None if self.weight_cache is None else self._weight_key(weight, fp8_dtype)
         if not self._weight_cast_due(weight, key):
@@ -175,19 +221,22 @@ class FP8Plan:
                                   write_transpose=need_wgrad),
                     self.weight_operands(weight, need_dgrad))
         keep = key is not None and self.is_first_microbatch is not None
+        recast = self._recast(weight, need_dgrad, keep)
         if isinstance(self.recipe, Float8CurrentScaling):
             current = (self.recipe.amax_epsilon, self.recipe.power_2_scale)
-            x_scale = x_amax = w_scale = w_amax = None
+            x_scale = x_amax = w_scale = None
+            w_amax = None if recast is None else recast.amax  # measured already: keep it
         else:
             current, fwd = None, self.fwd
             x_scale, x_amax = fwd.scale_slot(self.input_slot), fwd.amax_slot(self.input_slot)
             w_scale, w_amax = fwd.scale_slot(self.weight_slot), fwd.amax_slot(self.weight_slot)
         xq, wq = quantize_pair((x2d, x_scale, x_amax, 16, True, need_wgrad),
-                               (weight, w_scale, w_amax, 1, True, need_dgrad or keep),
+                               (weight, w_scale, w_amax, 1, True,
+                                (need_dgrad and recast is None) or keep),
                                fp8_dtype, current)
         if keep:
             self.weight_cache.entry, self.weight_cache.key = wq, key
-        return xq, wq
+        return xq, wq if recast is None else (wq[0], recast, wq[2])
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if isinstance(weight, Float8Tensor):  # an FP8 param (fp8_model_init): no cast at all
@@ -205,11 +254,24 @@ class FP8Plan:
         if reused is not None:
             return reused
         keep = cache is not None and first is not None
+        recast = self._recast(weight, need_transpose, keep)
+        if recast is not None:
+            w8, _, w_si = self.quantize(weight.detach(), self.fwd, self.weight_slot, fp8_dtype,
+                                        pad_rows_to=1, tensor_amax=recast.amax)
+            return w8, recast, w_si
         w8, w8_t, w_si = self.quantize(weight.detach(), self.fwd, self.weight_slot, fp8_dtype,
                                        pad_rows_to=1, write_transpose=need_transpose or keep)
         if keep:
             cache.entry, cache.key = (w8, w8_t, w_si), key
         return w8, w8_t, w_si
+
+    def _recast(self, weight: torch.Tensor, need_transpose: bool,
+                keep: bool) -> Optional[WeightRecast]:
+        """For a high-precision weight whose plain cast is due now: None where dgrad's w8^T is
+        kept from forward, else the WeightRecast that casts it again in backward."""
+        if recast_in_backward(weight, need_transpose, keep):
+            return WeightRecast(self, weight)
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,14 +336,14 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
                                               write_data=need_dgrad, write_transpose=need_wgrad)
         if need_dgrad and dgrad_ready is not None:  # dgrad first: its reduction overlaps wgrad
-            dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
+            dx = fp8_gemm_tn(dy8, _dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
             dx = dx if dx.shape[0] == tokens else dx[:tokens]
             dgrad_ready(dx)
         if need_wgrad:  # wgrad first otherwise: its operands are freed before dx is allocated
             dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
         del dy8_t, x8_t
         if need_dgrad and dx is None:
-            dx = fp8_gemm_tn(dy8, w8_t, dy_si, w_si, dy2d.dtype)
+            dx = fp8_gemm_tn(dy8, _dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
     # current scaling: one scale for all blocks of dy
@@ -289,6 +351,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place
+        w8_t = _dgrad_weight(w8_t)
         dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
         for t0, t1 in _blocks(tokens, parts):
             dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
@@ -363,7 +426,11 @@ class _LinearFunction(torch.autograd.Function):
             # recompute them: attributes would stay alive the whole forward).
             ctx.fp8_saved = torch.compiler.is_compiling() or recompute.drops_saved_tensors()
             if ctx.fp8_saved:
-                ctx.save_for_backward(x8_t, x_si, w8_t, w_si)
+                # a WeightRecast: its tensors saved (autograd checks the weight's version)
+                recast = w8_t if isinstance(w8_t, WeightRecast) else None
+                ctx.recast = None if recast is None else (recast.fp8_dtype, recast.current)
+                parts = () if recast is None else (recast.weight, recast.scale, recast.amax)
+                ctx.save_for_backward(x8_t, x_si, None if recast else w8_t, w_si, *parts)
                 ctx.fp8_operands = None
             else:
                 ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
@@ -418,12 +485,12 @@ class _LinearFunction(torch.autograd.Function):
             start = (start_reduce_scatter_dim0 if ctx.column.sequence_parallel
                      else start_all_reduce)
             dgrad_ready = lambda d: reduced.append(start(d, ctx.column.group))  # noqa: E731
-        if ctx.fp8 and torch.compiler.is_compiling():
-            dx, dw = _fp8_backward(plan, dy2d, list(ctx.saved_tensors), ctx.shape[-1],
-                                   need_dgrad, need_wgrad, wgrad_dtype, dyq)
-        elif ctx.fp8:
+        if ctx.fp8:
             if ctx.fp8_saved:
-                operands = list(ctx.saved_tensors)
+                x8_t, x_si, w8_t, w_si, *recast = ctx.saved_tensors
+                if ctx.recast is not None:
+                    w8_t = functools.partial(_cast_weight_t, *recast, *ctx.recast)
+                operands = [x8_t, x_si, w8_t, w_si]
             elif ctx.fp8_operands is None:
                 raise RuntimeError(
                     "tritium.Linear under fp8_autocast frees its fp8 operands during backward: "
