@@ -58,7 +58,9 @@ class LayerNormLinear(Linear):
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
             cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
-        elif tp is None and self.tp.size == 1:  # Float8BlockScaling: the norm writes the blocks
+        elif tp is None or not (tp.mode == "column" and tp.sequence_parallel):
+            # Float8BlockScaling: the norm writes the blocks, except where a column-parallel
+            # GEMM all-gathers its input first (sequence parallelism: see the module note)
             wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
                                                         for w in self._parts("weight"))
             cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)
