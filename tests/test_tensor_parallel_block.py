@@ -26,8 +26,9 @@ then quantized whole). So
     biases and norm weights whose gradients are all-reduced from each rank's rows.
 The fused norm / activation block casts run under TP where they are exact (spies prove it) and
 give the unfused chain's bits (the same TP module with fused_casts(False)). Block FP8 params
-(fp8_model_init) load their shards of a full block-FP8 state dict keeping every fp8 value, and
-train like the unsharded FP8 module by the same expectations.
+(fp8_model_init) load their shards of a full block-FP8 state dict with its fp8 bytes and scales
+(and gather back to them), and compute what the unsharded FP8 module does, by the same
+expectations; where the shards would cut 128-element blocks, loading is refused by name.
 """
 from __future__ import annotations
 
@@ -185,7 +186,7 @@ def _block_case(name, group, world, rank, spy, form=None):
     got = _run(tp_mod, x_loc, dy_loc, rcp)
     calls = spy.take()
     plain = _run(unfused, x_loc, dy_loc, rcp, fused=False)
-    assert not any(spy.take().values())   # fused_casts(False): the unfused chain
+    unfused_calls = spy.take()   # fused_casts(False): none
     fused_bits = [(lbl, a, b) for lbl, a, b in
                   [("y", got[0], plain[0]), ("dx", got[1], plain[1])]
                   + [(f"d{n}", got[2][n], plain[2][n]) for n in got[2]]]
@@ -204,12 +205,37 @@ def _block_case(name, group, world, rank, spy, form=None):
             grad = T.unshard_tensor(_gather(grad, dim, group).chunk(world, dim), dim, blocks,
                                     world)
         pairs.append((f"d{pname}", grad, want[2][pname]))
-    res = {"pairs": pairs, "fused_bits": fused_bits, "calls": calls}
+    res = {"pairs": pairs, "fused_bits": fused_bits, "calls": calls,
+           "unfused_calls": unfused_calls}
     if form is not None:
         res["kept"] = kept
         res["fp8_weights"] = sorted(n for n, p in tp_mod.named_parameters()
                                     if hasattr(p, "operands"))
     return res
+
+
+def _layer_fused_case(mode, group, world, rank, spy):
+    """A TransformerLayer (LayerNorm QKV, gelu MLP; set_parallel_mode) under TP / SP: fused ==
+    unfused bit for bit (output, input and parameter gradients), and which fused casts ran."""
+    import tritium as te
+    torch.manual_seed(_seed(f"layer/{mode}") + rank)
+    kw = dict(hidden_dropout=0.0, attention_dropout=0.0, set_parallel_mode=True,
+              tp_group=group, sequence_parallel=mode == "sp", device="cpu")
+    layer = te.TransformerLayer(H, F, 4, **kw)
+    plain = te.TransformerLayer(H, F, 4, **kw)
+    plain.load_state_dict(layer.state_dict())
+    g = torch.Generator().manual_seed(_seed(f"layer/{mode}"))
+    x, dy = torch.randn(S, B, H, generator=g), torch.randn(S, B, H, generator=g)
+    if mode == "sp":
+        x, dy = x.chunk(world)[rank], dy.chunk(world)[rank]
+    rcp = _recipe("128x128")
+    spy.take()
+    got = _run(layer, x, dy, rcp)
+    calls = spy.take()
+    want = _run(plain, x, dy, rcp, fused=False)
+    pairs = [("y", got[0], want[0]), ("dx", got[1], want[1])]
+    pairs += [(f"d{n}", got[2][n], want[2][n]) for n in got[2]]
+    return {"fused_bits": pairs, "calls": calls, "unfused_calls": spy.take()}
 
 
 def _cut_blocks_case(group, world, rank):
@@ -261,6 +287,8 @@ def _worker(rank, world, port, out_dir):
         for name, form in PARAM_CASES.items():
             results[f"params:{name}"] = _block_case(name, group, world, rank, spy, form)
         results["cut"] = _cut_blocks_case(group, world, rank)
+        for mode in ("tp", "sp"):
+            results[f"layer/{mode}"] = _layer_fused_case(mode, group, world, rank, spy)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         dist.barrier()
@@ -285,9 +313,10 @@ def _check(name, res):
         assert want.abs().max() > 0, (name, label)
         if _exact(kind, mode, label):
             assert_bits(got, want, f"{name} {label}")
-        else:
+        else:   # the split sum is finished in another order: close, and not the same bits
             torch.testing.assert_close(got, want, **FP32_TOL,
                                        msg=lambda m: f"{name} {label}: {m}")
+            assert not torch.equal(got, want), f"{name} {label}: bit-identical, listed as split"
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -295,15 +324,20 @@ def test_block_tp_matches_unsharded(world2, name):
     _check(name, world2[name])
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", CASES + ["layer/tp", "layer/sp"])
 def test_block_tp_fused_equals_unfused(world2, name):
+    """The fused casts ran where they are exact under TP (the norm's: column-parallel without
+    SP; the activation's: every mode) and gave the unfused chain's bits."""
     res = world2[name]
+    assert len(res["fused_bits"]) > 2
     for label, got, want in res["fused_bits"]:
         assert_bits(got, want, f"{name} {label}")
     kind, mode = name.split("/")
-    norm = kind.startswith("ln") and mode == "tp"
-    act = kind.startswith("lnmlp")
-    assert res["calls"] == {"norm": int(norm), "act_fwd": int(act), "act_bwd": int(act)}
+    norms = {"lnlinear": 1, "lnmlp-gelu": 1, "lnmlp-swiglu": 1, "layer": 2}.get(kind, 0)
+    act = int(kind.startswith("lnmlp") or kind == "layer")
+    assert res["calls"] == {"norm": norms if mode == "tp" else 0, "act_fwd": act,
+                            "act_bwd": act}
+    assert not any(res["unfused_calls"].values())
 
 
 @pytest.mark.parametrize("name", list(PARAM_CASES))
@@ -316,7 +350,6 @@ def test_block_fp8_params_tp(world2, name):
         for i, (g, w) in enumerate(zip(got, want)):
             assert_bits(g, w, f"{name} {key} operand {i}")
     _check(name, res)
-
 
 
 def test_block_fp8_params_cut_blocks(world2):

@@ -19,6 +19,11 @@ Everything is torch.distributed collectives (works on NCCL and gloo): FP8 payloa
 a uint8 view (gloo takes no fp8 dtypes). What this file does not do: overlap communication with
 GEMMs (userbuffers), or FP8 reduce-scatters (a sum of FP8 values is not FP8).
 
+State dicts: a block-scaled FP8 weight (Float8BlockTensor, fp8_model_init under
+Float8BlockScaling) is sharded and gathered with its fp8 bytes and scales where every shard
+holds whole 128-element blocks, and refused by block-FP8 shards that would cut them
+(docs/block_scaling.md).
+
 Groups: `tp_group` may be a ProcessGroup, a 1-D DeviceMesh (e.g. `mesh["tp"]`), or a DeviceMesh
 with a dim named "tp". tp_size is then the group's size; tp_group=None with tp_size > 1 means
 the default group, checked at the first forward (or give the group later through
@@ -351,52 +356,6 @@ def _sharded_params(model: torch.nn.Module):
     return out
 
 
-def _whole_blocks(blocks, size: int) -> bool:
-    """Whether each rank's shard of every block holds whole 128-element scale blocks of a
-    block-scaled FP8 weight (Float8BlockScaling: 128x128, or 1x128 tiles along both dims)."""
-    from ..fp8.block_tensor import BLOCK
-    return all(b % (BLOCK * size) == 0 for b in blocks)
-
-
-def _block_parts(value, dim: int, blocks):
-    """(part, its block sizes along `dim`) for each of `checkpoint_parts()` of a block-scaled
-    FP8 weight: a part holds one entry per element or per 128 elements along `dim`."""
-    for name, part in value.checkpoint_parts().items():
-        per = value.shape[dim] // part.shape[dim]
-        yield name, part, [b // per for b in blocks]
-
-
-def _block_fp8(values, parts: dict, like):
-    """A Float8BlockTensor of `like`'s form holding the fp8 bytes whose values are `values`,
-    with the scales `parts` (Float8BlockTensor.load_checkpoint_: bit for bit)."""
-    from ..fp8.block_tensor import Float8BlockTensor
-    q = like._qparams
-    out = Float8BlockTensor.quantize(values, like._fp8_dtype, block_2d=like._block_2d,
-                                     power_2_scale=q[0], amax_epsilon=q[1])
-    return out.load_checkpoint_(values, parts)
-
-
-def _shard_block_fp8(key, value, target, dim, blocks, size, rank):
-    """Rank `rank`'s shard of a block-scaled FP8 weight (fp8_model_init under
-    Float8BlockScaling) with its fp8 bytes and scales, where the shards hold whole blocks.
-    Otherwise its dequantized values (exact), which a high-precision param takes as they are,
-    but a block-FP8 param would requantize in other blocks (rounding them again): refused."""
-    from ..fp8.block_tensor import BLOCK, Float8BlockTensor
-    values = shard_tensor(value.dequantize(), dim, blocks, size, rank)
-    if not _whole_blocks(blocks, size):
-        if isinstance(target, Float8BlockTensor):
-            raise ValueError(
-                f"shard_state_dict: {key} is a block-scaled FP8 weight {tuple(value.shape)} and "
-                f"tp_size={size} shards of {[b // size for b in blocks]} along dim {dim} would "
-                f"cut its {BLOCK}-element scale blocks: the shards' own blocks would round its "
-                f"fp8 values again. Make the sharded size (each part of it) a multiple of "
-                f"{BLOCK} x tp_size = {BLOCK * size}, or load a high-precision state dict (the "
-                "optimizer's fp32 masters, or the weights before fp8_model_init)")
-        return values
-    parts = {n: shard_tensor(p, dim, b, size, rank) for n, p, b in _block_parts(value, dim, blocks)}
-    return _block_fp8(values, parts, value)
-
-
 def shard_state_dict(model: torch.nn.Module, full_state_dict: dict) -> dict:
     """The state dict this rank's TP `model` loads, from the state dict of the same model built
     with tp_size=1 (same keys). Replicated entries (norm weights, row-parallel biases, FP8
@@ -405,6 +364,7 @@ def shard_state_dict(model: torch.nn.Module, full_state_dict: dict) -> dict:
     (each sharded size a multiple of 128 x tp_size); where they would not, a block-FP8 param
     refuses it (ValueError) and a high-precision one takes its exact dequantized values."""
     from ..fp8.block_tensor import Float8BlockTensor
+    from .tp_block_fp8 import shard_block_fp8
     sharded = _sharded_params(model)
     params = dict(model.named_parameters())
     out = {}
@@ -416,8 +376,7 @@ def shard_state_dict(model: torch.nn.Module, full_state_dict: dict) -> dict:
                                  f"dim {dim} must be the full size {sum(blocks)}")
             rank = tp.rank("shard_state_dict")
             if isinstance(value, Float8BlockTensor) and tp.size > 1:
-                value = _shard_block_fp8(key, value, params.get(key), dim, blocks, tp.size,
-                                         rank)
+                value = shard_block_fp8(key, value, params.get(key), dim, blocks, tp.size, rank)
             else:
                 value = shard_tensor(value, dim, blocks, tp.size, rank)
         out[key] = value
@@ -446,6 +405,7 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict:
     values (blocks cut by the shards are not blocks of the full weight)."""
     from torch.distributed.tensor import DTensor
     from ..fp8.block_tensor import Float8BlockTensor
+    from .tp_block_fp8 import block_fp8, block_parts, whole_blocks
     sharded = _sharded_params(model)
     out = {}
     for key, value in model.state_dict().items():
@@ -457,11 +417,11 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict:
                 group = tp.active_group("gather_full_state_dict")
                 if not isinstance(value, Float8BlockTensor):
                     value = _unshard(value.detach(), dim, blocks, group, tp.size)
-                elif _whole_blocks(blocks, tp.size):   # the shards' blocks are the full
+                elif whole_blocks(blocks, tp.size):   # the shards' blocks are the full
                     parts = {n: _unshard(p, dim, b, group, tp.size)   # weight's: bytes and
-                             for n, p, b in _block_parts(value, dim, blocks)}  # scales kept
+                             for n, p, b in block_parts(value, dim, blocks)}  # scales kept
                     values = _unshard(value.dequantize(), dim, blocks, group, tp.size)
-                    value = _block_fp8(values, parts, value)
+                    value = block_fp8(values, parts, value)
                 else:   # shards that cut the blocks: their exact dequantized values
                     value = _unshard(value.dequantize(), dim, blocks, group, tp.size)
         out[key] = value

@@ -19,7 +19,9 @@ checkpoint=True the recompute's activation cast uses the frozen scales and recor
 Under Float8BlockScaling the norm writes fc1's 1x128 input blocks (`kernels.norm_block_cast`),
 the activation writes fc2's 1x128 input blocks instead of its bf16 output, and its backward
 writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
-gradient); not with checkpoint=True or tensor parallelism.
+gradient); not with checkpoint=True. Under tensor parallelism the activation's casts run in
+every mode (its input and output are this rank's F/tp columns, no collective between), the
+norm's not under sequence parallelism (fc1 all-gathers its high-precision output first).
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
