@@ -39,7 +39,7 @@ import torch
 import torch.multiprocessing as mp
 
 from test_tensor_parallel import _gather, _seed
-from testlib import FP32_TOL, assert_bits, free_port
+from testlib import FP8_TOL, FP32_TOL, assert_bits, free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -273,6 +273,26 @@ def _cut_blocks_case(group, world, rank):
     return out
 
 
+def _unaligned_case(group, world, rank):
+    """High-precision weights with shards that are not whole blocks (384 features, 192 a
+    rank) are not refused: each rank runs a complete block-scaled GEMM of its operands, only
+    in other blocks than the unsharded module's. The outputs (gathered) against it."""
+    import tritium as te
+    from tritium.distributed import tensor_parallel as T
+    out = {}
+    for mode, (k, n) in (("column", (H, 384)), ("row", (384, H))):
+        torch.manual_seed(7 + rank)
+        lin = te.Linear(k, n, parallel_mode=mode, tp_group=group, device="cpu")
+        ref = te.Linear(k, n, device="cpu")
+        ref.load_state_dict(T.gather_full_state_dict(lin))
+        x = torch.randn(S, B, k, generator=torch.Generator().manual_seed(8))
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=_recipe("128x128")):
+            y = lin(x if mode == "column" else x.chunk(world, -1)[rank])
+            want = ref(x)
+        out[mode] = (_gather(y, -1, group) if mode == "column" else y), want
+    return out
+
+
 def _worker(rank, world, port, out_dir):
     os.environ["TRITIUM_FORCE_REF"] = "1"
     torch.set_num_threads(1)
@@ -287,6 +307,7 @@ def _worker(rank, world, port, out_dir):
         for name, form in PARAM_CASES.items():
             results[f"params:{name}"] = _block_case(name, group, world, rank, spy, form)
         results["cut"] = _cut_blocks_case(group, world, rank)
+        results["unaligned"] = _unaligned_case(group, world, rank)
         for mode in ("tp", "sp"):
             results[f"layer/{mode}"] = _layer_fused_case(mode, group, world, rank, spy)
         if rank == 0:
@@ -359,3 +380,11 @@ def test_block_fp8_params_cut_blocks(world2):
         assert "would cut its 128-element scale blocks" in text, text
         assert "multiple of 128 x tp_size = 256" in text, text
         assert res["unchanged"] and res["hp_exact"] and res["gathered_values"], (mode, res)
+
+
+def test_block_tp_unaligned_shards_run(world2):
+    """Not whole blocks: no error, and the unsharded module's result to FP8 accuracy (bit for
+    bit only where the other blocks happen to get the same power-of-2 scales)."""
+    assert set(world2["unaligned"]) == {"column", "row"}
+    for mode, (got, want) in world2["unaligned"].items():
+        torch.testing.assert_close(got, want, **FP8_TOL, msg=lambda m: f"{mode}: {m}")
