@@ -19,6 +19,11 @@ Everything is torch.distributed collectives (works on NCCL and gloo): FP8 payloa
 a uint8 view (gloo takes no fp8 dtypes). What this file does not do: overlap communication with
 GEMMs (userbuffers), or FP8 reduce-scatters (a sum of FP8 values is not FP8).
 
+State dicts: a block-scaled FP8 weight (Float8BlockTensor, fp8_model_init under
+Float8BlockScaling) is sharded and gathered with its fp8 bytes and scales where every shard
+holds whole 128-element blocks, and refused by block-FP8 shards that would cut them
+(docs/block_scaling.md).
+
 Groups: `tp_group` may be a ProcessGroup, a 1-D DeviceMesh (e.g. `mesh["tp"]`), or a DeviceMesh
 with a dim named "tp". tp_size is then the group's size; tp_group=None with tp_size > 1 means
 the default group, checked at the first forward (or give the group later through
@@ -273,9 +278,19 @@ def _group(group, owner):
     return dist.group.WORLD if group is None else group
 
 
+# what a fused producer attaches to its output (a pre-quantized GEMM operand on a zero-stride
+# carrier, functional.fused_cast.block_carrier): an identity forward hands it on
+_CARRIED = ("_block_operand", "_block_carrier")
+
+
 def copy_to_tensor_parallel_region(x, group=None):
-    """Identity forward, all-reduce (sum) backward."""
-    return _CopyToTP.apply(x, _group(group, "copy_to_tensor_parallel_region"))
+    """Identity forward, all-reduce (sum) backward. A block carrier stays one: the output holds
+    x's pre-quantized blocks (the input of a column-parallel GEMM written by a fused norm)."""
+    out = _CopyToTP.apply(x, _group(group, "copy_to_tensor_parallel_region"))
+    for name in _CARRIED:
+        if hasattr(x, name):
+            setattr(out, name, getattr(x, name))
+    return out
 
 
 def reduce_from_tensor_parallel_region(x, group=None):
@@ -344,8 +359,14 @@ def _sharded_params(model: torch.nn.Module):
 def shard_state_dict(model: torch.nn.Module, full_state_dict: dict) -> dict:
     """The state dict this rank's TP `model` loads, from the state dict of the same model built
     with tp_size=1 (same keys). Replicated entries (norm weights, row-parallel biases, FP8
-    extra state) are taken as they are."""
+    extra state) are taken as they are. A block-scaled FP8 weight (Float8BlockTensor) is
+    sharded with its fp8 bytes and scales, where its shards hold whole 128-element blocks
+    (each sharded size a multiple of 128 x tp_size); where they would not, a block-FP8 param
+    refuses it (ValueError) and a high-precision one takes its exact dequantized values."""
+    from ..fp8.block_tensor import Float8BlockTensor
+    from .tp_block_fp8 import shard_block_fp8
     sharded = _sharded_params(model)
+    params = dict(model.named_parameters())
     out = {}
     for key, value in full_state_dict.items():
         if key in sharded and isinstance(value, torch.Tensor):
@@ -353,7 +374,11 @@ def shard_state_dict(model: torch.nn.Module, full_state_dict: dict) -> dict:
             if value.shape[dim] != sum(blocks):
                 raise ValueError(f"shard_state_dict: {key} has shape {tuple(value.shape)}; "
                                  f"dim {dim} must be the full size {sum(blocks)}")
-            value = shard_tensor(value, dim, blocks, tp.size, tp.rank("shard_state_dict"))
+            rank = tp.rank("shard_state_dict")
+            if isinstance(value, Float8BlockTensor) and tp.size > 1:
+                value = shard_block_fp8(key, value, params.get(key), dim, blocks, tp.size, rank)
+            else:
+                value = shard_tensor(value, dim, blocks, tp.size, rank)
         out[key] = value
     return out
 
@@ -363,11 +388,24 @@ def load_full_state_dict(model: torch.nn.Module, full_state_dict: dict, strict: 
     return model.load_state_dict(shard_state_dict(model, full_state_dict), strict=strict)
 
 
+def _unshard(local: torch.Tensor, dim: int, blocks, group, size: int) -> torch.Tensor:
+    """The full tensor (block sizes `blocks` along `dim`) from every rank's shard `local`
+    (one all-gather over `group`)."""
+    moved = local.movedim(dim, 0).contiguous()
+    shards = all_gather_dim0(moved, group).chunk(size, 0)
+    return unshard_tensor([s.movedim(0, dim) for s in shards], dim, blocks, size)
+
+
 def gather_full_state_dict(model: torch.nn.Module) -> dict:
     """The full (tp_size=1) state dict of a TP model, on every rank (one all-gather per sharded
     parameter, collective over each module's TP group: call it on every rank). DTensor entries
-    (a model sharded with FSDP2 over the other mesh dim) are made whole first (full_tensor)."""
+    (a model sharded with FSDP2 over the other mesh dim) are made whole first (full_tensor).
+    A block-scaled FP8 weight comes back as a Float8BlockTensor with its shards' fp8 bytes and
+    scales where they hold whole blocks (see shard_state_dict), else as its exact dequantized
+    values (blocks cut by the shards are not blocks of the full weight)."""
     from torch.distributed.tensor import DTensor
+    from ..fp8.block_tensor import Float8BlockTensor
+    from .tp_block_fp8 import block_fp8, block_parts, whole_blocks
     sharded = _sharded_params(model)
     out = {}
     for key, value in model.state_dict().items():
@@ -377,9 +415,15 @@ def gather_full_state_dict(model: torch.nn.Module) -> dict:
             dim, blocks, tp = sharded[key]
             if tp.size > 1:
                 group = tp.active_group("gather_full_state_dict")
-                moved = value.detach().movedim(dim, 0).contiguous()
-                shards = all_gather_dim0(moved, group).chunk(tp.size, 0)
-                value = unshard_tensor([s.movedim(0, dim) for s in shards], dim, blocks, tp.size)
+                if not isinstance(value, Float8BlockTensor):
+                    value = _unshard(value.detach(), dim, blocks, group, tp.size)
+                elif whole_blocks(blocks, tp.size):   # the shards' blocks are the full
+                    parts = {n: _unshard(p, dim, b, group, tp.size)   # weight's: bytes and
+                             for n, p, b in block_parts(value, dim, blocks)}  # scales kept
+                    values = _unshard(value.dequantize(), dim, blocks, group, tp.size)
+                    value = block_fp8(values, parts, value)
+                else:   # shards that cut the blocks: their exact dequantized values
+                    value = _unshard(value.dequantize(), dim, blocks, group, tp.size)
         out[key] = value
     return out
 

@@ -37,8 +37,11 @@ the input is a zero-stride carrier whose BlockQuantized (1x128 rowwise + columnw
 padded to 16) is used as it is, no cast; its gradient goes back to the carrier as usual.
 Likewise a grad_output written in blocks by the fused activation backward (a carrier, or the
 high-precision gradient when the bias gradient needs its values) is not cast again.
-Not done: the FP8 all-gather of sequence parallelism (column-parallel layers gather
-the high-precision input, then quantize).
+Tensor parallelism: the collectives wrap this Function (functional.linear._tp_linear); block
+scales are local, nothing is reduced across ranks (what equals the unsharded module and why:
+docs/block_scaling.md). Not done: the FP8 all-gather of sequence parallelism (column-parallel
+layers gather the high-precision input, row-parallel ones the high-precision grad, then
+quantize).
 """
 from __future__ import annotations
 

@@ -30,10 +30,14 @@ autograd hands to the activation's backward (recomputed from fc1's output, as un
 (1x128 rowwise along 2F / F and columnwise along the tokens): it returns a carrier, or the
 high-precision d(h) carrying the blocks when fc1's bias gradient needs the values; autograd
 hands it to fc1's block Linear backward, which casts nothing. Not fused there:
-checkpoint=True (the reentrant checkpoint detaches the carrier), tensor parallelism.
+checkpoint=True (the reentrant checkpoint detaches the carrier). Under tensor parallelism in
+every mode: the activation's input and output are this rank's columns, no collective between.
 The norm of LayerNormLinear / LayerNormMLP likewise writes the first GEMM's 1x128 input blocks
 (rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`) and returns a
-carrier (plus the high-precision output for return_layernorm_output), with the same skips.
+carrier (plus the high-precision output for return_layernorm_output), with the same skip;
+under tensor parallelism only for a column-parallel GEMM without sequence parallelism (the
+identity `copy_to_tensor_parallel_region` hands the carrier on), not where sequence
+parallelism all-gathers the norm's output first (docs/block_scaling.md).
 
 `fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
 """

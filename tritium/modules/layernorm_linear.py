@@ -11,7 +11,9 @@ amax + transpose in one kernel, bit-identical to norm then cast; `tritium.functi
 says when it applies); the high-precision norm output is then written only for
 return_layernorm_output. Under Float8BlockScaling the norm writes the GEMM's 1x128 input
 blocks instead (rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`,
-bit-identical to norm then the Linear's quantize_blocks), not under tensor parallelism. Other
+bit-identical to norm then the Linear's quantize_blocks), also column-parallel, but not under
+sequence parallelism: the GEMM all-gathers the high-precision norm output and quantizes it
+whole (a 1x128 tile along the tokens spans the ranks' rows), nor row-parallel. Other
 recipes, calibration and high precision: norm, then the GEMM.
 
 Tensor parallelism: as Linear (usually parallel_mode="column"). Under sequence parallelism the
@@ -58,7 +60,9 @@ class LayerNormLinear(Linear):
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
             cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
-        elif tp is None and self.tp.size == 1:  # Float8BlockScaling: the norm writes the blocks
+        elif tp is None or (tp.mode == "column" and not tp.sequence_parallel):
+            # Float8BlockScaling: the norm writes the blocks (not where sequence parallelism
+            # all-gathers them first: see the module note)
             wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
                                                         for w in self._parts("weight"))
             cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)

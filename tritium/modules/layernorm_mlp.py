@@ -19,7 +19,9 @@ checkpoint=True the recompute's activation cast uses the frozen scales and recor
 Under Float8BlockScaling the norm writes fc1's 1x128 input blocks (`kernels.norm_block_cast`),
 the activation writes fc2's 1x128 input blocks instead of its bf16 output, and its backward
 writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
-gradient); not with checkpoint=True or tensor parallelism.
+gradient); not with checkpoint=True. Under tensor parallelism the activation's casts run in
+every mode (its input and output are this rank's F/tp columns, no collective between), the
+norm's not under sequence parallelism (fc1 all-gathers its high-precision output first).
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
@@ -141,7 +143,7 @@ class LayerNormMLP(FP8Module):
         grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
         return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
 
-    def _block_casts(self, inp, fc1_plan, fc2_plan, fc1_tp):
+    def _block_casts(self, inp, fc1_plan, fc2_plan):
         """Float8BlockScaling: (fc2's 1x128 input blocks written by the activation, fc1's
         grad_output blocks written by its backward or None), or None where not fused."""
         if not block_fusable(inp, fc2_plan):
@@ -149,7 +151,7 @@ class LayerNormMLP(FP8Module):
         r, grad_on = fc2_plan.recipe, torch.is_grad_enabled()
         g = r.fp8_quant_bwd_grad
         fwd = block_input_spec(r, grad_on)
-        if not (grad_on and fc1_tp is None and block_fusable(inp, fc1_plan)):
+        if not (grad_on and block_fusable(inp, fc1_plan)):
             return fwd, None
         bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
         return fwd, BlockGradCastSpec(r.fp8_format.backward_dtype, bool(g.power_2_scale),
@@ -172,9 +174,8 @@ class LayerNormMLP(FP8Module):
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
         block_cast = None
         if not (self.checkpoint and torch.is_grad_enabled()):
-            if fc2_tp is None:
-                block_cast = self._block_casts(inp, fc1_plan, fc2_plan, fc1_tp)
-            if fc1_tp is None and block_fusable(inp, fc1_plan):  # the norm writes fc1's blocks
+            block_cast = self._block_casts(inp, fc1_plan, fc2_plan)
+            if not sp_gather and block_fusable(inp, fc1_plan):  # the norm writes fc1's blocks
                 norm_cast = block_input_spec(fc1_plan.recipe, torch.is_grad_enabled()
                                              and self.fc1_weight.requires_grad)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
