@@ -246,11 +246,17 @@ def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
     when N*K + 2*T*N > 3*T*K, i.e. for large out_features. Then the backward works on
     ceil(N/K) blocks: dgrad over row blocks of dy, w8^T dropped, wgrad over column blocks, so
     no block's fp8 copy is larger than x8^T and the peak stays at or under bf16's.
+    Where the one pass would hold at most ONE_PASS_SLACK bytes more than that, it runs anyway:
+    a small layer's blocks save a few MiB and cost host time (a cast and two GEMM launches
+    per extra block), which is what bounds such a layer's step.
     """
     t, k, n = tokens, in_features, out_features
-    if n * k + 2 * t * n <= 3 * t * k:
+    if n * k + 2 * t * n <= 3 * t * k + ONE_PASS_SLACK:
         return 1
     return -(-n // k)
+
+
+ONE_PASS_SLACK = 16 * 2**20  # bytes; see backward_blocks
 
 
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
