@@ -347,13 +347,18 @@ def cmd_launch(args):
 
 # ---- model-cpu ------------------------------------------------------------------------------
 
+STUB_CALLS = {"launch": 0, "_scaled_mm": 0}  # calls of the stubs below, for counts per step
+
+
 def _stub_launch(self, grid, *args, num_warps=4, **constexprs):
+    STUB_CALLS["launch"] += 1
     self._cache = self._cache if self._cache is not None else {}
     self._cache.get(self.key(0, args, num_warps, constexprs))
 
 
 def _stub_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False,
                     out=None):
+    STUB_CALLS["_scaled_mm"] += 1
     return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -584,11 +589,22 @@ def cmd_model_cpu_graphs(args):
                 step()
             times[name].append((time.thread_time() - t0) / args.steps)
     ms = {name: 1e3 * min(t) for name, t in times.items()}  # what load adds is never less
+    counts = {}
+    for name, step in steps.items():  # what load cannot change: calls per step
+        STUB_CALLS.update(launch=0, _scaled_mm=0)
+        prof = cProfile.Profile()
+        prof.enable()
+        step()
+        prof.disable()
+        counts[name] = (STUB_CALLS["launch"], STUB_CALLS["_scaled_mm"],
+                        pstats.Stats(prof).total_calls)
     print("bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128 B2, fwd + "
           "bwd + FusedAdam), CPU, GPU calls stubbed, thread CPU time, best of "
-          f"{args.repeats} x {args.steps} steps:")
+          f"{args.repeats} x {args.steps} steps; calls per step:")
     for name, value in ms.items():
-        print(f"  {name:<12} {value:7.2f} ms/step  ({value / ms['bf16']:.2f}x bf16)")
+        launches, mms, calls = counts[name]
+        print(f"  {name:<12} {value:7.2f} ms/step  ({value / ms['bf16']:.2f}x bf16)  Triton "
+              f"launches {launches:4d}, _scaled_mm {mms:3d}, Python-level calls {calls:6d}")
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
