@@ -4,7 +4,8 @@ A module owns an `FP8Meta` with a forward `ScalingState` (slots: its forward GEM
 input and weight) and a backward one (grad_output). Casts max-accumulate their amax into row 0
 (`amax_slot(i)`) and read their scale from `scale_slot(i)`: both are views made once, so kernels
 read device memory and the host never syncs. `update_states` applies the delayed-scaling rule
-(written in `tritium.ref.scaling`) to a list of states after one MAX all-reduce of their row 0s.
+(written in `tritium.ref.scaling`) to a list of states after one MAX all-reduce of their row 0s,
+in one launch for all of them where they share the kernel's constants.
 
 FP8Meta.extra_state() / load_extra_state() turn the state into tensors and plain values only
 (the recipe as a dict), so `torch.load(weights_only=True)` reads checkpoints that hold it.
