@@ -1,5 +1,5 @@
-"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,model-cpu-llama,kernels,ops}
-       [args]
+"""Usage: python scripts/profile_host.py
+       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,kernels,ops} [args]
 
 Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
@@ -41,9 +41,12 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
   model-cpu-graphs [--profile] [--repeats R --steps N]
                       bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128
                       B2, fwd + bwd + FusedAdam) the same way, bf16, FP8 delayed and FP8
-                      current, rounds interleaved: host ms per step and FP8 / bf16 (the GPU
-                      ratio when the step is host-bound); --profile adds cProfile's tables of
-                      the FP8 delayed step.
+                      current, with the bf16 path's GPU ATen ops (GEMMs, adds, copies, cat,
+                      sums) also stubbed: host ms per step (this thread's CPU time, best of
+                      interleaved rounds) and FP8 / bf16 (the GPU ratio when the step is
+                      host-bound, docs/performance.md), Triton launches, _scaled_mm and
+                      Python-level calls per step; --profile adds cProfile's tables of the
+                      FP8 delayed step.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
