@@ -1,5 +1,5 @@
-"""Usage: python scripts/profile_host.py {host,parts,trace,launch,model-cpu,model-cpu-llama,kernels,ops}
-       [args]
+"""Usage: python scripts/profile_host.py
+       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,kernels,ops} [args]
 
 Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
@@ -38,6 +38,15 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       rounds interleaved, medians); --profile adds cProfile's tables of the
                       forward (tottime and cumulative). CPU ops that are not stubbed (residual
                       adds, reshapes that copy, the loss) really run, on one thread.
+  model-cpu-graphs [--profile] [--repeats R --steps N]
+                      bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128
+                      B2, fwd + bwd + FusedAdam) the same way, bf16, FP8 delayed and FP8
+                      current, with the bf16 path's GPU ATen ops (GEMMs, adds, copies, cat,
+                      sums) also stubbed: host ms per step (this thread's CPU time, best of
+                      interleaved rounds) and FP8 / bf16 (the GPU ratio when the step is
+                      host-bound, docs/performance.md), Triton launches, _scaled_mm and
+                      Python-level calls per step; --profile adds cProfile's tables of the
+                      FP8 delayed step.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
@@ -341,13 +350,18 @@ def cmd_launch(args):
 
 # ---- model-cpu ------------------------------------------------------------------------------
 
+STUB_CALLS = {"launch": 0, "_scaled_mm": 0}  # calls of the stubs below, for counts per step
+
+
 def _stub_launch(self, grid, *args, num_warps=4, **constexprs):
+    STUB_CALLS["launch"] += 1
     self._cache = self._cache if self._cache is not None else {}
     self._cache.get(self.key(0, args, num_warps, constexprs))
 
 
 def _stub_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_accum=False,
                     out=None):
+    STUB_CALLS["_scaled_mm"] += 1
     return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
@@ -475,6 +489,136 @@ def cmd_model_cpu_llama(args):
         stats.sort_stats("cumulative").print_stats(40)
 
 
+_CPU_STUBS = None
+
+
+def _stub_cpu_compute():
+    """The ATen ops of the bf16 path that run as GPU kernels (GEMMs, residual adds, copies,
+    concatenations, bias-grad sums) return empty outputs of the right shape on CPU tensors: what
+    stays is their dispatch, as on a GPU, not a CPU's arithmetic (52 of the bf16 step's 58 ms
+    at bench_graphs' config before). Registered once, for the process."""
+    global _CPU_STUBS
+    if _CPU_STUBS is not None:
+        return
+    import warnings
+
+    def new(shape, dtype):
+        return torch.empty(shape, dtype=dtype)
+
+    def cat(tensors, dim=0):
+        tensors = [t for t in tensors if t.dim() > 1 or t.numel()]  # cat skips 1-D empties
+        shape = list(tensors[0].shape)
+        dim = dim % len(shape)
+        shape[dim] = sum(t.shape[dim] for t in tensors)
+        return new(shape, tensors[0].dtype)
+
+    def sum_dims(t, dims, keepdim=False, *, dtype=None):
+        dims = {d % t.dim() for d in (dims if dims is not None else range(t.dim()))}
+        shape = [1 if i in dims else n for i, n in enumerate(t.shape)
+                 if keepdim or i not in dims]
+        return new(shape, dtype or t.dtype)
+
+    stubs = {
+        "mm": lambda a, b: new((a.shape[0], b.shape[1]), a.dtype),
+        "addmm": lambda c, a, b, *, beta=1, alpha=1: new((a.shape[0], b.shape[1]), a.dtype),
+        "bmm": lambda a, b: new((*a.shape[:2], b.shape[2]), a.dtype),
+        "add.Tensor": lambda a, b, *, alpha=1: new(
+            a.shape if a.shape == b.shape else torch.broadcast_shapes(a.shape, b.shape),
+            a.dtype if a.dtype == b.dtype else torch.result_type(a, b)),
+        "add_.Tensor": lambda a, b, *, alpha=1: a,
+        "copy_": lambda self, src, non_blocking=False: self,
+        "cat": cat, "sum.dim_IntList": sum_dims}
+    _CPU_STUBS = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # "overriding a previously registered kernel": meant
+        warnings.simplefilter("ignore")
+        for name, fn in stubs.items():
+            _CPU_STUBS.impl(name, fn, "CPU")
+
+
+def _graphs_model_step(fp8_recipe):
+    """bench_graphs' eager step on the CPU: 4 TransformerLayers (hidden 512, 8 heads, ffn 2048,
+    bf16, dropout 0), sbhd S128 x B2, fwd + bwd under fp8_autocast (enabled iff a recipe is
+    given) + FusedAdam step + zero_grad(set_to_none=True)."""
+    from tritium.optimizers import FusedAdam
+    graphs = importlib.import_module("bench_graphs")
+    torch.manual_seed(0)
+    model = torch.nn.ModuleList(
+        te.TransformerLayer(graphs.H, graphs.FFN, graphs.HEADS, hidden_dropout=0.0,
+                            attention_dropout=0.0, params_dtype=torch.bfloat16, device="cpu")
+        for _ in range(graphs.LAYERS))
+    shape = (graphs.SEQ, graphs.BATCH, graphs.H)
+    x = torch.randn(shape, dtype=torch.bfloat16)
+    dy = torch.randn(shape, dtype=torch.bfloat16)
+    opt = FusedAdam(model.parameters(), lr=1e-4)
+    fp8 = fp8_recipe is not None
+
+    def step():
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe):
+            y = x
+            for layer in model:
+                y = layer(y)
+        y.backward(dy)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def cmd_model_cpu_graphs(args):
+    """Host ms per step of bench_graphs' eager model: bf16, FP8 delayed and FP8 current."""
+    import cProfile
+    import pstats
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+    device = importlib.import_module("tritium._device")
+    device.use_triton = lambda t: True
+    device.fp8_tensor_cores = lambda t: True
+    _launch.Launcher.__call__ = _stub_launch
+    torch._scaled_mm = _stub_scaled_mm
+    _stub_attention()
+    _stub_cpu_compute()
+    torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
+    torch.autograd.set_multithreading_enabled(False)  # CPU tensors: the calling thread anyway
+    cases = {"bf16": None,
+             "fp8 delayed": recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
+             "fp8 current": recipe.Float8CurrentScaling()}
+    steps = {name: _graphs_model_step(rec) for name, rec in cases.items()}
+    for step in steps.values():
+        for _ in range(3):
+            step()
+    times: dict = {name: [] for name in steps}
+    for _ in range(args.repeats):  # interleaved: the machine's load shifts all alike
+        for name, step in steps.items():
+            t0 = time.thread_time()  # this thread's CPU time: other processes' load adds none
+            for _ in range(args.steps):
+                step()
+            times[name].append((time.thread_time() - t0) / args.steps)
+    ms = {name: 1e3 * min(t) for name, t in times.items()}  # what load adds is never less
+    counts = {}
+    for name, step in steps.items():  # what load cannot change: calls per step
+        STUB_CALLS.update(launch=0, _scaled_mm=0)
+        prof = cProfile.Profile()
+        prof.enable()
+        step()
+        prof.disable()
+        counts[name] = (STUB_CALLS["launch"], STUB_CALLS["_scaled_mm"],
+                        pstats.Stats(prof).total_calls)
+    print("bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128 B2, fwd + "
+          "bwd + FusedAdam), CPU, GPU calls stubbed, thread CPU time, best of "
+          f"{args.repeats} x {args.steps} steps; calls per step:")
+    for name, value in ms.items():
+        launches, mms, calls = counts[name]
+        print(f"  {name:<12} {value:7.2f} ms/step  ({value / ms['bf16']:.2f}x bf16)  Triton "
+              f"launches {launches:4d}, _scaled_mm {mms:3d}, Python-level calls {calls:6d}")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            steps["fp8 delayed"]()
+        prof.disable()
+        stats = pstats.Stats(prof)
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats(40)
+
+
 # ---- kernels --------------------------------------------------------------------------------
 
 def cmd_kernels(args):
@@ -578,6 +722,12 @@ def main(argv=None):
                           ("vocab", 1024), ("batch", 1), ("seq", 128)):
         p.add_argument("--" + name, type=int, default=default, help=f"default {default}")
     p.set_defaults(func=cmd_model_cpu_llama)
+    p = sub.add_parser("model-cpu-graphs",
+                       help="bench_graphs' eager step's host path on a CPU, GPU calls stubbed")
+    p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p.set_defaults(func=cmd_model_cpu_graphs)
     p = sub.add_parser("kernels", help="CUDA time per kernel and host enqueue time")
     shape(p)
     p.set_defaults(func=cmd_kernels)

@@ -235,3 +235,44 @@ def test_bf16_layernorm_mlp_close_to_fp32():
     assert out16.dtype == torch.bfloat16 and out.abs().max() > 0.5
     rel = ((out16.float() - out).norm() / out.norm()).item()
     assert 0 < rel < 1e-2
+
+
+@pytest.mark.parametrize("normalization", ["LayerNorm", "RMSNorm"])
+def test_fc1_fc2_weights_cast_together_same_bits(monkeypatch, normalization):
+    """fc1's and fc2's weights are cast in one pair cast before fc1 runs (host time: one launch
+    instead of two); outputs, grads, amaxes and scales after two steps are the bits of the two
+    separate casts (the pair cast switched off)."""
+    import importlib
+    lnmlp = importlib.import_module("tritium.modules.layernorm_mlp")
+    real = lnmlp.cast_weights_together
+    used = []
+
+    def spy(plans, weights, need_t):
+        out = real(plans, weights, need_t)
+        used.append(all(p.weight_ready is not None for p in out))
+        return out
+
+    def run(pair):
+        monkeypatch.setattr(lnmlp, "cast_weights_together", spy if pair else
+                            (lambda plans, weights, need_t: plans))
+        torch.manual_seed(0)
+        m = te.LayerNormMLP(64, 96, normalization=normalization, device="cpu")
+        x = torch.randn(3, 11, 64, requires_grad=True)
+        dy = torch.randn(3, 11, 64)
+        rec = recipe.DelayedScaling(amax_history_len=4)
+        for _ in range(2):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            with te.fp8_autocast(fp8_recipe=rec):
+                y = m(x)
+            y.backward(dy)
+        meta = m.fp8_meta
+        return [y, x.grad, *(p.grad for p in m.parameters()), meta.fwd.amax_history,
+                meta.fwd.scale, meta.bwd.amax_history, meta.bwd.scale]
+
+    separate, paired = run(False), run(True)
+    assert used == [True, True]
+    assert separate[0].abs().max() > 0
+    for a, b in zip(separate, paired):
+        assert torch.equal(a.view(-1).view(torch.int16 if a.element_size() == 2 else torch.int32),
+                           b.view(-1).view(torch.int16 if b.element_size() == 2 else torch.int32))

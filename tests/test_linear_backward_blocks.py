@@ -22,6 +22,12 @@ def test_block_rule_splits_only_large_out_features():
     assert fl.backward_blocks(8192, 4096, 4096) == 1
     assert fl.backward_blocks(16384, 8192, 8192) == 1
     assert fl.backward_blocks(8192, 4096, 14336) == 4
+    # small layers run in one pass: their blocks would save at most ONE_PASS_SLACK bytes
+    assert fl.backward_blocks(256, 512, 1536) == 1  # bench_graphs' qkv: 1.3 MB more
+    t, k = 1024, 1024
+    n_max = (3 * t * k + fl.ONE_PASS_SLACK) // (k + 2 * t)  # the largest one-pass N
+    assert fl.backward_blocks(t, k, n_max) == 1
+    assert fl.backward_blocks(t, k, n_max + 1) == -(-(n_max + 1) // k) > 1
     assert fl._blocks(33, 4) == [(0, 16), (16, 32), (32, 33)]
     assert fl._blocks(14336, 4)[-1] == (10752, 14336)
 

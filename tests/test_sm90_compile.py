@@ -219,6 +219,9 @@ KERNELS = {
     ("scaling", "_delayed_update_kernel"): (
         {}, dict(FP8_MAX=E4MAX, MARGIN_DIV=1.0, MOST_RECENT=False, BLOCK_L=1024),
         dict(num_warps=4)),
+    ("scaling", "_delayed_update_many_kernel"): (
+        {"table_ptr": "*i64"}, dict(FP8_MAX=E4MAX, MARGIN_DIV=1.0, MOST_RECENT=False, BLOCK_L=16),
+        dict(num_warps=4)),
     ("sgd", "_sgd_kernel"): (
         {"table_ptr": "*i64", "chunks_ptr": "*i64"},
         dict(P_DTYPE=tl.bfloat16, G_DTYPE=tl.bfloat16, HAS_MASTER=True, FP8_MAX=0.0,

@@ -140,6 +140,27 @@ def test_delayed_update_kernel_equals_ref(length, algo, margin):
     assert _bits_equal(h_k, h_r) and _bits_equal(s_k, s_r)
 
 
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_delayed_update_many_kernel_equals_ref(algo):
+    """One launch over states of 5, 1 and 3 slots (a region's update) == the twin, state by
+    state, twice (the prepared launch replayed on its fixed table)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+    hists = [torch.rand(16, n, device="cuda", generator=g) * 10 for n in (5, 1, 3)]
+    hists[0][0, 1] = 0.0
+    hists[2][0, 0] = float("nan")
+    scales = [torch.rand(h.shape[1], device="cuda", generator=g) + 0.5 for h in hists]
+    hk, sk = [h.clone() for h in hists], [s.clone() for s in scales]
+    hr, sr = [h.clone() for h in hists], [s.clone() for s in scales]
+    launch = kscaling.prepared_update_many(hk, sk, 57344.0, 1, algo)
+    for _ in range(2):
+        launch()
+        rscaling.delayed_scaling_update_many(hr, sr, 57344.0, 1, algo)
+        for a, b, c, d in zip(hk, hr, sk, sr):
+            assert _bits_equal(a, b) and _bits_equal(c, d)
+        for a, b in zip(hk, hr):
+            a[0] = b[0] = torch.rand(a.shape[1], device="cuda", generator=g)
+
+
 def _rel_err(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 

@@ -121,3 +121,62 @@ def test_update_many_steps(length, algo, gen):
         assert_same_bits(kh, rh, f"history after step {step}")
         assert_same_bits(ks, rs, f"scale after step {step}")
     assert (ks != scale).all()
+
+
+@pytest.mark.parametrize("length", [1, 3, 16])
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_update_many_states_in_one_launch(length, algo, gen):
+    """`delayed_scaling_update_many` (one launch, states of 3, 1 and 2 slots) == the reference
+    state by state, over steps with fresh row-0 amaxes and special slots."""
+    states = [random_state(length, n, gen) for n in (3, 1, 2)]
+    for (hist, _), special in zip(states, ("row0_zero", "row0_nan", "tiny")):
+        make_special(hist, 0, special)
+    kh, ks = [h.clone() for h, _ in states], [s.clone() for _, s in states]
+    rh, rs = [h.clone() for h, _ in states], [s.clone() for _, s in states]
+    for step in range(3):
+        kscaling.delayed_scaling_update_many(kh, ks, 448.0, 1, algo)
+        rscaling.delayed_scaling_update_many(rh, rs, 448.0, 1, algo)
+        for i in range(len(states)):
+            assert_same_bits(kh[i], rh[i], f"state {i} history after step {step}")
+            assert_same_bits(ks[i], rs[i], f"state {i} scale after step {step}")
+        for k, r in zip(kh, rh):
+            k[0] = r[0] = torch.rand(r.shape[1], generator=gen) * 10.0 ** (step - 1)
+    assert (ks[0][1:] != states[0][1][1:]).all()  # its ordinary slots got new scales
+
+
+def test_update_states_fused_and_rebuilt():
+    """`update_states` runs one prepared launch for a region's states (kept on the first
+    state), rebuilds it when a history is replaced, and falls back to one update per state
+    where the states need different constants; the results match the reference each time."""
+    import tritium as te  # noqa: F401  (the package's import order)
+    from tritium import recipe
+    from tritium.fp8.scaling import ScalingState, update_states
+    rec = recipe.DelayedScaling(margin=1, amax_history_len=4)
+    cpu = torch.device("cpu")
+    torch.manual_seed(0)
+
+    def run(states):
+        ref = [(s.amax_history.clone(), s.scale.clone()) for s in states]
+        for s in states:
+            s.amax_history[0] = torch.rand(s.num_slots) * 100
+        for (h, sc), s in zip(ref, states):
+            h[0] = s.amax_history[0]
+            rscaling.delayed_scaling_update(h, sc, 448.0 if s.fp8_dtype == torch.float8_e4m3fn
+                                            else 57344.0, 1, "max")
+        update_states(states, reduce=False)
+        for (h, sc), s in zip(ref, states):
+            assert_same_bits(s.amax_history, h, "history")
+            assert_same_bits(s.scale, sc, "scale")
+
+    states = [ScalingState(n, torch.float8_e4m3fn, rec, cpu) for n in (2, 4, 1)]
+    run(states)
+    first = states[0]._fused
+    assert first[1] is not None
+    run(states)
+    assert states[0]._fused is first  # the same launch, not rebuilt
+    states[1].resize_history(4)  # a new tensor: the table must point at it
+    run(states)
+    assert states[0]._fused is not first and states[0]._fused[1] is not None
+    mixed = states + [ScalingState(2, torch.float8_e5m2, rec, cpu)]
+    run(mixed)
+    assert mixed[0]._fused[1] is None  # two fp8 dtypes: one update per state

@@ -4,7 +4,8 @@ A module owns an `FP8Meta` with a forward `ScalingState` (slots: its forward GEM
 input and weight) and a backward one (grad_output). Casts max-accumulate their amax into row 0
 (`amax_slot(i)`) and read their scale from `scale_slot(i)`: both are views made once, so kernels
 read device memory and the host never syncs. `update_states` applies the delayed-scaling rule
-(written in `tritium.ref.scaling`) to a list of states after one MAX all-reduce of their row 0s.
+(written in `tritium.ref.scaling`) to a list of states after one MAX all-reduce of their row 0s,
+in one launch for all of them where they share the kernel's constants.
 
 FP8Meta.extra_state() / load_extra_state() turn the state into tensors and plain values only
 (the recipe as a dict), so `torch.load(weights_only=True)` reads checkpoints that hold it.
@@ -46,6 +47,7 @@ class ScalingState:
         self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
         self._update_fn, self._update_for = None, None
+        self._fused = None  # see _fused_update
 
     @property
     def num_slots(self) -> int:
@@ -121,13 +123,48 @@ class ScalingState:
 
 
 def update_states(states: list[ScalingState], group=None, reduce: bool = True) -> None:
-    """One MAX all-reduce of all row 0s (when asked and world > 1), then each state's update."""
+    """One MAX all-reduce of all row 0s (when asked and world > 1), then each state's update:
+    all in one launch where they share a kernel's constants (see `_fused_update`)."""
     if not states:
         return
     if reduce:
         reduce_amax_rows([s.amax_history for s in states], group)
+    if len(states) > 1 and not torch.compiler.is_compiling():
+        fused = _fused_update(states)
+        if fused is not None:
+            return fused()
     for s in states:
         s.update()
+
+
+def _fused_update(states: list[ScalingState]):
+    """The update of all `states` as one prepared launch (`kernels.scaling.prepared_update_many`),
+    or None where they need more than one (callables, several fp8 dtypes, margins, algorithms
+    or history lengths, several devices, the reference path) or a table cannot be uploaded now
+    (CUDA graph capture). An fp8_autocast region updates the same states every step: the
+    launch is kept on the first state, keyed by the identities of the states and their tensors
+    (the entry holds those objects, so their ids stay theirs) and by the recipes' values."""
+    head = states[0]
+    sig = [_env.force_ref()]
+    for s in states:
+        sig += (id(s), id(s.amax_history), id(s.scale), s.recipe)  # recipes: by value
+    cached = head._fused
+    if cached is not None and cached[0] == sig:
+        return cached[1]
+    fn = None
+    r0, dev = head.recipe, head.scale.device
+    consts = (head.fp8_dtype, r0.margin, r0.amax_compute_algo, head.amax_history.shape[0])
+    if all(not s.recipe.uses_callables and s.scale.device == dev and
+           (s.fp8_dtype, s.recipe.margin, s.recipe.amax_compute_algo,
+            s.amax_history.shape[0]) == consts for s in states) and _device.use_triton(head.scale):
+        from ..kernels import scaling as kernel_scaling
+        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        if consts[3] <= kernel_scaling.MAX_HISTORY and not capturing:
+            fn = kernel_scaling.prepared_update_many(
+                [s.amax_history for s in states], [s.scale for s in states],
+                fp8_max(head.fp8_dtype), r0.margin, r0.amax_compute_algo)
+    head._fused = (sig, fn, [(s, s.amax_history, s.scale) for s in states])
+    return fn
 
 
 class FP8Meta:

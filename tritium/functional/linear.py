@@ -11,7 +11,8 @@ Backward:
 Each GEMM is `fp8_gemm_tn(a, b)` with both operands row-major and K contiguous, so only the
 casts produce transposes and nothing is copied in between. Backward runs wgrad first and drops
 each fp8 operand after its GEMM; for large out_features it works on blocks of dy
-(`backward_blocks`) so that its peak memory stays at or under bf16's. The weight's fp8 copies can be cached
+(`backward_blocks`) so that its peak memory stays at or under bf16's (small layers, where
+that saves at most 16 MiB, run in one pass: fewer launches). The weight's fp8 copies can be cached
 across micro-batches (`is_first_microbatch`): True casts and keeps, False reuses without
 recording a new weight amax. Without FP8 (and without calibration or main_grad) the call is
 plain `F.linear`, so parity with `nn.Linear` is exact.
@@ -165,6 +166,9 @@ class FP8Plan:
     # of the module's GEMM 0 (its last), over `amax_group` (see docs/compile.md).
     update_bwd: bool = False
     amax_group: object = None
+    # The weight's fp8 operands (w8, w8^T, scale_inv), cast already with another GEMM's weight
+    # in one launch (`cast_weights_together`): used as they are, no cast here.
+    weight_ready: Optional[tuple] = None
 
     def frozen(self) -> "FP8Plan":
         """This plan with its forward scales fixed now and no amax recording (for recompute)."""
@@ -202,7 +206,7 @@ class FP8Plan:
     def _weight_cast_due(self, weight: torch.Tensor, key) -> bool:
         """False where the weight's fp8 operands come without a plain cast now: an FP8 param,
         a CUDA-graph cache (its own flagged cast) or a cache reused on a later micro-batch."""
-        if isinstance(weight, Float8Tensor):
+        if isinstance(weight, Float8Tensor) or self.weight_ready is not None:
             return False
         if self.weight_cache is None:
             return True
@@ -239,6 +243,8 @@ class FP8Plan:
         return xq, wq if recast is None else (wq[0], recast, wq[2])
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
+        if self.weight_ready is not None:
+            return self.weight_ready
         if isinstance(weight, Float8Tensor):  # an FP8 param (fp8_model_init): no cast at all
             w8 = weight._data
             w8_t = weight._transpose
@@ -272,6 +278,40 @@ class FP8Plan:
         if recast_in_backward(weight, need_transpose, keep):
             return WeightRecast(self, weight)
         return None
+
+
+def cast_weights_together(plans: Sequence[FP8Plan], weights: Sequence[torch.Tensor],
+                          need_transposes: Sequence[bool]) -> Sequence[FP8Plan]:
+    """Two GEMMs' weight casts (e.g. a LayerNormMLP's fc1 and fc2) in one launch, before the
+    first GEMM runs: the plans come back with `weight_ready` set. The same values as two
+    casts (forward scales change only at the autocast's exit; each weight's amax goes to its
+    own slot). Only for the plain case, where each GEMM would cast its weight alone: FP8 on,
+    a per-tensor recipe, live delayed-scaling states (no recompute) or current scaling, no
+    weight caching, high-precision weights on one device, eager; the plans come back
+    unchanged otherwise."""
+    a, b = plans
+    wa, wb = weights
+    rec = a.recipe
+    current = isinstance(rec, Float8CurrentScaling)
+    if not (a.compute_in_fp8 and b.compute_in_fp8 and b.recipe is rec
+            and (current or (type(a.fwd) is ScalingState and b.fwd is a.fwd))
+            and a.is_first_microbatch is None and b.is_first_microbatch is None
+            and all(p.weight_cache is None or p.weight_cache.skip is None for p in plans)
+            and type(wa) in _PLAIN and type(wb) in _PLAIN and wa.device == wb.device
+            and not is_block_recipe(rec) and not torch.compiler.is_compiling()):
+        return plans
+    jobs = []
+    for plan, w, need_t in zip(plans, weights, need_transposes):
+        slot = plan.weight_slot
+        scale, amax = (None, None) if current else (plan.fwd.scale_slot(slot),
+                                                    plan.fwd.amax_slot(slot))
+        jobs.append((w.detach(), scale, amax, 1, True, bool(need_t)))
+    ready = quantize_pair(*jobs, rec.fp8_format.forward_dtype,
+                          (rec.amax_epsilon, rec.power_2_scale) if current else None)
+    return [dataclasses.replace(p, weight_ready=r) for p, r in zip(plans, ready)]
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,11 +348,17 @@ def backward_blocks(tokens: int, in_features: int, out_features: int) -> int:
     when N*K + 2*T*N > 3*T*K, i.e. for large out_features. Then the backward works on
     ceil(N/K) blocks: dgrad over row blocks of dy, w8^T dropped, wgrad over column blocks, so
     no block's fp8 copy is larger than x8^T and the peak stays at or under bf16's.
+    Where the one pass would hold at most ONE_PASS_SLACK bytes more than that, it runs anyway:
+    a small layer's blocks save a few MiB and cost host time (a cast and two GEMM launches
+    per extra block), which is what bounds such a layer's step.
     """
     t, k, n = tokens, in_features, out_features
-    if n * k + 2 * t * n <= 3 * t * k:
+    if n * k + 2 * t * n <= 3 * t * k + ONE_PASS_SLACK:
         return 1
     return -(-n // k)
+
+
+ONE_PASS_SLACK = 16 * 2**20  # bytes; see backward_blocks
 
 
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,

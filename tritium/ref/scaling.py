@@ -26,6 +26,13 @@ def delayed_scaling_update(amax_history: torch.Tensor, scale: torch.Tensor, fp8_
     roll_history(amax_history, scale, new_scale)
 
 
+def delayed_scaling_update_many(hists: list, scales: list, fp8_max: float, margin: int,
+                                algo: str) -> None:
+    """`delayed_scaling_update` of several states (one recipe, one fp8 dtype) in turn."""
+    for amax_history, scale in zip(hists, scales):
+        delayed_scaling_update(amax_history, scale, fp8_max, margin, algo)
+
+
 def compute_scale(amax: torch.Tensor, scale: torch.Tensor, fp8_max: float, margin: int) -> torch.Tensor:
     s = (torch.full_like(amax, fp8_max) / amax) / (2.0 ** margin)
     s = torch.where((amax > 0) & torch.isfinite(amax), s, scale)
