@@ -300,14 +300,20 @@ def cast_weights_together(plans: Sequence[FP8Plan], weights: Sequence[torch.Tens
             and type(wa) in _PLAIN and type(wb) in _PLAIN and wa.device == wb.device
             and not is_block_recipe(rec) and not torch.compiler.is_compiling()):
         return plans
-    jobs = []
+    jobs, recasts = [], []
     for plan, w, need_t in zip(plans, weights, need_transposes):
+        # dgrad's w8^T cast again in backward (functional/_recast.py): the pair writes w8 only
+        recast = plan._recast(w, bool(need_t), keep=False)
         slot = plan.weight_slot
         scale, amax = (None, None) if current else (plan.fwd.scale_slot(slot),
                                                     plan.fwd.amax_slot(slot))
-        jobs.append((w.detach(), scale, amax, 1, True, bool(need_t)))
+        if recast is not None and current:
+            amax = recast.amax   # measured by the WeightRecast: the pair casts with it
+        jobs.append((w.detach(), scale, amax, 1, True, bool(need_t) and recast is None))
+        recasts.append(recast)
     ready = quantize_pair(*jobs, rec.fp8_format.forward_dtype,
                           (rec.amax_epsilon, rec.power_2_scale) if current else None)
+    ready = [r if c is None else (r[0], c, r[2]) for r, c in zip(ready, recasts)]
     return [dataclasses.replace(p, weight_ready=r) for p, r in zip(plans, ready)]
 
 
