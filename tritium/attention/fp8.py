@@ -73,7 +73,7 @@ def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPl
         moved.amax_history.copy_(st.amax_history)
         moved.scale.copy_(st.scale)
         st = owner.fp8_attn_state = moved
-    elif st.amax_history.shape[0] != recipe.amax_history_len:
+    if st.amax_history.shape[0] != recipe.amax_history_len:
         st.resize_history(recipe.amax_history_len)
     st.recipe = recipe
     scope = recompute.current()
@@ -302,4 +302,5 @@ class FP8Attention(torch.autograd.Function):
 
 
 __all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active", "quantize",
-           "dequantize", "record_amaxes", "extra_state", "check_extra_state", "load_extra_state", "new_state"]
+           "dequantize", "record_amaxes", "new_state", "extra_state", "check_extra_state",
+           "load_extra_state"]
