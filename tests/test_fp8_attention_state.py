@@ -7,7 +7,8 @@
 * Older checkpoints (no `core_attention._extra_state` entry) and ones saved without fp8_dpa (None)
   load with strict=True and leave the attention state empty; strict still reports other keys.
 * A bad saved state (slots, history length vs its recipe, version, dtype, missing tensors, a
-  recipe without a state) raises an error naming the module and the fix, changing nothing.
+  recipe without a state) raises an error naming the module and the fix, changing nothing
+  (MultiheadAttention checks its core attention's entry before any of its submodules loads).
 * DCP (tritium.distributed.checkpointing, one process): the attention state goes through like
   the GEMM modules' state and resumes bit for bit; an older DCP checkpoint loads too.
 """
@@ -157,11 +158,14 @@ def test_bad_state_names_the_module_and_changes_nothing(trained, case):
     with pytest.raises(ValueError, match=words) as err:
         attn.set_extra_state(bad)
     assert "drop this _extra_state entry" in str(err.value)
-    sd = model.state_dict()
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    sd = {k: (v + 1 if torch.is_tensor(v) and v.is_floating_point() else v)
+          for k, v in model.state_dict().items()}    # other values, all of which must not load
     sd[KEY] = bad
     with pytest.raises(ValueError, match="'self_attention.core_attention'.*" + words):
         model.load_state_dict(sd)
     _assert_same(_states(model), before)
+    _assert_same(dict(model.named_parameters()), params)
 
 
 def test_dcp_round_trip_and_older_checkpoint(trained, tmp_path):

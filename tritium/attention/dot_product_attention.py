@@ -457,11 +457,9 @@ def _extra_state_pre_hook(module, state_dict, prefix, local_metadata, strict, mi
                           unexpected_keys, error_msgs) -> None:
     """A missing `_extra_state` (a checkpoint from before it was saved) reads as None; a present
     one is checked here, where the module's name is known, before anything loads into it."""
-    key = prefix + "_extra_state"
-    if key not in state_dict:
-        state_dict[key] = None
-    else:
-        F.check_extra_state(state_dict[key], f"DotProductAttention {prefix[:-1] or '(root)'!r}")
+    if prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = None
+    F.check_saved_entry(state_dict, prefix)
 
 
 __all__ = ["DotProductAttention", "dot_product_attention", "attention_forward",

@@ -140,6 +140,14 @@ def check_extra_state(values, where: str):
     return recipe, scale, hist
 
 
+def check_saved_entry(state_dict: dict, prefix: str) -> None:
+    """Check the saved state of the DotProductAttention at `prefix` ("name.") in a state dict,
+    if there is one (a load pre-hook: it runs before anything loads)."""
+    key = prefix + "_extra_state"
+    if key in state_dict:
+        check_extra_state(state_dict[key], f"DotProductAttention {prefix[:-1] or '(root)'!r}")
+
+
 def load_extra_state(owner: torch.nn.Module, values, where: str) -> None:
     """Set owner's FP8 attention state from `values` (validated first: a bad one changes
     nothing). In place when the shapes match (the state's tensors keep their addresses)."""
@@ -303,4 +311,4 @@ class FP8Attention(torch.autograd.Function):
 
 __all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active", "quantize",
            "dequantize", "record_amaxes", "new_state", "extra_state", "check_extra_state",
-           "load_extra_state"]
+           "check_saved_entry", "load_extra_state"]
