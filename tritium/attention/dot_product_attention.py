@@ -23,7 +23,10 @@ Context parallelism: with a cp_group of more than one rank, forward runs
 load-balanced part of the sequence); attributes cp_mode / cp_fp32_accumulation pick precision.
 FP8 attention (recipe fp8_dpa=True inside fp8_autocast): the module makes an FP8 plan
 (attention/fp8.py: q/k/v scales, its delayed-scaling state) and the call runs an FP8 backend
-(`triton_fp8` or the emulation `torch_fp8`), chosen and explained like the others.
+(`triton_fp8` or the emulation `torch_fp8`), chosen and explained like the others. The
+delayed-scaling state is the module's `_extra_state` in state_dict() (None without one); a
+state dict without that entry (written before it existed) loads with strict=True: a load
+pre-hook fills in None, and checks a saved state under the module's name before any change.
 Not supported (clear errors): core attention bias / ALiBi, inference KV caches, fp8_mha, FP8
 attention with dropout or context parallelism.
 torch.compile: every format and mask traces without a graph break (backends.py says how the
@@ -357,6 +360,7 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number, self.attention_type = layer_number, attention_type
         self.backend = B.resolve_name(backend)
         self.fp8_attn_state = None   # q/k/v delayed-scaling state under fp8_dpa (fp8.py)
+        self.register_load_state_dict_pre_hook(_extra_state_pre_hook)
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 
     def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream,
@@ -436,11 +440,26 @@ class DotProductAttention(torch.nn.Module):
             cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv, max_seqlen_q=max_seqlen_q,
             max_seqlen_kv=max_seqlen_kv, backend=self.backend, fp8=fp8)
 
+    def get_extra_state(self):
+        return F.extra_state(self)
+
+    def set_extra_state(self, state) -> None:
+        F.load_extra_state(self, state, "DotProductAttention")
+
     def extra_repr(self) -> str:
         return (f"heads={self.num_attention_heads}, gqa_groups={self.num_gqa_groups}, "
                 f"kv_channels={self.kv_channels}, qkv_format={self.qkv_format}, "
                 f"attn_mask_type={self.attn_mask_type}, window_size={self.window_size}, "
                 f"dropout={self.attention_dropout}, backend={self.backend}")
+
+
+def _extra_state_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs) -> None:
+    """A missing `_extra_state` (a checkpoint from before it was saved) reads as None; a present
+    one is checked here, where the module's name is known, before anything loads into it."""
+    if prefix + "_extra_state" not in state_dict:
+        state_dict[prefix + "_extra_state"] = None
+    F.check_saved_entry(state_dict, prefix)
 
 
 __all__ = ["DotProductAttention", "dot_product_attention", "attention_forward",

@@ -33,7 +33,7 @@ import torch
 from ..fp8 import cast, recompute
 from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import E4M3
-from ..fp8.recipe import DelayedScaling, Float8CurrentScaling
+from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, recipe_from_dict
 from ..fp8.scaling import ScalingState
 from ..ref import attention as ref_attention
 from . import backends as B
@@ -66,9 +66,14 @@ def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPl
         return None if not state.enabled else FP8AttnPlan(recipe, None, False)
     assert isinstance(recipe, DelayedScaling)  # the recipes refuse fp8_dpa elsewhere
     st = getattr(owner, "fp8_attn_state", None)
-    if st is None or st.scale.device != device:
-        st = owner.fp8_attn_state = ScalingState(3, E4M3, recipe, device)
-    elif st.amax_history.shape[0] != recipe.amax_history_len:
+    if st is None:
+        st = new_state(owner, recipe, device)
+    elif st.scale.device != device:   # e.g. loaded on the CPU: keep its values
+        moved = ScalingState(SLOTS, E4M3, st.recipe, device)
+        moved.amax_history.copy_(st.amax_history)
+        moved.scale.copy_(st.scale)
+        st = owner.fp8_attn_state = moved
+    if st.amax_history.shape[0] != recipe.amax_history_len:
         st.resize_history(recipe.amax_history_len)
     st.recipe = recipe
     scope = recompute.current()
@@ -76,6 +81,89 @@ def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPl
     if scope is None or not scope.recomputing:
         state.region.register_forward(st, recipe, state.group)
     return FP8AttnPlan(recipe, scales, not state.enabled)
+
+
+SLOTS = 3   # q, k, v
+
+
+def new_state(owner: torch.nn.Module, recipe: DelayedScaling, device) -> ScalingState:
+    """A fresh q/k/v state for owner (also the template a distributed checkpoint loads into)."""
+    owner.fp8_attn_state = ScalingState(SLOTS, E4M3, recipe, device)
+    return owner.fp8_attn_state
+
+
+def extra_state(owner: torch.nn.Module) -> Optional[dict]:
+    """owner's FP8 attention state as tensors and plain values (None: it has none)."""
+    st = getattr(owner, "fp8_attn_state", None)
+    if st is None:
+        return None
+    return {"version": 1, "recipe": st.recipe.to_dict(), "qkv_scale": st.scale.detach().clone(),
+            "qkv_amax_history": st.amax_history.detach().clone()}
+
+
+def check_extra_state(values, where: str):
+    """Validate a saved FP8 attention state -> (recipe, scale, amax_history), or None for
+    None. Errors name `where` (the module) and the fix."""
+    if values is None:
+        return None
+    fix = ("load the checkpoint into the module it was saved from (a DotProductAttention "
+           "trained under DelayedScaling(fp8_dpa=True)), or drop this _extra_state entry to "
+           "start the FP8 attention state fresh")
+    if not isinstance(values, dict) or values.get("version") != 1 or "recipe" not in values:
+        got = (f"version {values.get('version')!r}" if isinstance(values, dict)
+               else type(values).__name__)
+        raise ValueError(f"{where}: FP8 attention extra_state must be None or a dict with version "
+                         f"1 and a recipe (as written by get_extra_state), got {got}; {fix}")
+    try:
+        recipe = recipe_from_dict(values["recipe"])
+    except ValueError as exc:
+        raise ValueError(f"{where}: FP8 attention extra_state recipe: {exc}; {fix}") from None
+    if not isinstance(recipe, DelayedScaling):
+        raise ValueError(f"{where}: FP8 attention extra_state holds a {type(recipe).__name__} "
+                         f"recipe; only DelayedScaling keeps a state; {fix}")
+    scale, hist = values.get("qkv_scale"), values.get("qkv_amax_history")
+    if not (isinstance(scale, torch.Tensor) and isinstance(hist, torch.Tensor)):
+        raise ValueError(f"{where}: FP8 attention extra_state lacks qkv_scale / "
+                         f"qkv_amax_history tensors; {fix}")
+    n = scale.shape[0] if scale.dim() == 1 else None
+    if n != SLOTS or hist.dim() != 2 or hist.shape[1] != SLOTS:
+        raise ValueError(f"{where}: FP8 attention extra_state has scale {tuple(scale.shape)} and "
+                         f"amax_history {tuple(hist.shape)}: expected {SLOTS} slots (q, k, v); "
+                         f"{fix}")
+    if hist.shape[0] != recipe.amax_history_len:
+        raise ValueError(f"{where}: FP8 attention extra_state amax_history has {hist.shape[0]} "
+                         f"rows, its recipe's amax_history_len is {recipe.amax_history_len}; "
+                         f"{fix}")
+    if scale.dtype != torch.float32 or hist.dtype != torch.float32:
+        raise ValueError(f"{where}: FP8 attention extra_state tensors must be float32, got "
+                         f"{scale.dtype} and {hist.dtype}; {fix}")
+    return recipe, scale, hist
+
+
+def check_saved_entry(state_dict: dict, prefix: str) -> None:
+    """Check the saved state of the DotProductAttention at `prefix` ("name.") in a state dict,
+    if there is one (a load pre-hook: it runs before anything loads)."""
+    key = prefix + "_extra_state"
+    if key in state_dict:
+        check_extra_state(state_dict[key], f"DotProductAttention {prefix[:-1] or '(root)'!r}")
+
+
+def load_extra_state(owner: torch.nn.Module, values, where: str) -> None:
+    """Set owner's FP8 attention state from `values` (validated first: a bad one changes
+    nothing). In place when the shapes match (the state's tensors keep their addresses)."""
+    staged = check_extra_state(values, where)
+    if staged is None:
+        owner.fp8_attn_state = None
+        return
+    recipe, scale, hist = staged
+    st = getattr(owner, "fp8_attn_state", None)
+    if st is None or st.amax_history.shape != hist.shape:
+        device = scale.device if st is None else st.scale.device
+        st = new_state(owner, recipe, device)
+    st.recipe = recipe
+    with torch.no_grad():
+        st.scale.copy_(scale)
+        st.amax_history.copy_(hist)
 
 
 def record_amaxes(plan: FP8AttnPlan, q, k, v) -> None:
@@ -222,4 +310,5 @@ class FP8Attention(torch.autograd.Function):
 
 
 __all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active", "quantize",
-           "dequantize", "record_amaxes"]
+           "dequantize", "record_amaxes", "new_state", "extra_state", "check_extra_state",
+           "check_saved_entry", "load_extra_state"]

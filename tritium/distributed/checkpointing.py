@@ -36,6 +36,11 @@ Why a wrapper (thin on purpose; torch does the work):
     same structure to load into, so a module that has not run under FP8 yet is prepared with
     `fp8_recipe` (the recipe the checkpoint was trained with) before loading; without it, a clear
     error names the module.
+  * FP8 attention state (DotProductAttention's `_extra_state` under DelayedScaling(fp8_dpa=True):
+    q/k/v scales and amax history) goes the same way; `fp8_recipe` with fp8_dpa=True prepares
+    its template. A checkpoint written before attention modules saved a state (no entry for
+    one), or without fp8_dpa (None), loads with the attention state left empty, as
+    load_state_dict does: the next fp8_autocast makes it fresh.
 
 Not done here: async saving, pipeline parallel flattening, checkpoints of torch's FSDP1.
 """
@@ -50,8 +55,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                      set_state_dict as _torch_set_state_dict)
 from torch.distributed.tensor import DTensor
 
+from ..attention import fp8 as attn_fp8
 from ..fp8.block_tensor import Float8BlockTensor, checkpoint_layout
 from ..fp8.cast import transpose_fp8
+from ..fp8.recipe import DelayedScaling
 from ..fp8.tensor import Float8Tensor
 from .amax import reduce_amax_rows
 
@@ -133,11 +140,21 @@ def _fp8_modules(model: torch.nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, FP8Module)]
 
 
+def _attn_modules(model: torch.nn.Module):
+    from ..attention.dot_product_attention import DotProductAttention
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, DotProductAttention)]
+
+
 def _prepare_fp8_meta(model: torch.nn.Module, fp8_recipe) -> None:
     for name, m in _fp8_modules(model):
         if m.fp8_meta.recipe is None and fp8_recipe is not None:
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
             m.fp8_meta.prepare(fp8_recipe, device)
+    if isinstance(fp8_recipe, DelayedScaling) and fp8_recipe.fp8_dpa:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        for name, m in _attn_modules(model):
+            if m.fp8_attn_state is None:
+                attn_fp8.new_state(m, fp8_recipe, device)
 
 
 def _reduce_pending_amaxes(model: torch.nn.Module, amax_group) -> None:
@@ -146,6 +163,8 @@ def _reduce_pending_amaxes(model: torch.nn.Module, amax_group) -> None:
     now, in one all-reduce (MAX): the next update would reduce them the same way."""
     histories = [st.amax_history for _, m in _fp8_modules(model)
                  for st in (m.fp8_meta.fwd, m.fp8_meta.bwd) if st is not None]
+    histories += [m.fp8_attn_state.amax_history for _, m in _attn_modules(model)
+                  if m.fp8_attn_state is not None]
     reduce_amax_rows(histories, amax_group)
 
 
@@ -211,6 +230,26 @@ def _check_fp8_templates(model: torch.nn.Module, keys: set) -> None:
             raise ValueError(f"load: the checkpoint holds FP8 state for module {name!r}, which has "
                              "none yet; pass fp8_recipe= (the recipe it was trained with) so its "
                              "state can be loaded")
+    for name, m in _attn_modules(model):
+        tag = f"model.{name}._extra_state" if name else "model._extra_state"
+        if m.fp8_attn_state is None and any(k.startswith(tag + ".") for k in keys):
+            raise ValueError(f"load: the checkpoint holds an FP8 attention state for module "
+                             f"{name!r}, which has none yet; pass fp8_recipe= (the "
+                             "DelayedScaling(fp8_dpa=True) recipe it was trained with) so its "
+                             "state can be loaded")
+
+
+def _match_attn_templates(model: torch.nn.Module, keys: set, template: dict) -> None:
+    """An attention state the checkpoint lacks (written before attention modules saved one, or
+    saved None) leaves the template: the module then loads None and starts fresh."""
+    for name, m in _attn_modules(model):
+        key = f"{name}._extra_state" if name else "_extra_state"
+        if m.fp8_attn_state is None or any(k.startswith(f"model.{key}.") for k in keys):
+            continue
+        if f"model.{key}" in keys:
+            template[key] = None
+        else:
+            template.pop(key, None)
 
 
 def save(checkpoint_id, model: torch.nn.Module, optimizers=(), *, amax_group=None,
@@ -231,6 +270,7 @@ def load(checkpoint_id, model: torch.nn.Module, optimizers=(), *, fp8_recipe=Non
     state = get_state_dict(model, optimizers, fp8_recipe=fp8_recipe)
     if keys is not None:
         _check_fp8_templates(model, keys)
+        _match_attn_templates(model, keys, state["model"])
     dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
     set_state_dict(model, optimizers, state)
 

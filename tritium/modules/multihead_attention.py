@@ -40,11 +40,16 @@ from .._device import default_device
 from ..distributed.activation_checkpoint import checkpoint
 from ..distributed.tensor_parallel import TPConfig, divide
 from ..attention import DotProductAttention, apply_rotary_pos_emb
-from ..attention.fp8 import active as fp8_attention_active
+from ..attention.fp8 import active as fp8_attention_active, check_saved_entry
 from .layernorm_linear import LayerNormLinear
 from .linear import Linear
 
 ATTENTION_TYPES = ("self", "cross")
+
+
+def _check_core_attention_state(module, state_dict, prefix, *_args) -> None:
+    """Load pre-hook: a bad saved FP8 attention state raises before any submodule loads."""
+    check_saved_entry(state_dict, prefix + "core_attention.")
 
 
 class MultiheadAttention(torch.nn.Module):
@@ -139,6 +144,8 @@ class MultiheadAttention(torch.nn.Module):
             attention_dropout=attention_dropout, qkv_format=qkv_format,
             attn_mask_type=attn_mask_type, window_size=window_size, layer_number=layer_number,
             attention_type=attention_type)
+        # a bad saved FP8 attention state raises before layernorm_qkv loads (attention/fp8.py)
+        self.register_load_state_dict_pre_hook(_check_core_attention_state)
         self.proj = Linear(q_size, hidden_size, bias=bias, return_bias=return_bias,
                            params_dtype=params_dtype, device=device,
                            init_method=output_layer_init_method or init_method,
