@@ -19,6 +19,10 @@ from __future__ import annotations
 
 import torch
 
+from ..fp8.cast import amax_into, cast_transpose
+from ..fp8.recipe import Float8CurrentScaling
+from ..fp8.recompute import FrozenScales
+
 
 def recast_in_backward(weight: torch.Tensor, need_transpose: bool, keep: bool) -> bool:
     """Whether the weight's fp8 transpose is cast again in backward (else kept from forward)."""
@@ -37,3 +41,39 @@ def check_unchanged(weight: torch.Tensor, version) -> None:
             "tritium.Linear under fp8_autocast: its weight was modified in place between forward "
             "and backward, so dgrad cannot cast again the fp8 weight the forward used; update "
             "weights only after backward (or run the forward again)")
+
+
+class WeightRecast:
+    """dgrad's w8^T cast again in backward instead of kept from forward (see the module note):
+    the weight and what fixes its cast's scale as the forward's cast had it."""
+
+    __slots__ = ("weight", "version", "fp8_dtype", "scale", "amax", "current")
+
+    def __init__(self, plan, weight: torch.Tensor):
+        self.weight, self.version = weight, weight_version(weight)
+        self.fp8_dtype = plan.recipe.fp8_format.forward_dtype
+        if isinstance(plan.recipe, Float8CurrentScaling):
+            # the weight's amax, measured now for the forward's cast and kept for backward's
+            self.scale, self.current = None, (plan.recipe.amax_epsilon, plan.recipe.power_2_scale)
+            self.amax = torch.zeros(1, dtype=torch.float32, device=weight.device)
+            amax_into(weight.detach(), self.amax)
+        else:  # a copy: autocast exit updates the live scale before backward (frozen: as it is)
+            scale = plan.fwd.scale_slot(plan.weight_slot)
+            self.scale = scale if isinstance(plan.fwd, FrozenScales) else scale.clone()
+            self.amax = self.current = None
+
+    def __call__(self) -> torch.Tensor:
+        """w8^T [K, N], bit for bit the forward's cast; records no amax."""
+        check_unchanged(self.weight, self.version)
+        return cast_weight_t(self.weight, self.scale, self.amax, self.fp8_dtype, self.current)
+
+
+def cast_weight_t(weight, scale, amax, fp8_dtype, current) -> torch.Tensor:
+    return cast_transpose(weight.detach(), scale, amax, fp8_dtype, pad_rows_to=1,
+                          write_data=False, write_transpose=True, current=current)[1]
+
+
+def dgrad_weight(w8_t):
+    """dgrad's w8^T: kept from forward, or cast again now (a WeightRecast, or its compiled
+    form: a partial of `cast_weight_t` over the saved tensors)."""
+    return w8_t() if callable(w8_t) else w8_t

@@ -72,7 +72,7 @@ from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
-from ._recast import check_unchanged, recast_in_backward, weight_version
+from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands
 from .gemm import fp8_gemm_tn
@@ -109,42 +109,6 @@ class WeightCache:
         quantize_2d(weight.detach(), fp8_dtype, scale=scale, amax=amax, current=current,
                     pad_rows_to=1, write_transpose=True, skip=self.skip, out=self.entry)
         return self.entry
-
-
-class WeightRecast:
-    """dgrad's w8^T cast again in backward instead of kept from forward (see the module note):
-    the weight and what fixes its cast's scale as the forward's cast had it."""
-
-    __slots__ = ("weight", "version", "fp8_dtype", "scale", "amax", "current")
-
-    def __init__(self, plan: "FP8Plan", weight: torch.Tensor):
-        self.weight, self.version = weight, weight_version(weight)
-        self.fp8_dtype = plan.recipe.fp8_format.forward_dtype
-        if isinstance(plan.recipe, Float8CurrentScaling):
-            # the weight's amax, measured now for the forward's cast and kept for backward's
-            self.scale, self.current = None, (plan.recipe.amax_epsilon, plan.recipe.power_2_scale)
-            self.amax = torch.zeros(1, dtype=torch.float32, device=weight.device)
-            amax_into(weight.detach(), self.amax)
-        else:  # a copy: autocast exit updates the live scale before backward (frozen: as it is)
-            scale = plan.fwd.scale_slot(plan.weight_slot)
-            self.scale = scale if isinstance(plan.fwd, FrozenScales) else scale.clone()
-            self.amax = self.current = None
-
-    def __call__(self) -> torch.Tensor:
-        """w8^T [K, N], bit for bit the forward's cast; records no amax."""
-        check_unchanged(self.weight, self.version)
-        return _cast_weight_t(self.weight, self.scale, self.amax, self.fp8_dtype, self.current)
-
-
-def _cast_weight_t(weight, scale, amax, fp8_dtype, current) -> torch.Tensor:
-    return cast_transpose(weight.detach(), scale, amax, fp8_dtype, pad_rows_to=1,
-                          write_data=False, write_transpose=True, current=current)[1]
-
-
-def _dgrad_weight(w8_t):
-    """dgrad's w8^T: kept from forward, or cast again now (a WeightRecast, or its compiled
-    form: a partial of `_cast_weight_t` over the saved tensors)."""
-    return w8_t() if callable(w8_t) else w8_t
 
 
 @dataclasses.dataclass
@@ -388,14 +352,14 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
                                               write_data=need_dgrad, write_transpose=need_wgrad)
         if need_dgrad and dgrad_ready is not None:  # dgrad first: its reduction overlaps wgrad
-            dx = fp8_gemm_tn(dy8, _dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
+            dx = fp8_gemm_tn(dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
             dx = dx if dx.shape[0] == tokens else dx[:tokens]
             dgrad_ready(dx)
         if need_wgrad:  # wgrad first otherwise: its operands are freed before dx is allocated
             dw = fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype)
         del dy8_t, x8_t
         if need_dgrad and dx is None:
-            dx = fp8_gemm_tn(dy8, _dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
+            dx = fp8_gemm_tn(dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
     tensor_amax = None
     # current scaling: one scale for all blocks of dy
@@ -403,7 +367,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place
-        w8_t = _dgrad_weight(w8_t)
+        w8_t = dgrad_weight(w8_t)
         dx = torch.empty(-(-tokens // 16) * 16, in_features, dtype=dy2d.dtype, device=dy2d.device)
         for t0, t1 in _blocks(tokens, parts):
             dy8, _, dy_si = plan.quantize(dy2d[t0:t1], plan.bwd, plan.grad_slot, bwd_dtype,
@@ -541,7 +505,7 @@ class _LinearFunction(torch.autograd.Function):
             if ctx.fp8_saved:
                 x8_t, x_si, w8_t, w_si, *recast = ctx.saved_tensors
                 if ctx.recast is not None:
-                    w8_t = functools.partial(_cast_weight_t, *recast, *ctx.recast)
+                    w8_t = functools.partial(cast_weight_t, *recast, *ctx.recast)
                 operands = [x8_t, x_si, w8_t, w_si]
             elif ctx.fp8_operands is None:
                 raise RuntimeError(
