@@ -293,6 +293,98 @@ def _unaligned_case(group, world, rank):
     return out
 
 
+# block FP8 params stepped by the optimizers: {case: (weight form, optimizer)}
+OPT_CASES = {"linear-col/tp": ("128x128", "adam"), "linear-row/sp": ("1x128", "adam"),
+             "lnmlp-swiglu/tp": ("128x128", "adam"), "linear-row/tp": ("128x128", "sgd")}
+OPT_STEPS = 3
+
+
+def _optimizer(which, params):
+    from tritium.optimizers import FusedAdam, FusedSGD
+    if which == "sgd":
+        return FusedSGD(params, lr=0.05, momentum=0.9, weight_decay=0.01, master_weights=True)
+    return FusedAdam(params, lr=5e-3, weight_decay=0.01, master_weights=True)
+
+
+def _slice_like(full, shard, dim, blocks, n_full, world, rank):
+    """This rank's slice of `full` (a param or one of its block operands / optimizer states):
+    along the axis where `shard` is 1/world of it, each block's chunk (block sizes scaled by
+    how many entries the operand has per element of the param's `dim`: 1, or 1/128)."""
+    axes = [a for a in range(full.dim()) if full.shape[a] != shard.shape[a]]
+    assert len(axes) == 1, (full.shape, shard.shape)
+    per = n_full // full.shape[axes[0]]
+    from tritium.distributed.tensor_parallel import shard_tensor
+    return shard_tensor(full, axes[0], [b // per for b in blocks], world, rank)
+
+
+def _opt_case(name, group, world, rank):
+    """OPT_STEPS training steps of the TP module's block FP8 shards (each rank its own
+    optimizer) and of the unsharded module (the same optimizer) on the same data: after every
+    step each rank's param (fp8 bytes and block scales of both forms, or its fp32 value), fp32
+    master and optimizer state against that rank's slice of the unsharded one's, and the
+    outputs. The norm parameters are not stepped (their gradients are split sums, see below)."""
+    import torch.distributed as dist
+    import tritium as te
+    from tritium.distributed import tensor_parallel as T
+    form, which = OPT_CASES[name]
+    kind, mode = name.split("/")
+    sp = mode == "sp"
+    rcp = _recipe(form)
+    torch.manual_seed(_seed(name))
+    with te.fp8_model_init(recipe=rcp):
+        ref, k_in, n_out = _build(kind, {})
+        tp_mod, _, _ = _build(kind, dict(tp_group=group, sequence_parallel=sp))
+    _perturb_norm(ref, _seed(name))
+    T.load_full_state_dict(tp_mod, ref.state_dict())
+    stepped = lambda m: [p for n, p in m.named_parameters()   # noqa: E731
+                         if not n.startswith("layer_norm")]
+    opt_ref, opt_tp = _optimizer(which, stepped(ref)), _optimizer(which, stepped(tp_mod))
+    sharded = T._sharded_params(tp_mod)
+    col = kind == "linear-col"
+    in_dim = -1 if kind == "linear-row" else (0 if sp else None)
+    out_dim = -1 if col else (0 if sp else None)
+    g = torch.Generator().manual_seed(_seed(name) + 2)   # the same data on every rank
+    ref_params, tp_params = dict(ref.named_parameters()), dict(tp_mod.named_parameters())
+    start = {n: p._data.clone() for n, p in tp_params.items() if hasattr(p, "operands")}
+    outputs, params = [], []
+    for step in range(OPT_STEPS):
+        x, dy = torch.randn(S, B, k_in, generator=g), torch.randn(S, B, n_out, generator=g)
+        x_loc = x if in_dim is None else x.chunk(world, in_dim)[rank]
+        dy_loc = dy if out_dim is None else dy.chunk(world, out_dim)[rank]
+        ys = []
+        for mod, opt, xx, dd in ((ref, opt_ref, x, dy), (tp_mod, opt_tp, x_loc, dy_loc)):
+            with te.fp8_autocast(fp8_recipe=rcp):
+                y = mod(xx)
+            y.backward(dd)
+            opt.step()
+            opt.zero_grad()
+            ys.append(y.detach())
+        y_tp = ys[1] if out_dim is None else _gather(ys[1], out_dim, group)
+        outputs.append((y_tp, ys[0]))
+        for pname, p in tp_params.items():
+            if pname.startswith("layer_norm"):
+                continue
+            full = ref_params[pname]
+            dim, blocks, _ = sharded.get(pname, (None, None, None))
+            cut = (lambda f, s: f) if dim is None else (   # noqa: E731
+                lambda f, s: _slice_like(f, s, dim, blocks, full.shape[dim], world, rank))
+            pairs = [(f"{pname} {k}", opt_tp.state[p][k], cut(opt_ref.state[full][k],
+                                                               opt_tp.state[p][k]))
+                     for k in opt_tp.state[p] if torch.is_tensor(opt_tp.state[p][k])]
+            if hasattr(p, "operands"):
+                pairs += [(f"{pname} operand {i}", s, cut(f, s)) for i, (s, f) in
+                          enumerate(zip(_block_parts(p), _block_parts(full))) if s is not None]
+            else:
+                pairs.append((f"{pname} value", p.detach(), cut(full.detach(), p)))
+            params += [(step, rank, lbl, a.clone(), b.clone()) for lbl, a, b in pairs]
+    changed = {n: not torch.equal(p._data.view(torch.uint8), start[n].view(torch.uint8))
+               for n, p in tp_params.items() if n in start}
+    every = [None] * world
+    dist.all_gather_object(every, (params, changed))
+    return {"outputs": outputs, "params": [q for r in every for q in r[0]],
+            "changed": [r[1] for r in every]}
+
+
 def _worker(rank, world, port, out_dir):
     os.environ["TRITIUM_FORCE_REF"] = "1"
     torch.set_num_threads(1)
@@ -310,6 +402,8 @@ def _worker(rank, world, port, out_dir):
         results["unaligned"] = _unaligned_case(group, world, rank)
         for mode in ("tp", "sp"):
             results[f"layer/{mode}"] = _layer_fused_case(mode, group, world, rank, spy)
+        for name in OPT_CASES:
+            results[f"opt:{name}"] = _opt_case(name, group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
         dist.barrier()
@@ -388,3 +482,40 @@ def test_block_tp_unaligned_shards_run(world2):
     assert set(world2["unaligned"]) == {"column", "row"}
     for mode, (got, want) in world2["unaligned"].items():
         torch.testing.assert_close(got, want, **FP8_TOL, msg=lambda m: f"{mode}: {m}")
+
+
+# stepped params whose gradients are split sums (the rest: bit-identical gradients, see above)
+OPT_SPLIT = {"linear-row/sp": {"bias"}}   # replicated, all-reduced from each rank's rows
+
+
+@pytest.mark.parametrize("name", list(OPT_CASES))
+def test_block_fp8_params_tp_optimizer(world2, name):
+    """FusedAdam(master_weights=True) / FusedSGD stepping each rank's block FP8 shards vs the
+    unsharded module's optimizer, OPT_STEPS steps: where a param's gradient is bit-identical
+    (every weight: tokens whole; every bias except the replicated one under SP), the shard's
+    fp8 bytes and block scales (both forms), fp32 master and moments are the unsharded ones'
+    slice bit for bit after every step (a shard's 128-blocks are blocks of the full weight and
+    are requantized from exactly its slice of the master); the outputs as the forward cases."""
+    res = world2[f"opt:{name}"]
+    kind, mode = name.split("/")
+    split = OPT_SPLIT.get(name, set())
+    labels = {lbl for _, _, lbl, _, _ in res["params"]}
+    want_parts = {"operand 0", "operand 1", "operand 2", "operand 3", "master_param"}
+    want_parts |= {"exp_avg", "exp_avg_sq"} if OPT_CASES[name][1] == "adam" else {
+        "momentum_buffer"}
+    assert {lbl.split(" ", 1)[1] for lbl in labels if "weight" in lbl} == want_parts, labels
+    assert len(res["params"]) == OPT_STEPS * 2 * len(labels)
+    for step, rank, label, got, want in res["params"]:
+        what = f"{name} step {step} rank {rank} {label}"
+        assert got.shape == want.shape and got.dtype == want.dtype, what
+        if label.split(" ")[0] in split:
+            torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{what}: {m}")
+        else:
+            assert_bits(got, want, what)
+    assert all(c and all(c.values()) for c in res["changed"]), res["changed"]  # bytes moved
+    for step, (got, want) in enumerate(res["outputs"]):
+        if _exact(kind, mode, "y"):
+            assert_bits(got, want, f"{name} step {step} y")
+        else:
+            torch.testing.assert_close(got, want, **FP32_TOL,
+                                       msg=lambda m: f"{name} step {step} y: {m}")
