@@ -29,6 +29,10 @@ give the unfused chain's bits (the same TP module with fused_casts(False)). Bloc
 (fp8_model_init) load their shards of a full block-FP8 state dict with its fp8 bytes and scales
 (and gather back to them), and compute what the unsharded FP8 module does, by the same
 expectations; where the shards would cut 128-element blocks, loading is refused by name.
+Such shards stepped by FusedAdam(master_weights=True) / FusedSGD (each rank its own optimizer)
+follow the unsharded module's optimizer: a shard's blocks are blocks of the full weight,
+requantized from its slice of the fp32 master, so where a gradient is bit-identical the bytes,
+scales, master and moments are that slice's bit for bit at every step.
 """
 from __future__ import annotations
 
@@ -510,6 +514,7 @@ def test_block_fp8_params_tp_optimizer(world2, name):
         assert got.shape == want.shape and got.dtype == want.dtype, what
         if label.split(" ")[0] in split:
             torch.testing.assert_close(got, want, **FP32_TOL, msg=lambda m: f"{what}: {m}")
+            assert not torch.equal(got, want), f"{what}: bit-identical, listed as split"
         else:
             assert_bits(got, want, what)
     assert all(c and all(c.values()) for c in res["changed"]), res["changed"]  # bytes moved
