@@ -181,3 +181,28 @@ def test_unsupported_combinations_raise():
     with pytest.raises(NotImplementedError, match="parameters_split"):
         with te.fp8_model_init(enabled=True):
             te.Linear(32, 32, device="cpu", parameters_split=("query", "key"))
+
+
+@pytest.mark.parametrize("rcp", [DELAYED, recipe.Float8CurrentScaling(),
+                                 recipe.Float8BlockScaling()], ids=["delayed", "current", "block"])
+def test_loaded_weights_drop_the_kept_init(rcp):
+    """preserve_high_precision_init_val keeps each FP8 weight's init for the optimizer's master;
+    a state dict loaded afterwards replaces it: the master starts from the loaded weight, and a
+    step that leaves the master as it is (zero grads) keeps the loaded fp8 values."""
+    from tritium.optimizers import FusedAdam
+    torch.manual_seed(0)
+    with te.fp8_model_init(recipe=rcp, preserve_high_precision_init_val=True):
+        src = te.Linear(256, 128, device="cpu")
+        dst = te.Linear(256, 128, device="cpu")
+    assert dst.weight.get_high_precision_init_val() is not None
+    dst.load_state_dict(src.state_dict())
+    assert dst.weight.get_high_precision_init_val() is None
+    assert src.weight.get_high_precision_init_val() is not None   # the source keeps its own
+    loaded = dst.weight.dequantize(torch.float32)
+    assert not torch.equal(loaded, src.weight.get_high_precision_init_val())  # fp8-rounded
+    opt = FusedAdam(dst.parameters(), lr=1e-3, master_weights=True)
+    for p in dst.parameters():
+        p.grad = torch.zeros(p.shape)
+    opt.step()
+    assert torch.equal(opt.get_master_param(dst.weight), loaded)
+    assert torch.equal(dst.weight.dequantize(torch.float32), loaded)

@@ -21,7 +21,8 @@ Decisions where TE is silent or differs:
     scale 1, which flushes an init of std 0.02 to E4M3 subnormals; that is why TE needs
     `preserve_high_precision_init_val` to seed master weights. We keep the option (it stores the
     high-precision init on the CPU, read by `p.get_high_precision_init_val()` and dropped by
-    `p.clear_high_precision_init_val()`), but it is rarely needed.
+    `p.clear_high_precision_init_val()` or by loading a state dict into the module: the loaded
+    weight replaces the init), but it is rarely needed.
   * Delayed scaling: the param's scale lives in the module's state (above). Current scaling
     (Float8CurrentScaling): each FP8 param owns its scale (`p._scale`, fp32 [1], not tied to
     any module state; `p._amax` None) and is marked `p._current_scaling = (amax_epsilon,

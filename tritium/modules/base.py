@@ -289,6 +289,22 @@ class FP8Module(torch.nn.Module):
         for cache in self._weight_caches:
             cache.entry = None
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        """A loaded FP8 weight drops its kept high-precision init (fp8_model_init(
+        preserve_high_precision_init_val=True)): the optimizer seeds its master from that init,
+        so its first step would write the init back over the loaded weight."""
+        errors = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        if len(error_msgs) > errors:
+            return
+        for name in self._fp8_weight_slots:
+            p = self._parameters.get(name)
+            p = getattr(p, "_local_tensor", p)
+            if prefix + name in state_dict and hasattr(p, "clear_high_precision_init_val"):
+                p.clear_high_precision_init_val()
+
     def get_extra_state(self):
         return self.fp8_meta.extra_state()
 
