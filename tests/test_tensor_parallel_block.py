@@ -326,7 +326,8 @@ def _opt_case(name, group, world, rank):
     optimizer) and of the unsharded module (the same optimizer) on the same data: after every
     step each rank's param (fp8 bytes and block scales of both forms, or its fp32 value), fp32
     master and optimizer state against that rank's slice of the unsharded one's, and the
-    outputs. The norm parameters are not stepped (their gradients are split sums, see below)."""
+    outputs. The norm parameters are not stepped: their gradients are split sums, and their
+    values a few ulps off would feed the next fc1 input (docs/block_scaling.md)."""
     import torch.distributed as dist
     import tritium as te
     from tritium.distributed import tensor_parallel as T
@@ -344,9 +345,8 @@ def _opt_case(name, group, world, rank):
                          if not n.startswith("layer_norm")]
     opt_ref, opt_tp = _optimizer(which, stepped(ref)), _optimizer(which, stepped(tp_mod))
     sharded = T._sharded_params(tp_mod)
-    col = kind == "linear-col"
     in_dim = -1 if kind == "linear-row" else (0 if sp else None)
-    out_dim = -1 if col else (0 if sp else None)
+    out_dim = -1 if kind == "linear-col" else (0 if sp else None)
     g = torch.Generator().manual_seed(_seed(name) + 2)   # the same data on every rank
     ref_params, tp_params = dict(ref.named_parameters()), dict(tp_mod.named_parameters())
     start = {n: p._data.clone() for n, p in tp_params.items() if hasattr(p, "operands")}
