@@ -4,7 +4,7 @@
 #        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG] [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
-# tests:EXPR runs the gpu tier with pytest -k EXPR; block:REGEX the block bench's variants
+# tests:EXPR runs the gpu tier with pytest -k EXPR (+ for a space: tests:fp8_attention+or+scaling); block:REGEX the block bench's variants
 # matching REGEX (bench_block.py --only); model:V1,V2 bench_model.py --only V1 V2 (each with its
 # baseline, a compiled variant with its eager self). Multi-GPU stages use the GPUs that
 # CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs),
@@ -55,6 +55,6 @@ for s in $stages; do
     fsdp:*) a=${s#fsdp:}; torchrun --standalone --nproc-per-node="$ngpu" benchmarks/bench_fsdp.py ${a//+/ } 2>&1 | tee "$OUT/bench_fsdp_$ngpu.log" | grep -v "^{" ;;
     pack)   t=$(mktemp -d); (cd "$OUT" && tar czf "$t/out.tgz" . && find . -name "*.json" \
                -exec cp {} "$t/" \; && rm -rf ./* && mv "$t"/* .); ls "$OUT" ;;
-    tests:*) python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${s#tests:}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
+    tests:*) e=${s#tests:}; python3 -m pytest -q --continue-on-collection-errors -m "gpu or multigpu" tests -k "${e//+/ }" 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 ;;
   esac
 done
