@@ -462,6 +462,8 @@ def _worker2(rank, world, ckpt, losses_file, ratio_file):
     _check_training(rank, world, "bf16", tol=BF16, out=38, eps=1e-3)
     _check_training(rank, world, "fp8", rcp=dly)
     _check_training(rank, world, "fp8", rcp=dly, sgd=True)
+    _check_training(rank, world, "fp32", rcp=dly)   # w8^T cast again in backward, after
+    # FSDP2 freed the unsharded weight at the forward's end and gathered it again (the recast)
     _check_training(rank, world, "fp32", rcp=cur, micro=2)        # weight caching, cast per use
     _check_training(rank, world, "fp32", rcp=dly, micro=2)
     _check_training(rank, world, "fp32", rcp=cur, gather=cur)     # FP8 gather, precomputed
