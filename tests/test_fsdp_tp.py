@@ -37,7 +37,7 @@ import zlib
 import pytest
 import torch
 
-from testlib import FP32_TOL, spawn_results
+from testlib import FP32_TOL, fp8_states, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -140,16 +140,6 @@ def _replicated_identical(model, mesh, sharded_too: bool = False) -> list:
     return bad
 
 
-def _fp8_states(model) -> list:
-    """Every module's delayed-scaling scales and amax histories (forward and backward)."""
-    out = []
-    for m in model.modules():
-        meta = getattr(m, "fp8_meta", None)
-        if meta is not None and meta.fwd is not None:
-            out += [meta.fwd.scale, meta.fwd.amax_history, meta.bwd.scale, meta.bwd.amax_history]
-    return [t.clone() for t in out]
-
-
 def _no_collectives():
     """A context that makes any torch.distributed collective raise (the error must come first)."""
     import torch.distributed as dist
@@ -247,7 +237,7 @@ def _worker(rank, port, out_dir):
             res["ref_clip_norms"] = torch.stack(ref_norms)
             ref = convert_llama(_hf_model())
             res["ref_fp8_losses"] = _train(ref, 2, rcp=rcp, fp8_group=solo)
-            res["fp8_states"], res["ref_fp8_states"] = _fp8_states(fp8_model), _fp8_states(ref)
+            res["fp8_states"], res["ref_fp8_states"] = fp8_states(fp8_model), fp8_states(ref)
             torch.save(res, os.path.join(out_dir, "results.pt"))
         dist.barrier()
     finally:

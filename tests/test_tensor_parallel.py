@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from testlib import FP32_TOL, free_port
+from testlib import FP32_TOL, fp8_states, free_port
 
 pytestmark = pytest.mark.cpu
 
@@ -81,15 +81,6 @@ def _build(kind, tp: dict, world: int, device="cpu", dtype=torch.float32):
 def _gather(t, dim, group):
     from tritium.distributed.tensor_parallel import all_gather_dim0
     return all_gather_dim0(t.movedim(dim, 0).contiguous(), group).movedim(0, dim)
-
-
-def _fp8_states(model):
-    out = []
-    for m in model.modules():
-        meta = getattr(m, "fp8_meta", None)
-        if meta is not None and meta.fwd is not None:
-            out += [meta.fwd.scale, meta.fwd.amax_history, meta.bwd.scale, meta.bwd.amax_history]
-    return [t.clone() for t in out]
 
 
 def _module_case(name, group, world, rank, device="cpu", dtype=torch.float32):
@@ -160,12 +151,12 @@ def _module_case(name, group, world, rank, device="cpu", dtype=torch.float32):
         want.append(ref_params[pname].grad)
     res = {"got": got, "want": want, "roundtrip": roundtrip}
     if fp8:
-        states = _fp8_states(tp_mod)
+        states = fp8_states(tp_mod)
         every = [[torch.empty_like(s) for _ in range(world)] for s in states]
         for s, lst in zip(states, every):
             dist.all_gather(lst, s, group=group)
         res["same_across_ranks"] = all(torch.equal(lst[0], t) for lst in every for t in lst)
-        res["states"], res["ref_states"] = states, _fp8_states(ref)
+        res["states"], res["ref_states"] = states, fp8_states(ref)
         res["scales_moved"] = any(not torch.all(s == 1) for s in states[::2])
     return res
 
@@ -289,7 +280,7 @@ def _checkpoint_case(group, world, rank):
                                                   is_first_microbatch=step == 0)
             y.backward(torch.randn(y.shape, generator=g))
             res += [y.detach(), x.grad]
-        return res + [p.grad for p in layer.parameters()] + _fp8_states(layer)
+        return res + [p.grad for p in layer.parameters()] + fp8_states(layer)
 
     base = run("none")
     eq = lambda a, b: len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))  # noqa

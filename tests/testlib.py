@@ -119,6 +119,16 @@ def spawn_results(worker, world: int, out_dir, *args):
     return torch.load(os.path.join(str(out_dir), "results.pt"), weights_only=False)
 
 
+def fp8_states(model) -> list:
+    """Copies of every module's delayed-scaling scales and amax histories (forward, backward)."""
+    out = []
+    for m in model.modules():
+        meta = getattr(m, "fp8_meta", None)
+        if meta is not None and meta.fwd is not None:
+            out += [meta.fwd.scale, meta.fwd.amax_history, meta.bwd.scale, meta.bwd.amax_history]
+    return [t.clone() for t in out]
+
+
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 

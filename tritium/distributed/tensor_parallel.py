@@ -229,14 +229,9 @@ class _GatherSeq(torch.autograd.Function):
         return reduce_scatter_dim0(dy, ctx.group), None
 
 
-class _GatherSeqSplitGrad(torch.autograd.Function):
+class _GatherSeqSplitGrad(_GatherSeq):
     """All-gather forward; backward keeps this rank's chunk of the gradient (every rank computed
     the same full gradient from the same whole output, so nothing is summed)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
 
     @staticmethod
     def backward(ctx, dy):

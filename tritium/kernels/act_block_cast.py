@@ -41,7 +41,8 @@ import triton.language as tl
 from ..fp8.formats import fp8_max
 from ..ref.block_cast import BLOCK, BlockQuantized
 from ._launch import Launcher
-from .activation import _CODE, GATED, _bwd_values, _check, _fwd_values, _rows_view
+from .activation import (_CODE, GATED, _bwd_values, _check, _check_bwd, _fwd_values,
+                         _rows_view)
 from .block_cast import _store_1x128
 from .cast import _TL_FP8
 
@@ -156,13 +157,7 @@ def activation_bwd_blocks(dy: torch.Tensor, x: torch.Tensor, kind: str, fp8_dtyp
                           power_2_scale: bool = True, amax_epsilon: float = 0.0,
                           pad_rows_to: int = 16):
     """See `tritium.ref.activation.activation_bwd_blocks`."""
-    _check(x, kind)
-    gated = kind in GATED
-    rows, w = x.shape
-    f = w // 2 if gated else w
-    if tuple(dy.shape) != (rows, f):
-        raise ValueError(f"dy must be [{rows}, {f}] for {kind} of x {tuple(x.shape)}, "
-                         f"got {tuple(dy.shape)}")
+    gated, rows, w, f = _check_bwd(dy, x, kind)
     rows_p = -(-rows // pad_rows_to) * pad_rows_to
     mb, kb = -(-rows_p // BLOCK), -(-w // BLOCK)
     dev = x.device

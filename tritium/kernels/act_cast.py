@@ -37,7 +37,8 @@ import triton.language as tl
 
 from ..fp8.formats import fp8_max
 from ._launch import Launcher
-from .activation import _CODE, GATED, _bwd_values, _check, _fwd_values, _rows_view
+from .activation import (_CODE, GATED, _bwd_values, _check, _check_bwd, _fwd_values,
+                         _rows_view)
 from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8
 
 
@@ -185,13 +186,7 @@ def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torc
                        write_data: bool = True, write_transpose: bool = True,
                        write_hp: bool = False, pad_rows_to: int = 16):
     """See `tritium.ref.activation.activation_bwd_fp8`."""
-    _check(x, kind)
-    gated = kind in GATED
-    rows, w = x.shape
-    f = w // 2 if gated else w
-    if tuple(dy.shape) != (rows, f):
-        raise ValueError(f"dy must be [{rows}, {f}] for {kind} of x {tuple(x.shape)}, "
-                         f"got {tuple(dy.shape)}")
+    gated, rows, w, f = _check_bwd(dy, x, kind)
     rows_p = -(-rows // pad_rows_to) * pad_rows_to
     dev = x.device
     dx = torch.empty(rows, w, dtype=x.dtype, device=dev) if write_hp else None

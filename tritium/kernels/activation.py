@@ -202,6 +202,19 @@ def _check(x: torch.Tensor, kind: str) -> None:
         raise ValueError(f"{kind} needs an even last dim (two halves), got {x.shape[1]}")
 
 
+def _check_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str) -> tuple:
+    """`_check` of x, then dy's shape [rows, f] (f: half of x's width for a gated kind);
+    returns (gated, rows, w, f)."""
+    _check(x, kind)
+    gated = kind in GATED
+    rows, w = x.shape
+    f = w // 2 if gated else w
+    if tuple(dy.shape) != (rows, f):
+        raise ValueError(f"dy must be [{rows}, {f}] for {kind} of x {tuple(x.shape)}, "
+                         f"got {tuple(dy.shape)}")
+    return gated, rows, w, f
+
+
 def _rows_view(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
@@ -232,12 +245,7 @@ def activation_fwd(x: torch.Tensor, kind: str) -> torch.Tensor:
 
 def activation_bwd(dy: torch.Tensor, x: torch.Tensor, kind: str) -> torch.Tensor:
     """See `tritium.ref.activation.activation_bwd`."""
-    _check(x, kind)
-    gated = kind in GATED
-    rows, f = x.shape[0], x.shape[1] // 2 if gated else x.shape[1]
-    if tuple(dy.shape) != (rows, f):
-        raise ValueError(f"dy must be [{rows}, {f}] for {kind} of x {tuple(x.shape)}, "
-                         f"got {tuple(dy.shape)}")
+    gated, rows, _, f = _check_bwd(dy, x, kind)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if dx.numel() == 0:
         return dx
