@@ -365,14 +365,20 @@ def _stub_scaled_mm(a, b, *, scale_a, scale_b, bias=None, out_dtype, use_fast_ac
     return out if out is not None else torch.empty(a.shape[0], b.shape[1], dtype=out_dtype)
 
 
-def cmd_model_cpu(args, steps=500):
-    import cProfile
-    import pstats
+def _stub_gpu_calls():
+    """The CUDA path's Python on a CPU: tritium takes its GPU branches, Triton launches compute
+    their cache key and return, torch._scaled_mm only allocates."""
     device = importlib.import_module("tritium._device")
     device.use_triton = lambda t: True
     device.fp8_tensor_cores = lambda t: True
     _launch.Launcher.__call__ = _stub_launch
     torch._scaled_mm = _stub_scaled_mm
+
+
+def cmd_model_cpu(args, steps=500):
+    import cProfile
+    import pstats
+    _stub_gpu_calls()
     step = fp8_linear_step(*(args.shape or (256, 512, 512)), device="cpu")
     for _ in range(min(50, steps)):
         step()
@@ -428,11 +434,7 @@ def cmd_model_cpu_llama(args):
     """Host us per decoder-layer forward and backward of a converted HF Llama under FP8."""
     import cProfile
     import pstats
-    device = importlib.import_module("tritium._device")
-    device.use_triton = lambda t: True
-    device.fp8_tensor_cores = lambda t: True
-    _launch.Launcher.__call__ = _stub_launch
-    torch._scaled_mm = _stub_scaled_mm
+    _stub_gpu_calls()
     _stub_attention()
     torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
     model = _tiny_llama(args.layers, args.hidden, args.heads, args.kv_heads, 4 * args.hidden,
@@ -568,11 +570,7 @@ def cmd_model_cpu_graphs(args):
     import cProfile
     import pstats
     sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
-    device = importlib.import_module("tritium._device")
-    device.use_triton = lambda t: True
-    device.fp8_tensor_cores = lambda t: True
-    _launch.Launcher.__call__ = _stub_launch
-    torch._scaled_mm = _stub_scaled_mm
+    _stub_gpu_calls()
     _stub_attention()
     _stub_cpu_compute()
     torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
