@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 
-from testlib import free_port
+from testlib import all_gather_sizes, free_port
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
@@ -205,7 +205,6 @@ def _check_training(rank, world, kind, *, rcp=None, tol=FP32, micro=1, gather=No
 
 def _gathered_bytes(rank, world, kind, gather=None):
     """Bytes all-gathered by FSDP2 in one fwd+bwd step."""
-    import torch.distributed as dist
     import tritium as te
     from tritium import recipe
     from tritium.distributed import enable_fp8_all_gather
@@ -213,19 +212,11 @@ def _gathered_bytes(rank, world, kind, gather=None):
     if gather is not None:
         enable_fp8_all_gather(model, gather)
     _shard(model)
-    sizes, real = [], dist.all_gather_single
-
-    def counting(output, inp, *args, **kwargs):
-        sizes.append(inp.numel() * inp.element_size())
-        return real(output, inp, *args, **kwargs)
-    dist.all_gather_single = counting
-    try:
+    with all_gather_sizes() as sizes:
         x, t = _batch(0, world, rank, H, torch.bfloat16)
         with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
             y = model(x)
         _loss(y, t, 1).backward()
-    finally:
-        dist.all_gather_single = real
     assert sizes, "no all-gather seen"
     return sum(sizes)
 

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from testlib import assert_bits, free_port
+from testlib import all_gather_sizes, assert_bits, free_port
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
@@ -76,22 +76,13 @@ def _train(model, dim: int = 2):
 
 
 def _gathered_bytes(block: bool, dim: int = 2) -> int:
-    import torch.distributed as dist
     import tritium as te
     from tritium import recipe
     model = _shard(_model(block, torch.float32 if block else torch.bfloat16, dim=dim))
-    sizes, real = [], dist.all_gather_single
-
-    def counting(output, inp, *args, **kwargs):
-        sizes.append(inp.numel() * inp.element_size())
-        return real(output, inp, *args, **kwargs)
-    dist.all_gather_single = counting
-    try:
+    with all_gather_sizes() as sizes:
         x = torch.randn(B, H, dtype=next(model.parameters()).dtype)
         with te.fp8_autocast(fp8_recipe=recipe.Float8BlockScaling(w_block_scaling_dim=dim)):
             model(x).float().sum().backward()
-    finally:
-        dist.all_gather_single = real
     assert sizes, "no all-gather seen"
     return sum(sizes)
 

@@ -8,6 +8,7 @@ layouts and padding. Also `free_port`, for the tests that start process groups.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 
@@ -117,6 +118,23 @@ def spawn_results(worker, world: int, out_dir, *args):
     import torch.multiprocessing as mp
     mp.spawn(worker, args=(free_port(), str(out_dir), *args), nprocs=world, join=True)
     return torch.load(os.path.join(str(out_dir), "results.pt"), weights_only=False)
+
+
+@contextlib.contextmanager
+def all_gather_sizes():
+    """Inside: every dist.all_gather_single call (FSDP2's gather) appends its input's bytes to
+    the yielded list."""
+    import torch.distributed as dist
+    sizes, real = [], dist.all_gather_single
+
+    def counting(output, inp, *args, **kwargs):
+        sizes.append(inp.numel() * inp.element_size())
+        return real(output, inp, *args, **kwargs)
+    dist.all_gather_single = counting
+    try:
+        yield sizes
+    finally:
+        dist.all_gather_single = real
 
 
 def fp8_states(model) -> list:
