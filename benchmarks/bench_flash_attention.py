@@ -125,10 +125,14 @@ def _fp8_steps(blocks, variant):
     from tritium.fp8 import recipe
     plan = F.FP8AttnPlan(recipe.Float8CurrentScaling(fp8_dpa=True), None, False)
     scale, layer = 1 / math.sqrt(D), variant.endswith(" layer")
-    quantized = [(F.quantize(plan, q, k, v), c) for q, k, v, _, c in blocks]
+
+    def kernel_args(q, k, v):   # as the layer calls the kernel: V with the keys contiguous
+        q8, k8, _, descale, v8_t = F.quantize(plan, q, k, v, v_keys_contiguous=True)
+        return q8, k8, v8_t, descale
+    quantized = [(kernel_args(q, k, v), c) for q, k, v, _, c in blocks]
 
     def one(q, k, v, c):
-        return FA.flash_attention_fp8_fwd(*F.quantize(plan, q, k, v), c, scale,
+        return FA.flash_attention_fp8_fwd(*kernel_args(q, k, v), c, scale,
                                           out_dtype=torch.bfloat16)[0]
 
     def fwd():

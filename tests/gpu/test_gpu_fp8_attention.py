@@ -1,13 +1,20 @@
 """gpu tier: the FP8 flash forward (fp8_dpa) on CUDA vs its twin, and the layer end to end.
 
 Kernel vs twin (`ref.flash_attention.flash_attention_fp8_fwd` at the kernel's key tile): same
-math and block order; the GPU's exp2 (ex2.approx), fused multiply-adds and tensor-core
-reduction order change last fp32 bits, which can move a P entry across an E4M3 rounding
-boundary (one E4M3 step, 2^-4 of it). So lse agrees to 1e-4 relative, out to 1e-4 x max|out|
-for all but 1% of its elements, and every element within 2^-4 max|v|. Cases: B2 H8 S1024,
-head dims 64 and 128, causal and no mask, GQA, bshd and sbhd (strided views: pointer loads),
-s_q != s_kv. The layer: DotProductAttention under fp8_autocast(fp8_dpa=True) picks triton_fp8,
-and its out / grads are within FP8's error of bf16 attention's. Skipped without CUDA.
+math and block order, but not bit for bit: Hopper's tensor cores add E4M3 products in a
+reduced-precision accumulator (S = q k^T and P @ V; the twin sums the exact products in fp32),
+and exp2 is ex2.approx. A score off in its last bits can move a P entry across an E4M3 rounding
+boundary (one step, 2^-4 of it), so a large share of out's elements differ from the twin's by
+about one P step (measured on an H100: 7-84% beyond 1e-4 x max|out|, growing with s_kv). The
+test therefore measures both against exact attention (fp64, the dequantized q/k/v): the
+kernel's error is the twin's (mean within 1%, max within 1.5x), its distance from the twin a
+fraction of that error (mean <= 0.3x; measured 0.06-0.2x), lse to 2^-11 (a score's
+accumulator error: measured 2e-4 relative on a causal first row, which sees one key). Cases: B2 H8,
+s_kv 1024 and 4096, head dims 64 and 128, causal and no mask, GQA, bshd and sbhd (strided views:
+the wrapper makes V keys-contiguous), s_q != s_kv; V passed keys-contiguous (as the layer does)
+gives the same bits. The layer: DotProductAttention under fp8_autocast(fp8_dpa=True) picks
+triton_fp8, and its out / grads are within FP8's error of bf16 attention's. Skipped without
+CUDA.
 """
 from __future__ import annotations
 
@@ -18,7 +25,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 CASES = [(1024, 1024, 8, 8, 128, True, "bshd"), (1024, 1024, 8, 2, 128, False, "sbhd"),
-         (1024, 1024, 8, 1, 64, True, "sbhd"), (512, 1024, 8, 8, 64, False, "bshd")]
+         (1024, 1024, 8, 1, 64, True, "sbhd"), (512, 1024, 8, 8, 64, False, "bshd"),
+         (4096, 4096, 8, 8, 128, False, "bshd")]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}".format(
@@ -40,11 +48,27 @@ def test_fp8_kernel_matches_twin_on_cuda(case):
     out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5)
     want, want_lse = R.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5,
                                                block_n=K.fp8_block_n(d, True))
-    torch.testing.assert_close(lse, want_lse, rtol=1e-4, atol=1e-4)
-    err = (out - want).abs()
-    tight = err <= 1e-4 * want.abs().max()
-    assert (~tight).float().mean().item() <= 0.01
-    assert err.max().item() <= 2.0 ** -4 * (v.float() * descale[2]).abs().max().item()
+    torch.testing.assert_close(lse, want_lse, rtol=2 ** -11, atol=2 ** -11)
+    exact = _exact_attention(q, k, v, descale, causal, d ** -0.5)
+    kernel_err, twin_err = (out.double() - exact).abs(), (want.double() - exact).abs()
+    assert kernel_err.mean() <= 1.01 * twin_err.mean()
+    assert kernel_err.max() <= 1.5 * twin_err.max()
+    assert (out - want).abs().mean() <= 0.3 * twin_err.mean()
+    v_keys_contiguous = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+    again, _ = K.flash_attention_fp8_fwd(q, k, v_keys_contiguous, descale, causal, d ** -0.5)
+    assert torch.equal(again, out)
+
+
+def _exact_attention(q8, k8, v8, descale, causal, scale):
+    """fp64 softmax attention of the dequantized E4M3 inputs (bshd, GQA by repetition)."""
+    q, k, v = (x.double() * descale[i].double() for i, x in enumerate((q8, k8, v8)))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
+                          float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
 def test_layer_picks_the_fp8_kernel_and_stays_within_fp8_error():

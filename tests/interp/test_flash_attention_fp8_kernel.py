@@ -106,8 +106,10 @@ def test_dot_product_attention_runs_the_fp8_kernel(fmt, mask):
     def bshd(x):
         return x.transpose(0, 1) if fmt == "sbhd" else x
     plan = F.FP8AttnPlan(r, None, False)
-    q8, k8, v8, descale = F.quantize(plan, bshd(q), bshd(k), bshd(v))
-    want, lse = K.flash_attention_fp8_fwd(q8, k8, v8, descale, mask == "causal", d ** -0.5,
+    q8, k8, v8, descale, v8_t = F.quantize(plan, bshd(q), bshd(k), bshd(v),
+                                           v_keys_contiguous=True)
+    assert v8_t.stride(1) == 1 and torch.equal(v8_t, v8)   # V with the keys contiguous
+    want, lse = K.flash_attention_fp8_fwd(q8, k8, v8_t, descale, mask == "causal", d ** -0.5,
                                           out_dtype=torch.float16)
     assert torch.equal(bshd(out.view(*out.shape[:2], h, d)), want)
     deq = [F.dequantize(x, descale[i], torch.float16) for i, x in enumerate((q8, k8, v8))]

@@ -175,38 +175,50 @@ def record_amaxes(plan: FP8AttnPlan, q, k, v) -> None:
                 cast.amax_into(x, slot)
 
 
-def _rows(x: torch.Tensor):
-    """x as [rows, d] in its memory order (bshd, or the bshd view of sbhd: no copy) and the
-    map of a result of that shape back to x's shape and strides."""
-    d = x.shape[-1]
+def _seq_rows(x: torch.Tensor):
+    """x (bshd, thd, or the bshd view of sbhd memory) as a 2D view whose rows run over the
+    tokens (bshd: [b * s, h * d]; thd: [t, h * d]; sbhd: [s, b * h * d]; no copy where x is one
+    of these), the map of a result of that shape back to x's shape, and (4D) the map of its
+    [cols, rows] transpose to a bshd-shaped, sequence-contiguous view (the FP8 kernel's V)."""
     if x.is_contiguous():
-        return x.view(-1, d), lambda y: y.view(x.shape)
-    t = x.transpose(0, 1)
-    if t.is_contiguous():
-        return t.view(-1, d), lambda y: y.view(t.shape).transpose(0, 1)
-    return x.contiguous().view(-1, d), lambda y: y.view(x.shape)
+        shape = x.shape
+        b, s, h, d = shape if x.dim() == 4 else (1, *shape)
+        return (x.view(-1, h * d), lambda y: y.view(shape),
+                lambda t: t.as_strided((b, s, h, d), (s, 1, d * b * s, b * s)))
+    if x.dim() == 4 and x.transpose(0, 1).is_contiguous():
+        b, s, h, d = x.shape
+        return (x.transpose(0, 1).reshape(s, b * h * d),
+                lambda y: y.view(s, b, h, d).transpose(0, 1),
+                lambda t: t.as_strided((b, s, h, d), (h * d * s, 1, d * s, s)))
+    return _seq_rows(x.contiguous())
 
 
-def quantize(plan: FP8AttnPlan, q, k, v):
-    """-> (q8, k8, v8 E4M3 laid out like q, k, v, descale fp32 [3]). One fused cast per tensor
-    (the GEMMs' cast kernel, or its twin): delayed scaling reads the state's scale and
-    max-records the amax; current scaling measures the amax first."""
-    out, descale = [], []
+def quantize(plan: FP8AttnPlan, q, k, v, v_keys_contiguous: bool = False):
+    """-> (q8, k8, v8 E4M3 shaped like q, k, v (bshd), descale fp32 [3], v8 sequence-
+    contiguous or None). One fused cast per tensor (the GEMMs' cast kernel, or its twin):
+    delayed scaling reads the state's scale and max-records the amax; current scaling measures
+    the amax first. v_keys_contiguous: V's cast also writes its transpose, which is V with the
+    keys contiguous (the FP8 kernel's P @ V operand), in the same pass."""
+    out, descale, v_t = [], [], None
     current = None
     if plan.scales is None:
         current = (float(plan.recipe.amax_epsilon), plan.recipe.power_2_scale)
     with torch.no_grad():
         for i, x in enumerate((q, k, v)):
-            rows, back = _rows(x)
+            rows, back, back_t = _seq_rows(x)
             if current is None:
                 scale, amax = plan.scales.scale_slot(i), plan.scales.amax_slot(i)
             else:
                 scale = amax = None
-            data, _, scale_inv = cast.quantize_2d(rows, E4M3, scale=scale, amax=amax,
-                                                  current=current, pad_rows_to=1)
+            transpose = v_keys_contiguous and i == 2
+            data, data_t, scale_inv = cast.quantize_2d(rows, E4M3, scale=scale, amax=amax,
+                                                       current=current, pad_rows_to=1,
+                                                       write_transpose=transpose)
             out.append(back(data))
             descale.append(scale_inv.reshape(1))
-    return (*out, torch.cat(descale))
+            if transpose:
+                v_t = back_t(data_t)
+    return (*out, torch.cat(descale), v_t)
 
 
 def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -216,6 +228,7 @@ def dequantize(x8: torch.Tensor, descale: torch.Tensor, dtype: torch.dtype) -> t
 class TritonFP8Backend:
     """The Triton flash kernel's FP8 forward; the bf16 Triton flash backward."""
     name = "triton_fp8"
+    keys_contiguous_v = True   # its P @ V reads V with the keys contiguous (quantize's v8_t)
 
     def check(self, q, k, v, a) -> Optional[str]:
         why = B.BACKENDS["triton"].check(q, k, v, a)
@@ -238,6 +251,7 @@ class TritonFP8Backend:
 class TorchFP8Backend:
     """The emulation (ref/attention.py): every mask and format; reference backward."""
     name = "torch_fp8"
+    keys_contiguous_v = False
 
     def check(self, q, k, v, a) -> Optional[str]:
         return None
@@ -294,8 +308,9 @@ class FP8Attention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, args, backend, plan):
-        q8, k8, v8, descale = quantize(plan, q, k, v)
-        out, lse, saved = backend.fwd(q8, k8, v8, descale, args, q.dtype)
+        q8, k8, v8, descale, v8_t = quantize(plan, q, k, v, backend.keys_contiguous_v)
+        out, lse, saved = backend.fwd(q8, k8, v8 if v8_t is None else v8_t, descale, args,
+                                      q.dtype)
         ctx.save_for_backward(q8, k8, v8, descale, saved, lse)
         ctx.args, ctx.backend, ctx.dtype = args, backend, q.dtype
         ctx.mark_non_differentiable(lse)
