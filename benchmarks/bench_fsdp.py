@@ -22,6 +22,9 @@ bytes as tokens), the same batches for every variant. Variants, one run, one aft
                        one all-reduce after each step);
   * tritium-fp8-delayed-ag: the same under fp8_autocast(DelayedScaling) (activation and gradient
                        scales from the amax history), weights gathered as FP8 with delayed scales;
+  * tritium-fp8-delayed-ag-fp8-lm-head: the same with the lm_head GEMMs of the fused loss in FP8
+                       too (convert_llama(fp8_lm_head=True); every other variant, torchao's
+                       included, keeps the lm_head in bf16 as torchtitan does);
   * tritium-fp8-delayed-ag-current-weights: delayed scaling of activations and gradients, the
                        weights gathered with current scales (precomputed after each step);
   * tritium-fp8-params: the decoder layers' GEMM weights are FP8 params (fp8_model_init,
@@ -60,7 +63,8 @@ from harness import finish  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
 VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
-            "tritium-fp8-delayed-ag-current-weights", "tritium-fp8-params", "torchao-float8")
+            "tritium-fp8-delayed-ag-fp8-lm-head", "tritium-fp8-delayed-ag-current-weights",
+            "tritium-fp8-params", "torchao-float8")
 
 
 def _torchao_prepare(model):
@@ -79,6 +83,7 @@ def _setup_variant(name: str, args, device):
     import tritium as te
     from tritium import recipe
     rcp, after, prepare, convert, gather, params = None, None, None, True, None, None
+    lm_head = False
     if args.tp > 1 and name in ("hf-bf16", "torchao-float8"):
         raise ValueError(f"{name} runs HF's own layers, which are not tensor-parallel here: "
                          "it is a 1D (--tp 1) peer")
@@ -88,6 +93,9 @@ def _setup_variant(name: str, args, device):
         rcp = gather = recipe.Float8CurrentScaling()
     elif name == "tritium-fp8-delayed-ag":
         rcp = gather = recipe.DelayedScaling()
+    elif name == "tritium-fp8-delayed-ag-fp8-lm-head":
+        rcp = gather = recipe.DelayedScaling()
+        lm_head = True
     elif name == "tritium-fp8-delayed-ag-current-weights":
         rcp, gather = recipe.DelayedScaling(), recipe.Float8CurrentScaling()
     elif name == "tritium-fp8-params":
@@ -96,7 +104,7 @@ def _setup_variant(name: str, args, device):
         convert, prepare = False, _torchao_prepare
     model, _ = T.build(args.config, device, fp8_all_gather=gather, recompute=args.recompute,
                        convert=convert, prepare=prepare, seed=args.seed, mesh=args.mesh,
-                       fp8_params=params)
+                       fp8_params=params, fp8_lm_head=lm_head)
     if name == "torchao-float8":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
         after = lambda: precompute_float8_dynamic_scale_for_fsdp(model)  # noqa: E731

@@ -125,11 +125,13 @@ def _init_weights(model, config, device, seed: int, mesh) -> None:
 
 def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None,
           recompute: bool = False, convert: bool = True, prepare=None, seed: int = 0,
-          mesh=None, fp8_params=None):
+          mesh=None, fp8_params=None, fp8_lm_head: bool = False):
     """The sharded, materialized model (see the module note). fp8_all_gather: None or the recipe
     the gathered weights are cast with. fp8_params: None or the recipe (DelayedScaling) the
     decoder layers' GEMM weights are made FP8 params under (fp8_model_init; FSDP2 then gathers
-    their fp8 bytes and each rank initializes its shards in place). convert=False keeps HF's own layers and `prepare(model)`
+    their fp8 bytes and each rank initializes its shards in place). fp8_lm_head: the converted
+    model's fused lm_head + cross-entropy runs its GEMMs in FP8 under fp8_autocast
+    (`convert_llama(fp8_lm_head=True)`). convert=False keeps HF's own layers and `prepare(model)`
     runs on the meta model before sharding (the bf16 and torchao baselines of the benchmark).
     mesh: from make_mesh (default: 1D over every rank); with a "tp" dim the decoder layers are
     tensor- and sequence-parallel over it and FSDP2 shards over "dp"."""
@@ -150,7 +152,8 @@ def build(config_name: str, device, *, dtype=torch.bfloat16, fp8_all_gather=None
     if convert:
         import tritium as te
         with te.fp8_model_init(enabled=fp8_params is not None, recipe=fp8_params):
-            convert_llama(model, tp_group=tp, sequence_parallel=tp is not None)
+            convert_llama(model, tp_group=tp, sequence_parallel=tp is not None,
+                          fp8_lm_head=fp8_lm_head)
     else:   # every variant's loss is the same fused lm_head + cross-entropy (no fp32 logits)
         fuse_cross_entropy(model)
     if fp8_all_gather is not None:
