@@ -59,7 +59,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from harness import finish  # noqa: E402
+from harness import finish, kernel_summary  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
 VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
@@ -166,22 +166,9 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
         wall = (time.perf_counter() - t0) * 1e3 / steps
     if dist.get_rank() != 0:
         return
-    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
-              and not getattr(ev, "is_user_annotation", False)]
-    kernels, spans = {}, []
-    for ev in events:
-        kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
-        if "nccl" not in ev.name.lower():
-            spans.append((ev.time_range.start, ev.time_range.end))
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(spans):   # union of compute-kernel intervals
-        if b > end:
-            busy += b - max(a, end)
-            end = b
-    nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
+    busy, nccl, ranked = kernel_summary(prof, steps, top)
     print(f"{name}: wall {wall:.1f} ms/step (profiled); compute kernels busy "
-          f"{busy / 1e3 / steps:.1f} ms/step; NCCL kernels {nccl:.1f} ms/step")
-    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+          f"{busy:.1f} ms/step; NCCL kernels {nccl:.1f} ms/step")
     for k, ms in ranked:
         print(f"  {ms:8.2f} ms  {k[:120]}")
     if args.profile_stacks:

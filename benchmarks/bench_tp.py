@@ -13,6 +13,7 @@ collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S /
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py          # 2 GPUs, NCCL; JSON via harness
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --tiny   # CPU dry run on gloo (tiny
     python benchmarks/bench_tp.py --tiny                        # shapes; prints, writes nothing)
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + each variant's kernels
 Without torchrun it spawns the 2 processes itself.
 """
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, print_table  # noqa: E402
+from harness import finish, kernel_summary, print_table  # noqa: E402
 
 FULL = dict(B=2, S=4096, H=4096, HEADS=32, GROUPS=8, FFN=14336, warmup=3, iters=10)
 TINY = dict(B=2, S=32, H=64, HEADS=4, GROUPS=2, FFN=128, warmup=1, iters=2)
@@ -60,7 +61,7 @@ def _step_times(step, cfg, cuda: bool) -> list[float]:
     return times
 
 
-def run(rank: int, world: int, tiny: bool) -> None:
+def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
     import tritium as te
     from tritium import recipe
     cfg = TINY if tiny else FULL
@@ -113,6 +114,8 @@ def run(rank: int, world: int, tiny: bool) -> None:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
+        if profile and cuda:
+            _profile(name, step, cfg, rank)
     if rank == 0:
         if tiny:  # finish() would write a result file: the dry run only prints
             base = rows[0].get("ms")
@@ -125,15 +128,35 @@ def run(rank: int, world: int, tiny: bool) -> None:
     dist.barrier(group=group)
 
 
+def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
+    """`iters` steps of a variant under torch.profiler (both ranks run them; rank 0 prints):
+    wall per step, compute-busy time, NCCL kernel time and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(cfg["iters"]):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / cfg["iters"]
+    if rank != 0:
+        return
+    busy, nccl, ranked = kernel_summary(prof, cfg["iters"], top)
+    print(f"{name}: wall {wall:.2f} ms/step (profiled); compute kernels busy {busy:.2f} "
+          f"ms/step; NCCL kernels {nccl:.2f} ms/step", flush=True)
+    for k, ms in ranked:
+        print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
+
+
 def _spawned(rank: int, world: int, port: int, tiny: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _main_in_group(rank, world, tiny)
 
 
-def _main_in_group(rank: int, world: int, tiny: bool) -> None:
+def _main_in_group(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
     dist.init_process_group("gloo" if tiny else "nccl", rank=rank, world_size=world)
     try:
-        run(rank, world, tiny)
+        run(rank, world, tiny, profile)
     finally:
         dist.destroy_process_group()
 
@@ -142,12 +165,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tiny", action="store_true",
                     help="tiny shapes on CPU over gloo: checks the script, times nothing real")
+    ap.add_argument("--profile", action="store_true",
+                    help="after timing each variant, profile it (rank 0 prints its kernels)")
     args = ap.parse_args()
     if not args.tiny and torch.cuda.device_count() < 2:
         print("bench_tp needs 2 GPUs (or --tiny for a CPU dry run)")
         return
     if "RANK" in os.environ:  # under torchrun
-        _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.tiny)
+        _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.tiny,
+                       args.profile)
         return
     mp.spawn(_spawned, args=(2, _free_port(), args.tiny), nprocs=2, join=True)
 

@@ -100,6 +100,27 @@ def cuda_profile(fn, iters: int):
     return prof
 
 
+def kernel_summary(prof, steps: int, top: int = 25):
+    """From a torch.profiler run over `steps` steps -> (compute_busy_ms, nccl_ms, [(kernel,
+    ms)] the `top` kernels), all per step. compute_busy is the union of the non-NCCL kernels'
+    intervals: the rest of the wall is exposed communication or host time."""
+    events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(ev, "is_user_annotation", False)]
+    kernels, spans = {}, []
+    for ev in events:
+        kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
+        if "nccl" not in ev.name.lower():
+            spans.append((ev.time_range.start, ev.time_range.end))
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    return busy / 1e3 / steps, nccl, ranked
+
+
 def gpu_ms(fn, iters: int = 20) -> float:
     """Device time of one call of fn: the kernels' (and memsets'/copies') own time from
     torch.profiler, summed and divided by iters. Host time is not in it, so next to time_ms it
