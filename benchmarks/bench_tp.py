@@ -130,7 +130,9 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
 
 def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
     """`iters` steps of a variant under torch.profiler (both ranks run them; rank 0 prints):
-    wall per step, compute-busy time, NCCL kernel time and the top kernels."""
+    wall per step, compute-busy time, NCCL kernel time, each rank's host time per step and the
+    top kernels. host >= wall: the step is bound by the host, and the collectives absorb the
+    ranks' host jitter (long NCCL kernels are then waits, not transfers)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -139,11 +141,24 @@ def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
             step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / cfg["iters"]
+    # host time: one step enqueued while the GPU is held busy (its kernels queue behind the
+    # sleep), so it times the Python and the launches alone; "waited": a sync inside the step
+    torch.cuda._sleep(int(2e7 * wall))
+    held = torch.cuda.Event()
+    held.record()
+    t0 = time.perf_counter()
+    step()
+    host = (time.perf_counter() - t0) * 1e3
+    waited = held.query()
+    torch.cuda.synchronize()
+    hosts = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, (round(host, 2), waited))
     if rank != 0:
         return
     busy, nccl, ranked = kernel_summary(prof, cfg["iters"], top)
     print(f"{name}: wall {wall:.2f} ms/step (profiled); compute kernels busy {busy:.2f} "
-          f"ms/step; NCCL kernels {nccl:.2f} ms/step", flush=True)
+          f"ms/step; NCCL kernels {nccl:.2f} ms/step; host ms/step by rank (waited for the "
+          f"device: a sync) {hosts}", flush=True)
     for k, ms in ranked:
         print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
 
