@@ -5,7 +5,11 @@ causal, RoPE, sbhd, B2 x S4096; each rank holds S/2 rows of the input and half t
 the ffn. Variants (one run, same layer weights): "bf16 tp2 sp" (the baseline: the layer in
 bf16), "fp8 delayed tp2 sp" (fp8_autocast, DelayedScaling HYBRID, history 16, "max", amaxes
 reduced over the TP group: the column GEMMs' inputs all-gathered in FP8) and "fp8 current tp2
-sp" (Float8CurrentScaling). Target (issue 18): fp8 delayed >= 1.4x bf16.
+sp" (Float8CurrentScaling); "bf16 tp2 sp graphed" and "fp8 delayed tp2 sp graphed": the same
+layer (built again with the same weights) through te.make_graphed_callables, its collectives
+captured with the kernels, one replay per forward and per backward (the eager step is bound by
+the host at this size: ~8 ms of Python per FP8 step on an H200 host). Target (issue 18): fp8
+delayed >= 1.4x bf16.
 Timing: a fixed number of fwd+bwd steps on every rank (both ranks must run the same
 collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S / step time
 (the two GPUs together). Peak memory per GPU (max over ranks).
@@ -74,29 +78,39 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
     b, s, h, d = cfg["B"], cfg["S"], cfg["H"], cfg["H"] // cfg["HEADS"]
     tracker = te.CudaRNGStatesTracker()
     tracker.add("model-parallel-rng", 1234 + rank)
-    torch.manual_seed(0)
-    layer = te.TransformerLayer(
-        h, cfg["FFN"], cfg["HEADS"], num_gqa_groups=cfg["GROUPS"], hidden_dropout=0.0,
-        attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", bias=False,
-        fuse_qkv_params=True, qkv_weight_interleaved=False, attn_input_format="sbhd",
-        tp_group=group, sequence_parallel=True, set_parallel_mode=True,
-        get_rng_state_tracker=lambda: tracker, params_dtype=dtype, device=dev)
+
+    def new_layer():   # the same weights every time (the bench's seed)
+        torch.manual_seed(0)
+        return te.TransformerLayer(
+            h, cfg["FFN"], cfg["HEADS"], num_gqa_groups=cfg["GROUPS"], hidden_dropout=0.0,
+            attention_dropout=0.0, normalization="RMSNorm", activation="swiglu", bias=False,
+            fuse_qkv_params=True, qkv_weight_interleaved=False, attn_input_format="sbhd",
+            tp_group=group, sequence_parallel=True, set_parallel_mode=True,
+            get_rng_state_tracker=lambda: tracker, params_dtype=dtype, device=dev)
+    layer = new_layer()
     freqs = te.RotaryPositionEmbedding(d)(s).to(dev)
     x = torch.randn(s // world, b, h, device=dev, dtype=dtype, requires_grad=True)
     dy = torch.randn(s // world, b, h, device=dev, dtype=dtype)
     delayed = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
                                     amax_compute_algo="max")
-    variants = [("bf16 tp2 sp", None), ("fp8 delayed tp2 sp", delayed),
-                ("fp8 current tp2 sp", recipe.Float8CurrentScaling())]
+    variants = [("bf16 tp2 sp", None, False), ("fp8 delayed tp2 sp", delayed, False),
+                ("fp8 current tp2 sp", recipe.Float8CurrentScaling(), False),
+                ("bf16 tp2 sp graphed", None, True), ("fp8 delayed tp2 sp graphed", delayed, True)]
     case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp"
     rows = []
-    for name, rcp in variants:
+    for name, rcp, graphed in variants:
+        run = layer
+        if graphed:   # its own layer: make_graphed_callables replaces the module's forward
+            fp8 = {} if rcp is None else dict(fp8_enabled=True, fp8_recipe=rcp, fp8_group=group)
+            run = te.make_graphed_callables(new_layer(), (x,),
+                                            sample_kwargs={"rotary_pos_emb": freqs}, **fp8)
+
         def step():
             x.grad = None
-            for p in layer.parameters():
+            for p in run.parameters():
                 p.grad = None
             with te.fp8_autocast(enabled=rcp is not None, fp8_recipe=rcp, fp8_group=group):
-                out = layer(x, rotary_pos_emb=freqs)
+                out = run(x, rotary_pos_emb=freqs)
             out.backward(dy)
         row = {"case": case, "variant": name}
         try:
