@@ -138,6 +138,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         g = len(weights)
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = any(ctx.needs_input_grad[5:]) or bool(main_grad)
+        if plan is not None and not plan.grad:  # no backward follows (FP8Plan.grad)
+            need_dgrad = need_wgrad = False
         fp8 = plan is not None and plan.compute_in_fp8
         offsets = ref_grouped.make_offsets(m_splits, inp.device)
         if fp8:

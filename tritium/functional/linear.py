@@ -25,7 +25,8 @@ updates before backward; the measured amax under current scaling), from which ba
 w8^T again just before dgrad: the forward's bits, no amax recorded. A weight FSDP2 gathered as
 FP8 keeps no w8^T either: the forward hands backward the Float8Tensor's `transpose_data` in the
 w8^T slot (a callable, as a WeightRecast is), which makes w8^T in FSDP2's buffer when dgrad asks
-(the lazy transpose, fp8/tensor.py).
+(the lazy transpose, fp8/tensor.py). A forward without grad (FP8Plan.grad False: a reentrant
+recompute's first forward, evaluation) makes neither x8^T nor w8^T.
 
 Float8Tensor operands (the fused norm / activation casts, see `tritium.functional.fused_cast`):
 an FP8 input of the forward's fp8 dtype is used as it is (its padded data and transpose), and an
@@ -136,6 +137,10 @@ class FP8Plan:
     # The weight's fp8 operands (w8, w8^T, scale_inv), cast already with another GEMM's weight
     # in one launch (`cast_weights_together`): used as they are, no cast here.
     weight_ready: Optional[tuple] = None
+    # False: the call runs without grad (a reentrant recompute's first forward, evaluation), so
+    # no backward follows: the forward makes none of the transposes that only backward reads
+    # (ctx.needs_input_grad says True there for a weight that requires grad).
+    grad: bool = True
 
     def frozen(self) -> "FP8Plan":
         """This plan with its forward scales fixed now and no amax recording (for recompute)."""
@@ -422,6 +427,8 @@ class _LinearFunction(torch.autograd.Function):
                           else None)
         gather = column.group if column is not None and column.sequence_parallel else None
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
+        if plan is not None and not plan.grad:  # no backward follows (FP8Plan.grad)
+            need_dgrad = need_wgrad = False
         fp8 = plan is not None and plan.compute_in_fp8
         fwd_dtype = plan.recipe.fp8_format.forward_dtype if fp8 else None
         if isinstance(inp, Float8Tensor) and not (fp8 and inp._fp8_dtype == fwd_dtype):
