@@ -459,8 +459,11 @@ class _LinearFunction(torch.autograd.Function):
                 # the weight's version), or an FSDP2-gathered weight's lazy transpose
                 recast = w8_t if isinstance(w8_t, WeightRecast) else None
                 ctx.recast = None if recast is None else (recast.fp8_dtype, recast.current)
-                parts = ((recast.weight, recast.scale, recast.amax) if recast is not None
-                         else (weight,) if callable(w8_t) else ())
+                parts = ()
+                if recast is not None:
+                    parts = (recast.weight, recast.scale, recast.amax)
+                elif callable(w8_t):  # Float8Tensor.transpose_data: the weight is saved
+                    parts = (weight,)
                 ctx.save_for_backward(x8_t, x_si, None if callable(w8_t) else w8_t, w_si, *parts)
                 ctx.fp8_operands = None
             else:
