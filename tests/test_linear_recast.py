@@ -13,7 +13,8 @@ casts it again from the Parameter with the forward's scale. Checked here:
     transpose's bytes per GEMM, less the 4-byte scale (or amax) kept to cast it again;
   * a cache (is_first_microbatch True / False), FP8 params and parameters_split's concatenated
     weight keep w8^T and never cast again;
-  * a weight changed in place between forward and backward raises, naming the fix.
+  * a weight changed in place between forward and backward raises, naming the fix;
+  * a forward without grad writes no transpose at all, with the same output bits.
 """
 from __future__ import annotations
 
@@ -218,6 +219,37 @@ def test_caches_fp8_params_and_split_weights_keep_the_transpose(monkeypatch, rec
         out.float().sum().backward()
         assert xi.grad.abs().max() > 0
     assert calls == []
+
+
+@pytest.mark.parametrize("recipe_name", list(RECIPES))
+def test_no_grad_forward_writes_no_transposes(monkeypatch, recipe_name):
+    """A forward without grad (a reentrant recompute's first forward, evaluation) writes none of
+    the fp8 transposes that only backward reads, though ctx.needs_input_grad says True there for
+    a weight that requires grad (FP8Plan.grad), and gives the bits a forward with grad gives."""
+    from tritium.ref import cast as ref_cast
+    asked = []
+    real_cast, real_transpose = ref_cast.cast_transpose, ref_cast.transpose_fp8
+
+    def cast(*args, **kwargs):
+        asked.append(kwargs.get("write_transpose", False))
+        return real_cast(*args, **kwargs)
+
+    def transpose(data, out=None):
+        asked.append(True)
+        return real_transpose(data, out)
+    monkeypatch.setattr(ref_cast, "cast_transpose", cast)
+    monkeypatch.setattr(ref_cast, "transpose_fp8", transpose)
+    for kind, build in BUILD.items():
+        module = build()
+        twin = copy.deepcopy(module)
+        x = torch.randn(T, _dims(module)[0], dtype=torch.bfloat16)
+        with torch.no_grad(), te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()):
+            out = module(x)
+        assert asked and not any(asked), (kind, asked)
+        with te.fp8_autocast(fp8_recipe=RECIPES[recipe_name]()):
+            ref = twin(x.clone().requires_grad_())
+        assert torch.equal(out, ref), kind
+        asked.clear()
 
 
 def test_weight_changed_between_forward_and_backward_raises():

@@ -57,7 +57,6 @@ from torch.distributed.tensor import DTensor
 
 from ..attention import fp8 as attn_fp8
 from ..fp8.block_tensor import Float8BlockTensor, checkpoint_layout
-from ..fp8.cast import transpose_fp8
 from ..fp8.recipe import DelayedScaling
 from ..fp8.tensor import Float8Tensor
 from .amax import reduce_amax_rows
@@ -206,9 +205,7 @@ def set_state_dict(model: torch.nn.Module, optimizers, state_dict: dict, *,
         value = model_sd.get(name)
         if isinstance(local, Float8Tensor) and isinstance(value, torch.Tensor):
             v = value._local_tensor if isinstance(value, DTensor) else value
-            local.copy_(v)
-            if local._transpose is not None:
-                transpose_fp8(local._data.reshape(-1, local._data.shape[-1]), out=local._transpose)
+            local.copy_(v)   # its transpose follows (Float8Tensor.data_written)
         elif isinstance(local, Float8BlockTensor) and isinstance(value, torch.Tensor):
             local.load_checkpoint_(_local(value), {n: _local(t) for n, t in blocks[name].items()})
 

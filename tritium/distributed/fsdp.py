@@ -11,8 +11,15 @@ the local shards (tritium/optimizers/_dtensor.py). What travels depends on the w
     becomes an `FP8AllGatherWeight`, a wrapper tensor subclass around the bf16/fp32 weight
     whose `fsdp_pre_all_gather` casts the local shard to FP8 with the weight's one scale, so
     the gather moves 1 byte per element; `fsdp_post_all_gather` (shared with Float8Tensor)
-    builds the unsharded Float8Tensor and its transpose. The module then runs its FP8 GEMMs on
-    it without a cast. Optimizer, gradients and checkpoints see the plain high-precision shard.
+    builds the unsharded Float8Tensor. The module then runs its FP8 GEMMs on it without a
+    cast. Optimizer, gradients and checkpoints see the plain high-precision shard.
+
+The gathered weight's fp8 transpose (dgrad's w8^T) is lazy, for both kinds of FP8 gather: each
+gather only marks it stale, and the first reader after the gather (the Linear's backward, which
+gets `transpose_data` in the w8^T slot instead of a tensor) makes it, in the buffer FSDP2 frees
+at reshard and allocates again for the next gather. So a weight gathered twice a step (for the
+forward, then for backward after reshard_after_forward, or for a recompute) is transposed once,
+and a no-grad forward transposes nothing. The rule and its readers: fp8/tensor.py's note.
 
 One scale per weight across shards:
   * DelayedScaling: the module's own weight scale (its delayed-scaling state, equal on every

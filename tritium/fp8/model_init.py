@@ -12,7 +12,8 @@ How a weight param is tied to its module (the contract the optimizer relies on):
                 state: read it, never write it); forward scales update at autocast exit as usual.
   * `p._amax`   row 0 of that slot's amax history: whoever writes new fp8 data (the optimizer)
                 max-accumulates the new values' amax there, so the next update sees it.
-  * `p._transpose` the fp8 transpose (dgrad needs it), refreshed by whoever writes `_data`.
+  * `p._transpose` the fp8 transpose (dgrad needs it): whoever writes `_data` calls
+                `p.data_written()` (refreshes it), readers call `p.transpose_data()`.
   * `p._scale_inv` written with the data as the exactly rounded 1/scale.
 
 Decisions where TE is silent or differs:

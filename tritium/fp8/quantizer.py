@@ -30,7 +30,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..ref.cast import current_scale
-from .cast import amax_into, cast_transpose, transpose_fp8
+from .cast import amax_into, cast_transpose
 from .formats import DType, fp8_dtype_arg
 from .quantized_tensor import QuantizedTensor
 from .tensor import Float8Tensor
@@ -99,8 +99,7 @@ class Quantizer:
         dst._scale_inv.copy_(scale_inv)
         if dst._scale is not None and dst._scale is not self.scale:
             dst._scale.copy_(self.scale)
-        if dst._transpose is not None:
-            transpose_fp8(dst._data.reshape(-1, dst._data.shape[-1]), out=dst._transpose)
+        dst.data_written()
         return dst
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32,

@@ -18,12 +18,25 @@ FSDP2 (`torch.distributed.fsdp.fully_shard`): a Float8Tensor param is sharded as
 and gathered as FP8 bytes through FSDP2's tensor-subclass extension points:
 `fsdp_pre_all_gather` hands FSDP the shard's fp8 data as uint8 (gloo takes no fp8 dtypes; the
 bytes are what NCCL moves either way), padded to FSDP's padded shard rows where the shard is
-short; `fsdp_post_all_gather` views the gathered bytes as fp8, drops the padding rows, makes the
-transpose that dgrad needs from the gathered data (it is never sent) and reuses the shard's
-scale_inv. All shards were written with the same scale (the owning module's delayed scale, equal
-on every rank because the amax reduction covers the shard group), so one scale_inv describes the
-whole weight. The unsharded tensor's nominal dtype is FSDP's param_dtype (MixedPrecisionPolicy),
-so its GEMM outputs come out in the dtype the inputs are cast to.
+short; `fsdp_post_all_gather` views the gathered bytes as fp8, drops the padding rows, gives the
+unsharded tensor a buffer for the transpose that dgrad needs (it is never sent) and reuses the
+shard's scale_inv. All shards were written with the same scale (the owning module's delayed
+scale, equal on every rank because the amax reduction covers the shard group), so one scale_inv
+describes the whole weight. The unsharded tensor's nominal dtype is FSDP's param_dtype
+(MixedPrecisionPolicy), so its GEMM outputs come out in the dtype the inputs are cast to.
+
+The transpose of a gathered tensor is lazy. FSDP2 gathers each weight more than once a step (the
+forward, then again in backward after reshard_after_forward or for a recompute) and only
+backward's dgrad reads w8^T, so a gather marks the transpose stale (no kernel) and its first
+reader makes it, into the same buffer: the one returned to FSDP2, which frees its storage at
+reshard and allocates it again before the next gather (`out=`). The rule: every reader of
+`_transpose` goes through `transpose_data()` (refreshes a stale one), and whatever writes
+`_data` in place calls `data_written()` (the transpose made again now, or for a gathered tensor
+marked stale). The stale flag lives on the buffer, so every wrapper of the gathered data
+(FSDP2's unsharded param, its detached aliases) sees it. A Linear's forward asks a gathered
+weight for no transpose: it hands backward `transpose_data` itself (functional/linear.py), so a
+no-grad forward makes none and a recomputed step makes one per weight. Tensors not gathered keep
+eager transposes.
 
 Checkpoints: the class is registered with `torch.serialization.add_safe_globals`, so a state
 dict holding Float8Tensors (FP8 params from fp8_model_init) loads with
@@ -32,6 +45,7 @@ tensors and dtypes only.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -92,6 +106,31 @@ class Float8Tensor(QuantizedTensor):
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         return _dequantize(self._data, self._scale_inv, dtype or self.dtype)
 
+    def transpose_data(self) -> Optional[torch.Tensor]:
+        """The fp8 transpose [K, N] of the 2D data, None where none is kept. A stale one (an
+        FSDP2 gather wrote new data since it was made) is made now, into its own buffer."""
+        t = self._transpose
+        if t is not None and getattr(t, "_stale", False):
+            transpose_fp8(self._data.reshape(-1, self._data.shape[-1]), out=t)
+            t._stale = False
+        return t
+
+    @property
+    def lazy_transpose(self) -> bool:
+        """True for an FSDP2-gathered tensor: its transpose is made by its first reader."""
+        return self._transpose is not None and hasattr(self._transpose, "_stale")
+
+    def data_written(self) -> None:
+        """After `_data` was written in place: the kept transpose follows it (made again now;
+        a gathered tensor's is marked stale, made by its next reader)."""
+        t = self._transpose
+        if t is None:
+            return
+        if hasattr(t, "_stale"):
+            t._stale = True
+        else:
+            transpose_fp8(self._data.reshape(-1, self._data.shape[-1]), out=t)
+
     def update_usage(self, rowwise_usage: Optional[bool] = None,
                      columnwise_usage: Optional[bool] = None) -> None:
         """TE's usage switch: columnwise = the fp8 transpose (made from the data, or dropped).
@@ -113,8 +152,11 @@ class Float8Tensor(QuantizedTensor):
             return f"{head}, shape={tuple(self.shape)})"
 
     def __tensor_flatten__(self):
-        names = ["_data", "_scale_inv"] + [n for n in ("_transpose", "_scale")
-                                           if getattr(self, n) is not None]
+        names = ["_data", "_scale_inv"]
+        if self._transpose is not None and not getattr(self._transpose, "_stale", False):
+            names.append("_transpose")  # a stale one is left out: never read in its place
+        if self._scale is not None:
+            names.append("_scale")
         return names, {"fp8_dtype": self._fp8_dtype, "dtype": self.dtype}
 
     @staticmethod
@@ -165,8 +207,8 @@ class Float8Tensor(QuantizedTensor):
         if func in (aten.detach.default, aten.alias.default):
             return args[0]._same_meta(args[0]._data, args[0]._transpose)
         if func is aten.clone.default:
-            t = args[0]
-            return t._same_meta(t._data.clone(), None if t._transpose is None else t._transpose.clone())
+            t, data_t = args[0], args[0].transpose_data()
+            return t._same_meta(t._data.clone(), None if data_t is None else data_t.clone())
         if func in (aten.view.default, aten._unsafe_view.default, aten.reshape.default):
             return args[0]._same_meta(args[0]._data.view(args[1]))
         if func in _DIM0_OPS and _on_dim0(func, args, kwargs):
@@ -219,8 +261,7 @@ class Float8Tensor(QuantizedTensor):
                                                 dst._fp8_dtype)
             dst._data.copy_(data.view(dst._data.shape))
             dst._scale_inv.copy_(scale_inv)
-        if dst._transpose is not None:
-            transpose_fp8(dst._data.reshape(-1, dst._data.shape[-1]), out=dst._transpose)
+        dst.data_written()
         return dst
 
 
@@ -259,18 +300,21 @@ def fp8_from_all_gather(all_gather_outputs, metadata, fp8_dtype, nominal_dtype, 
                         amax=None, out=None):
     """FSDP2's post-all-gather step for FP8 bytes (shared by Float8Tensor params and
     tritium.distributed.fsdp's high-precision weights cast before the gather): view the bytes as
-    fp8, drop FSDP's padding rows, make the transpose from the gathered data. With `out` (every
-    gather after the first) FSDP has re-allocated the buffers returned the first time: refill."""
+    fp8, drop FSDP's padding rows, allocate the transpose's buffer, stale (the module note: made
+    by its first reader). With `out` (every gather after the first) FSDP has re-allocated the
+    buffers returned the first time and gathered into them: the transpose is stale again."""
     (gathered,), (rows, scale_inv) = all_gather_outputs, metadata
     data = gathered.view(fp8_dtype)
     if rows is not None and data.shape[0] != rows:
         data = data[:rows]
     if out is not None:
-        if out._transpose is not None:
-            transpose_fp8(out._data.reshape(-1, out._data.shape[-1]), out=out._transpose)
+        out.data_written()
         out._scale_inv.copy_(scale_inv)
         return None
-    transpose = transpose_fp8(data.reshape(-1, data.shape[-1])) if data.dim() >= 2 else None
+    transpose = None
+    if data.dim() >= 2:
+        transpose = data.new_empty(data.shape[-1], math.prod(data.shape[:-1]))
+        transpose._stale = True
     full = Float8Tensor(data, scale_inv.clone(), fp8_dtype, nominal_dtype, transpose, scale)
     if amax is not None:
         full._amax = amax

@@ -184,6 +184,8 @@ class _BlockLinearFunction(torch.autograd.Function):
         x2d = inp.reshape(-1, shape[-1])
         tokens = x2d.shape[0]
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
+        if not plan.grad:  # no backward follows (FP8Plan.grad)
+            need_dgrad = need_wgrad = False
         xq = block_operand(inp)
         if xq is None:
             xq = scheme.quantize(_pad16(x2d), scheme.x_q, scheme.fwd_dtype, rowwise=True,

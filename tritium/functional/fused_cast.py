@@ -229,7 +229,7 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
         data = d2 if tp == tokens else torch.cat([d2, d2.new_zeros(tp - tokens, k)])
     data_t = None
     if need_transpose:
-        data_t = t._transpose
+        data_t = t.transpose_data()
         if data_t is None or tuple(data_t.shape) != (k, tp):
             data_t = transpose_fp8(data)
     return data, data_t, t._scale_inv

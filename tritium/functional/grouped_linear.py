@@ -100,9 +100,9 @@ def _weight_operands(plan: FP8Plan, weights, need_transpose: bool):
     if isinstance(weights[0], Float8Tensor):  # FP8 params (fp8_model_init): no cast
         w8 = torch.stack([w._data for w in weights])
         w8_t = None
-        if need_transpose:
-            w8_t = torch.stack([w._transpose if w._transpose is not None else w._data.t()
-                                for w in weights])
+        if need_transpose:  # the stack copies: a gathered weight's lazy transpose is not made
+            w8_t = torch.stack([w._data.t() if w.lazy_transpose or w._transpose is None
+                                else w.transpose_data() for w in weights])
         return w8, w8_t, torch.cat([w._scale_inv.reshape(1) for w in weights])
     fp8_dtype = plan.recipe.fp8_format.forward_dtype
     cache = plan.weight_cache
@@ -138,6 +138,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         g = len(weights)
         need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = any(ctx.needs_input_grad[5:]) or bool(main_grad)
+        if plan is not None and not plan.grad:  # no backward follows (FP8Plan.grad)
+            need_dgrad = need_wgrad = False
         fp8 = plan is not None and plan.compute_in_fp8
         offsets = ref_grouped.make_offsets(m_splits, inp.device)
         if fp8:

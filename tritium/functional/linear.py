@@ -18,11 +18,15 @@ recording a new weight amax. Without FP8 (and without calibration or main_grad) 
 plain `F.linear`, so parity with `nn.Linear` is exact.
 
 What the forward keeps for backward: x8^T, and for dgrad the weight's fp8 transpose w8^T only
-where it exists anyway (a weight cache, an FP8 param, an FSDP2 FP8 gather) or the weight is no
-Parameter (rule and cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps
-a `WeightRecast`: the Parameter and what fixes its cast's scale (a copy of the delayed scale,
-which autocast exit updates before backward; the measured amax under current scaling), from
-which backward casts w8^T again just before dgrad: the forward's bits, no amax recorded.
+where it exists anyway (a weight cache, an FP8 param) or the weight is no Parameter (rule and
+cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps a `WeightRecast`:
+the Parameter and what fixes its cast's scale (a copy of the delayed scale, which autocast exit
+updates before backward; the measured amax under current scaling), from which backward casts
+w8^T again just before dgrad: the forward's bits, no amax recorded. A weight FSDP2 gathered as
+FP8 keeps no w8^T either: the forward hands backward the Float8Tensor's `transpose_data` in the
+w8^T slot (a callable, as a WeightRecast is), which makes w8^T in FSDP2's buffer when dgrad asks
+(the lazy transpose, fp8/tensor.py). A forward without grad (FP8Plan.grad False: a reentrant
+recompute's first forward, evaluation) makes neither x8^T nor w8^T.
 
 Float8Tensor operands (the fused norm / activation casts, see `tritium.functional.fused_cast`):
 an FP8 input of the forward's fp8 dtype is used as it is (its padded data and transpose), and an
@@ -133,6 +137,10 @@ class FP8Plan:
     # The weight's fp8 operands (w8, w8^T, scale_inv), cast already with another GEMM's weight
     # in one launch (`cast_weights_together`): used as they are, no cast here.
     weight_ready: Optional[tuple] = None
+    # False: the call runs without grad (a reentrant recompute's first forward, evaluation), so
+    # no backward follows: the forward makes none of the transposes that only backward reads
+    # (ctx.needs_input_grad says True there for a weight that requires grad).
+    grad: bool = True
 
     def frozen(self) -> "FP8Plan":
         """This plan with its forward scales fixed now and no amax recording (for recompute)."""
@@ -209,11 +217,14 @@ class FP8Plan:
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if self.weight_ready is not None:
             return self.weight_ready
-        if isinstance(weight, Float8Tensor):  # an FP8 param (fp8_model_init): no cast at all
-            w8 = weight._data
-            w8_t = weight._transpose
-            if need_transpose and w8_t is None:
-                w8_t = transpose_fp8(w8)
+        if isinstance(weight, Float8Tensor):  # an FP8 param or an FSDP2 FP8 gather: no cast
+            w8, w8_t = weight._data, None
+            if need_transpose and weight.lazy_transpose:
+                # an FSDP2 gather's: made when backward asks, in FSDP2's buffer (fp8/tensor.py)
+                w8_t = weight.transpose_data
+            elif need_transpose:
+                w8_t = weight.transpose_data()
+                w8_t = transpose_fp8(w8) if w8_t is None else w8_t
             return w8, w8_t, weight._scale_inv
         cache, first = self.weight_cache, self.is_first_microbatch
         fp8_dtype = self.recipe.fp8_format.forward_dtype
@@ -416,6 +427,8 @@ class _LinearFunction(torch.autograd.Function):
                           else None)
         gather = column.group if column is not None and column.sequence_parallel else None
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
+        if plan is not None and not plan.grad:  # no backward follows (FP8Plan.grad)
+            need_dgrad = need_wgrad = False
         fp8 = plan is not None and plan.compute_in_fp8
         fwd_dtype = plan.recipe.fp8_format.forward_dtype if fp8 else None
         if isinstance(inp, Float8Tensor) and not (fp8 and inp._fp8_dtype == fwd_dtype):
@@ -442,11 +455,16 @@ class _LinearFunction(torch.autograd.Function):
             # recompute them: attributes would stay alive the whole forward).
             ctx.fp8_saved = torch.compiler.is_compiling() or recompute.drops_saved_tensors()
             if ctx.fp8_saved:
-                # a WeightRecast: its tensors saved (autograd checks the weight's version)
+                # a w8^T made in backward, from saved tensors: a WeightRecast's (autograd checks
+                # the weight's version), or an FSDP2-gathered weight's lazy transpose
                 recast = w8_t if isinstance(w8_t, WeightRecast) else None
                 ctx.recast = None if recast is None else (recast.fp8_dtype, recast.current)
-                parts = () if recast is None else (recast.weight, recast.scale, recast.amax)
-                ctx.save_for_backward(x8_t, x_si, None if recast else w8_t, w_si, *parts)
+                parts = ()
+                if recast is not None:
+                    parts = (recast.weight, recast.scale, recast.amax)
+                elif callable(w8_t):  # Float8Tensor.transpose_data: the weight is saved
+                    parts = (weight,)
+                ctx.save_for_backward(x8_t, x_si, None if callable(w8_t) else w8_t, w_si, *parts)
                 ctx.fp8_operands = None
             else:
                 ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
@@ -503,9 +521,11 @@ class _LinearFunction(torch.autograd.Function):
             dgrad_ready = lambda d: reduced.append(start(d, ctx.column.group))  # noqa: E731
         if ctx.fp8:
             if ctx.fp8_saved:
-                x8_t, x_si, w8_t, w_si, *recast = ctx.saved_tensors
+                x8_t, x_si, w8_t, w_si, *parts = ctx.saved_tensors
                 if ctx.recast is not None:
-                    w8_t = functools.partial(cast_weight_t, *recast, *ctx.recast)
+                    w8_t = functools.partial(cast_weight_t, *parts, *ctx.recast)
+                elif parts:  # the gathered Float8Tensor weight
+                    w8_t = parts[0].transpose_data
                 operands = [x8_t, x_si, w8_t, w_si]
             elif ctx.fp8_operands is None:
                 raise RuntimeError(

@@ -260,7 +260,7 @@ class FP8Module(torch.nn.Module):
                         weight_cache=cache, is_first_microbatch=is_first_microbatch,
                         input_slot=2 * i, weight_slot=2 * i + 1, grad_slot=i,
                         update_bwd=compiling and i == 0 and meta.bwd is not None,
-                        amax_group=state.group)
+                        amax_group=state.group, grad=torch.is_grad_enabled())
                 for i, cache in enumerate(self._weight_caches)]
 
     def _fp8_plan(self, device: torch.device, is_first_microbatch: Optional[bool]):

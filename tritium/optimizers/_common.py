@@ -6,8 +6,8 @@ Kinds of params: fp32, bf16 or fp16 tensors, and tritium `Float8Tensor`s. An FP8
 written through its documented interface only: `p._data` (fp8, in place), `p._scale_inv`
 (fp32 [1], in place), `p._scale` (fp32 [1], read, never written: it is a view of the owning
 module's scaling state), `p._amax` (optional fp32 [1]: max-accumulated with the new masters'
-max |value|) and `p._transpose` (refreshed in place after the update when not None). Its grad is
-a plain bf16/fp32 tensor. FP8 params need master_weights=True.
+max |value|) and `p._transpose` (when kept: `p.data_written()` after the update refreshes it).
+Its grad is a plain bf16/fp32 tensor. FP8 params need master_weights=True.
 
 Block-scaled FP8 params (`Float8BlockTensor`, kind 'fp8_block', from fp8_model_init under
 Float8BlockScaling) have one scale per block, which the fused kernels do not write: the kernel
@@ -45,7 +45,6 @@ import torch
 
 from .. import _device
 from ..fp8.block_tensor import Float8BlockTensor
-from ..fp8.cast import transpose_fp8
 from ..fp8.tensor import Float8Tensor
 from ..ref import adam as ref_adam
 from ..ref import cast as ref_cast
@@ -114,13 +113,6 @@ def state_tensor(p: torch.Tensor, dtype: torch.dtype, zero: bool = True) -> torc
     s = storage(p)
     t = (torch.zeros if zero else torch.empty)(local(p).shape, dtype=dtype, device=s.device)
     return like_param(p, t)
-
-
-def refresh_transpose(p: torch.Tensor) -> None:
-    """An FP8 param's fp8 transpose (when it keeps one) after its data was written."""
-    p = local(p)
-    if getattr(p, "_transpose", None) is not None:
-        transpose_fp8(p._data.reshape(-1, p._data.shape[-1]), out=p._transpose)
 
 
 def check_param(p: torch.Tensor, where: str) -> str:
@@ -281,7 +273,7 @@ class MultiTensorOptimizer(torch.optim.Optimizer):
             p._scale.copy_(ref_cast.current_scale(amax, p._fp8_dtype, *current))
             ref_adam.store_weight(storage(p).view(-1), None, None, (p._scale, p._scale_inv, None),
                                   master)
-        refresh_transpose(p)
+        local(p).data_written()
 
     def _buckets(self, items: list[tuple], extra_key=None) -> dict:
         """{(device, storage dtype, grad dtype, kind class, extra): [(p, g, kind)]}."""
