@@ -23,6 +23,7 @@ Without torchrun it spawns the 2 processes itself.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import socket
 import statistics
@@ -65,7 +66,8 @@ def _step_times(step, cfg, cuda: bool) -> list[float]:
     return times
 
 
-def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
+def run(rank: int, world: int, tiny: bool, profile: bool = False,
+        graphed_variants: bool = True) -> None:
     import tritium as te
     from tritium import recipe
     cfg = TINY if tiny else FULL
@@ -96,6 +98,7 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
     variants = [("bf16 tp2 sp", None, False), ("fp8 delayed tp2 sp", delayed, False),
                 ("fp8 current tp2 sp", recipe.Float8CurrentScaling(), False),
                 ("bf16 tp2 sp graphed", None, True), ("fp8 delayed tp2 sp graphed", delayed, True)]
+    variants = [v for v in variants if graphed_variants or not v[2]]
     case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp"
     rows = []
     for name, rcp, graphed in variants:
@@ -139,6 +142,10 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
             print_table("tp (dry run, CPU gloo, tiny shapes)", rows, baseline="bf16 tp2 sp")
         else:
             finish("tp", rows, baseline="bf16 tp2 sp", gpus=2)
+    del run, step   # the graphs (their captured collectives) go before the group does
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
     dist.barrier(group=group)
 
 
@@ -177,15 +184,17 @@ def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
         print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
 
 
-def _spawned(rank: int, world: int, port: int, tiny: bool) -> None:
+def _spawned(rank: int, world: int, port: int, tiny: bool, profile: bool,
+             graphed_variants: bool) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _main_in_group(rank, world, tiny)
+    _main_in_group(rank, world, tiny, profile, graphed_variants)
 
 
-def _main_in_group(rank: int, world: int, tiny: bool, profile: bool = False) -> None:
+def _main_in_group(rank: int, world: int, tiny: bool, profile: bool = False,
+                   graphed_variants: bool = True) -> None:
     dist.init_process_group("gloo" if tiny else "nccl", rank=rank, world_size=world)
     try:
-        run(rank, world, tiny, profile)
+        run(rank, world, tiny, profile, graphed_variants)
     finally:
         dist.destroy_process_group()
 
@@ -196,15 +205,18 @@ def main() -> None:
                     help="tiny shapes on CPU over gloo: checks the script, times nothing real")
     ap.add_argument("--profile", action="store_true",
                     help="after timing each variant, profile it (rank 0 prints its kernels)")
+    ap.add_argument("--no-graphed", dest="graphed", action="store_false",
+                    help="the eager variants only")
     args = ap.parse_args()
     if not args.tiny and torch.cuda.device_count() < 2:
         print("bench_tp needs 2 GPUs (or --tiny for a CPU dry run)")
         return
     if "RANK" in os.environ:  # under torchrun
         _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.tiny,
-                       args.profile)
+                       args.profile, args.graphed)
         return
-    mp.spawn(_spawned, args=(2, _free_port(), args.tiny), nprocs=2, join=True)
+    mp.spawn(_spawned, args=(2, _free_port(), args.tiny, args.profile, args.graphed), nprocs=2,
+             join=True)
 
 
 if __name__ == "__main__":
