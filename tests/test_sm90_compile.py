@@ -255,7 +255,7 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
 _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
-    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False), "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False), "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
     KERNELS[("flash_attention", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
@@ -267,14 +267,18 @@ KERNELS[("flash_attention", "_delta_kernel")] = (
 _FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
 
 
-def _fa_fp8(d: int) -> dict:
-    """The FP8 forward (fp8_dpa) at its config: E4M3 q/k/v descriptors, bf16 out."""
+def _fa_fp8(d: int, tma: bool = True) -> dict:
+    """The FP8 forward (fp8_dpa) at its config: E4M3 q/k descriptors of the [b, s, h * d] view,
+    V keys-contiguous (VT) through a descriptor of its [b, h, d, s] view, bf16 out; tma=False:
+    pointer loads."""
     c = _fa.GPU_CFG["fwd_fp8"][d]
+    c = c._replace(tma=c.tma and tma)
     types = dict(_fa_types("_fwd_kernel", c, d=d))
-    for src, rows in (("q_src", c.block_m), ("k_src", c.block_n), ("v_src", c.block_n)):
+    for src, rows in (("q_src", c.block_m), ("k_src", c.block_n)):
         types[src] = f"tensordesc<fp8e4nv[1, {rows}, {d}]>" if c.tma else E4P
-    return dict(FP8=True, SPLIT=False, D=d, TMA=c.tma, WS=c.ws and c.tma, BLOCK_M=c.block_m,
-                BLOCK_N=c.block_n, _types=types,
+    types["v_src"] = f"tensordesc<fp8e4nv[1, 1, {d}, {c.block_n}]>" if c.tma else E4P
+    return dict(FP8=True, VT=True, SPLIT=False, D=d, TMA=c.tma, WS=c.ws and c.tma,
+                BLOCK_M=c.block_m, BLOCK_N=c.block_n, _types=types,
                 _options=dict(num_warps=c.warps, num_stages=c.stages))
 
 
@@ -306,7 +310,7 @@ VARIANTS = {
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
-    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False)],
+    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False)],
     ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),
