@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 
 from .. import _device, _env
-from ..distributed.amax import reduce_amax_rows
+from ..distributed.amax import reduce_amax_rows, reduce_rows
 from ..ops import scaling as ops_scaling
 from ..ref import scaling as ref_scaling
 from .formats import fp8_max
@@ -45,6 +45,7 @@ class ScalingState:
             t._dynamo_static_input_type = "unguarded"
         n = self.scale.numel()
         self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
+        self._amax_row = self.amax_history[0]  # what update_states all-reduces
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
         self._update_fn, self._update_for = None, None
         self._fused = None  # see _fused_update
@@ -128,7 +129,10 @@ def update_states(states: list[ScalingState], group=None, reduce: bool = True) -
     if not states:
         return
     if reduce:
-        reduce_amax_rows([s.amax_history for s in states], group)
+        if torch.compiler.is_compiling():  # the graph's own views of the buffers
+            reduce_amax_rows([s.amax_history for s in states], group)
+        else:
+            reduce_rows([s._amax_row for s in states], group)
     if len(states) > 1 and not torch.compiler.is_compiling():
         fused = _fused_update(states)
         if fused is not None:
