@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -388,6 +388,13 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     return dx, dw
 
 
+class _GradMeta(NamedTuple):
+    """What the backward reads of a grad it takes as gathered fp8 operands: shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
@@ -482,8 +489,7 @@ class _LinearFunction(torch.autograd.Function):
             local = grad_out.reshape(-1, grad_out.shape[-1])
             dyq = gathered_fp8(plan, local, row_sp.group, need_wgrad, backward=True)
             # dy2d only gives the backward its shape and dtype: the data is dyq's
-            grad_out = torch.empty((local.shape[0] * row_sp.size,
-                                    local.shape[1]), dtype=local.dtype, device="meta")
+            grad_out = _GradMeta((local.shape[0] * row_sp.size, local.shape[1]), local.dtype)
         elif isinstance(grad_out, Float8Tensor):  # written in fp8 by a fused activation backward
             if ctx.fp8 and grad_out._fp8_dtype == plan.recipe.fp8_format.backward_dtype:
                 dyq = fp8_operands(grad_out, need_wgrad)
@@ -491,7 +497,7 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 grad_out = grad_out.dequantize()
         # a Float8Tensor taken as fp8 (dyq) is not reshaped: only its shape and dtype are read
-        dy2d = grad_out if grad_out.dim() == 2 or dyq is not None else \
+        dy2d = grad_out if dyq is not None or grad_out.dim() == 2 else \
             grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
