@@ -1,5 +1,6 @@
 """Usage: python scripts/profile_host.py
-       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,kernels,ops} [args]
+       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,model-cpu-tp,kernels,
+        ops} [args]
 
 Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
@@ -47,6 +48,14 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       host-bound, docs/performance.md), Triton launches, _scaled_mm and
                       Python-level calls per step; --profile adds cProfile's tables of the
                       FP8 delayed step.
+  model-cpu-tp [--profile] [--repeats R --steps N] [--hidden H --heads A --kv-heads G
+                --ffn F --seq S --batch B]
+                      bench_tp's step the same way: its Llama-style TransformerLayer (RMSNorm,
+                      swiglu, no bias, GQA, fused QKV, RoPE, sbhd; default hidden 512, 8/2
+                      heads, ffn 1024, S256 B2) with tp_group of size 2 and sequence_parallel,
+                      fwd + bwd under fp8_autocast(fp8_group=the TP group), on torch's fake
+                      process group (world 2, rank 0: collectives return at once, no data
+                      moves, no communication timed). Same output as model-cpu-graphs.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
