@@ -1,8 +1,7 @@
 """Amax reduction for delayed scaling: one MAX all-reduce of every amax in a group of states.
 
 Each rank concatenates row 0 of all its amax histories (in the same module order on every rank),
-all-reduces the buffer with MAX over the amax group, and copies the slices back (one foreach
-copy), so every rank
+all-reduces the buffer with MAX over the amax group, and copies the slices back, so every rank
 derives the same scales. Does nothing when torch.distributed is not initialized or the group has
 one rank.
 """
@@ -26,14 +25,10 @@ def group_world_size(group) -> int:
 
 def reduce_amax_rows(histories: Sequence[torch.Tensor], group=None) -> None:
     """All-reduce (MAX) row 0 of every [L, n] history in one collective, in place."""
-    reduce_rows([h[0] for h in histories], group)
-
-
-def reduce_rows(rows: Sequence[torch.Tensor], group=None) -> None:
-    """All-reduce (MAX) the 1-D tensors `rows` in one collective, in place: concatenated, reduced,
-    copied back in one foreach call."""
-    if not rows or group_world_size(group) <= 1:
+    if not histories or group_world_size(group) <= 1:
         return
+    rows = [h[0] for h in histories]
     flat = torch.cat(rows)
     dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
-    torch._foreach_copy_(rows, flat.split([r.numel() for r in rows]))
+    for row, part in zip(rows, torch.split(flat, [r.numel() for r in rows])):
+        row.copy_(part)

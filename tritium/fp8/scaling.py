@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _device, _env
-from ..distributed.amax import group_world_size, reduce_amax_rows, reduce_rows
+from ..distributed.amax import group_world_size, reduce_amax_rows
 from ..ops import scaling as ops_scaling
 from ..ref import scaling as ref_scaling
 from .formats import fp8_max
@@ -49,7 +49,7 @@ class ScalingState:
         self._amax_row = self.amax_history[0]  # what update_states all-reduces
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
         self._update_fn, self._update_for = None, None
-        self._fused = None  # see _fused_update
+        self._fused = None  # see _prepared
 
     @property
     def num_slots(self) -> int:
@@ -137,9 +137,9 @@ def update_states(states: list[ScalingState], group=None, reduce: bool = True) -
         return
     _, fused, rows, flat, parts, _ = _prepared(states)
     if reduce and group_world_size(group) > 1:
-        if flat is None:
-            reduce_rows(rows, group)
-        else:  # into the kept buffer, reduced, copied back through its kept views
+        if flat is None:  # (CUDA graph capture: no buffer kept)
+            reduce_amax_rows([s.amax_history for s in states], group)
+        else:  # into the kept buffer, reduced, copied back in one call through its kept views
             torch.cat(rows, out=flat)
             dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
             torch._foreach_copy_(rows, parts)
