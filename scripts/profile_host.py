@@ -1,5 +1,6 @@
 """Usage: python scripts/profile_host.py
-       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,kernels,ops} [args]
+       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,model-cpu-tp,kernels,
+        ops} [args]
 
 Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd.
@@ -47,6 +48,14 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       host-bound, docs/performance.md), Triton launches, _scaled_mm and
                       Python-level calls per step; --profile adds cProfile's tables of the
                       FP8 delayed step.
+  model-cpu-tp [--profile] [--repeats R --steps N] [--hidden H --heads A --kv-heads G
+                --ffn F --seq S --batch B]
+                      bench_tp's step the same way: its Llama-style TransformerLayer (RMSNorm,
+                      swiglu, no bias, GQA, fused QKV, RoPE, sbhd; default hidden 512, 8/2
+                      heads, ffn 1024, S256 B2) with tp_group of size 2 and sequence_parallel,
+                      fwd + bwd under fp8_autocast(fp8_group=the TP group), on torch's fake
+                      process group (world 2, rank 0: collectives return at once, no data
+                      moves, no communication timed). Same output as model-cpu-graphs.
   kernels [T K N]     torch.profiler's CUDA time per kernel of the step and its host enqueue
                       time (above the GPU time: the step is bound by the host).
   ops                 host vs GPU time per call of RoPE (q+k, fwd and fwd+bwd).
@@ -565,20 +574,27 @@ def _graphs_model_step(fp8_recipe):
     return step
 
 
-def cmd_model_cpu_graphs(args):
-    """Host ms per step of bench_graphs' eager model: bf16, FP8 delayed and FP8 current."""
-    import cProfile
-    import pstats
+def _cpu_step_setup():
+    """The stubs of the model-cpu-graphs / model-cpu-tp steps, for this process."""
     sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
     _stub_gpu_calls()
     _stub_attention()
     _stub_cpu_compute()
     torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
     torch.autograd.set_multithreading_enabled(False)  # CPU tensors: the calling thread anyway
-    cases = {"bf16": None,
-             "fp8 delayed": recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
-             "fp8 current": recipe.Float8CurrentScaling()}
-    steps = {name: _graphs_model_step(rec) for name, rec in cases.items()}
+
+
+def _cpu_step_cases() -> dict:
+    return {"bf16": None,
+            "fp8 delayed": recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max"),
+            "fp8 current": recipe.Float8CurrentScaling()}
+
+
+def _compare_steps(steps: dict, args, title: str) -> None:
+    """Host ms per step of each step (this thread's CPU time, best of interleaved rounds), the
+    ratio to the first and the calls per step; --profile: cProfile's tables of "fp8 delayed"."""
+    import cProfile
+    import pstats
     for step in steps.values():
         for _ in range(3):
             step()
@@ -599,12 +615,12 @@ def cmd_model_cpu_graphs(args):
         prof.disable()
         counts[name] = (STUB_CALLS["launch"], STUB_CALLS["_scaled_mm"],
                         pstats.Stats(prof).total_calls)
-    print("bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128 B2, fwd + "
-          "bwd + FusedAdam), CPU, GPU calls stubbed, thread CPU time, best of "
-          f"{args.repeats} x {args.steps} steps; calls per step:")
+    base = next(iter(ms.values()))
+    print(f"{title}, CPU, GPU calls stubbed, thread CPU time, best of {args.repeats} x "
+          f"{args.steps} steps; calls per step:")
     for name, value in ms.items():
         launches, mms, calls = counts[name]
-        print(f"  {name:<12} {value:7.2f} ms/step  ({value / ms['bf16']:.2f}x bf16)  Triton "
+        print(f"  {name:<12} {value:7.2f} ms/step  ({value / base:.2f}x bf16)  Triton "
               f"launches {launches:4d}, _scaled_mm {mms:3d}, Python-level calls {calls:6d}")
     if args.profile:
         prof = cProfile.Profile()
@@ -615,6 +631,65 @@ def cmd_model_cpu_graphs(args):
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats(40)
+
+
+def cmd_model_cpu_graphs(args):
+    """Host ms per step of bench_graphs' eager model: bf16, FP8 delayed and FP8 current."""
+    _cpu_step_setup()
+    steps = {name: _graphs_model_step(rec) for name, rec in _cpu_step_cases().items()}
+    _compare_steps(steps, args, "bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 "
+                   "heads, S128 B2, fwd + bwd + FusedAdam)")
+
+
+def _fake_tp_group():
+    """A world of 2 on torch's fake backend, this process rank 0: collectives return at once
+    without moving data (no communication timed). Made once, for the process."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    return dist.group.WORLD
+
+
+def _tp_layer_step(fp8_recipe, group, freqs, hidden, heads, groups, ffn, seq, batch):
+    """bench_tp's step on the CPU: its Llama-style TransformerLayer (RMSNorm, swiglu, no bias,
+    GQA, fused non-interleaved QKV, RoPE, sbhd) at TP=2 with sequence parallelism, fwd + bwd
+    under fp8_autocast(fp8_group=the TP group) when a recipe is given."""
+    torch.manual_seed(0)
+    tracker = te.CudaRNGStatesTracker()
+    tracker.add("model-parallel-rng", 1234)
+    layer = te.TransformerLayer(
+        hidden, ffn, heads, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
+        normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True,
+        qkv_weight_interleaved=False, attn_input_format="sbhd", tp_group=group,
+        sequence_parallel=True, set_parallel_mode=True, get_rng_state_tracker=lambda: tracker,
+        params_dtype=torch.bfloat16, device="cpu")
+    x = torch.randn(seq // 2, batch, hidden, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(seq // 2, batch, hidden, dtype=torch.bfloat16)
+    params = list(layer.parameters())
+    fp8 = fp8_recipe is not None
+
+    def step():
+        x.grad = None
+        for p in params:
+            p.grad = None
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=fp8_recipe, fp8_group=group):
+            out = layer(x, rotary_pos_emb=freqs)
+        out.backward(dy)
+    return step
+
+
+def cmd_model_cpu_tp(args):
+    """Host ms per step of bench_tp's TP=2 + SP TransformerLayer: bf16, FP8 delayed, current."""
+    freqs = te.RotaryPositionEmbedding(args.hidden // args.heads)(args.seq)  # before the stubs
+    _cpu_step_setup()
+    group = _fake_tp_group()
+    shape = (args.hidden, args.heads, args.kv_heads, args.ffn, args.seq, args.batch)
+    steps = {name: _tp_layer_step(rec, group, freqs, *shape)
+             for name, rec in _cpu_step_cases().items()}
+    _compare_steps(steps, args, f"bench_tp's step (TransformerLayer hidden {args.hidden}, "
+                   f"{args.heads}/{args.kv_heads} heads, ffn {args.ffn} swiglu, S{args.seq} "
+                   f"B{args.batch}, TP=2 + SP on the fake backend, fwd + bwd)")
 
 
 # ---- kernels --------------------------------------------------------------------------------
@@ -726,6 +801,15 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.set_defaults(func=cmd_model_cpu_graphs)
+    p = sub.add_parser("model-cpu-tp",
+                       help="bench_tp's TP=2 + SP step's host path on a CPU, GPU calls stubbed")
+    p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    for name, default in (("hidden", 512), ("heads", 8), ("kv-heads", 2), ("ffn", 1024),
+                          ("seq", 256), ("batch", 2)):
+        p.add_argument("--" + name, type=int, default=default, help=f"default {default}")
+    p.set_defaults(func=cmd_model_cpu_tp)
     p = sub.add_parser("kernels", help="CUDA time per kernel and host enqueue time")
     shape(p)
     p.set_defaults(func=cmd_kernels)

@@ -1,5 +1,6 @@
-"""cpu tier: `scripts/profile_host.py model-cpu-graphs` runs bench_graphs' eager step on the CPU
-with its GPU calls stubbed and prints the three variants with their per-step counts. In a
+"""cpu tier: `scripts/profile_host.py model-cpu-graphs` runs bench_graphs' eager step, and
+`model-cpu-tp` bench_tp's TP=2 + SP TransformerLayer step (fake process group), on the CPU with
+their GPU calls stubbed and print the three variants with their per-step counts. In a
 subprocess: the tool replaces ATen CPU kernels for its whole process."""
 from __future__ import annotations
 
@@ -16,16 +17,31 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_model_cpu_graphs_prints_ratios_and_counts():
+def _rows(command: str) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TRITON_INTERPRET", None)
     out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_host.py"),
-                          "model-cpu-graphs", "--repeats", "1", "--steps", "1"],
+                          command, "--repeats", "1", "--steps", "1"],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     rows = {m[0]: [int(v) for v in m[1:]] for m in re.findall(
         r"^\s+(bf16|fp8 delayed|fp8 current)\s+[\d.]+ ms/step\s+\([\d.]+x bf16\)\s+Triton "
         r"launches\s+(\d+), _scaled_mm\s+(\d+), Python-level calls\s+(\d+)$", out, re.M)}
     assert list(rows) == ["bf16", "fp8 delayed", "fp8 current"], out
+    return rows
+
+
+def test_model_cpu_graphs_prints_ratios_and_counts():
+    rows = _rows("model-cpu-graphs")
     assert rows["bf16"][1] == 0 and rows["fp8 delayed"][1] > 0  # bf16's GEMMs are ATen's
     # current scaling measures each amax before its cast: more launches than delayed
     assert rows["fp8 delayed"][0] < rows["fp8 current"][0]
+
+
+def test_model_cpu_tp_prints_ratios_and_counts():
+    """The TP step takes the CUDA path: its FP8 GEMMs are tensor-core calls (cuBLASLt for the
+    backward's, the Triton kernel for the forward's: 4 Linears, 12 GEMMs) and its casts,
+    norms, RoPE and scale updates Triton launches."""
+    rows = _rows("model-cpu-tp")
+    assert rows["bf16"][1] == 0 and rows["fp8 delayed"][1] == rows["fp8 current"][1] == 8
+    assert rows["bf16"][0] < rows["fp8 delayed"][0] < rows["fp8 current"][0]
+    assert rows["bf16"][2] < rows["fp8 delayed"][2]

@@ -228,6 +228,47 @@ def _current_scaling_row_case(group, world, rank):
     return {"got": [leaf.grad, lin.weight.grad], "want": [want_dx, want_dw]}
 
 
+def _pair_cast_case(group, world, rank):
+    """A TP + SP LayerNormMLP under FP8 delayed scaling casts fc1's and fc2's weight shards in
+    one pair cast (host time: one launch less): two steps' outputs, grads, amax histories and
+    scales hold the bits of the two separate casts (the pair cast switched off)."""
+    import importlib
+    import tritium as te
+    from tritium import recipe
+    from testlib import fp8_states
+    lnmlp = importlib.import_module("tritium.modules.layernorm_mlp")
+    real, used = lnmlp.cast_weights_together, []
+
+    def spy(plans, weights, need_t):
+        out = real(plans, weights, need_t)
+        used.append(all(p.weight_ready is not None for p in out))
+        return out
+
+    def run(pair):
+        lnmlp.cast_weights_together = spy if pair else (lambda plans, weights, need_t: plans)
+        torch.manual_seed(41 + rank)
+        m = te.LayerNormMLP(32, 64, normalization="RMSNorm", activation="swiglu", bias=False,
+                            set_parallel_mode=True, sequence_parallel=True, tp_group=group,
+                            device="cpu")
+        g = torch.Generator().manual_seed(42 + rank)
+        x = torch.randn(S // world, B, 32, generator=g, requires_grad=True)
+        outs = []
+        for step in range(2):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling(amax_history_len=4),
+                                 fp8_group=group):
+                y = m(x * (1 + step))
+            y.backward(torch.randn(y.shape, generator=g))
+            outs += [y.detach(), x.grad, *(p.grad for p in m.parameters())]
+        return outs + fp8_states(m)
+    try:
+        separate, paired = run(False), run(True)
+    finally:
+        lnmlp.cast_weights_together = real
+    return {"used": used, "separate": separate, "paired": paired}
+
+
 def _init_case(group, world, rank):
     """With get_rng_state_tracker (seeded per rank) the shards are initialised in its fork and
     differ across ranks although the default generator is seeded alike."""
@@ -422,6 +463,7 @@ def _worker(rank, world, port, out_dir, cases):
             results["current"] = _current_scaling_case(group, world, rank)
             results["current_row"] = _current_scaling_row_case(group, world, rank)
             results["init"] = _init_case(group, world, rank)
+            results["pair"] = _pair_cast_case(group, world, rank)
             results["errors"] = _errors(group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
@@ -493,6 +535,15 @@ def test_current_scaling_one_scale_for_the_gathered_grad(world2):
     res = world2["current_row"]
     for i, (a, b) in enumerate(zip(res["got"], res["want"])):
         torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m: f"tensor {i}: {m}")
+
+
+def test_mlp_weight_pair_cast_same_bits_under_tp_sp(world2):
+    from testlib import assert_bits
+    res = world2["pair"]
+    assert res["used"] == [True, True]
+    assert res["separate"][0].abs().max() > 0
+    for i, (a, b) in enumerate(zip(res["separate"], res["paired"])):
+        assert_bits(b, a, f"tensor {i}")
 
 
 def test_tracker_initialises_different_shards(world2):

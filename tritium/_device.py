@@ -7,6 +7,7 @@ runs: kernels on CUDA tensors, and on CPU tensors only under TRITON_INTERPRET=1 
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 
 import torch
@@ -24,6 +25,13 @@ def _triton_available() -> tuple[bool, str]:
     except Exception as exc:  # pragma: no cover - depends on the machine
         return False, f"triton is not importable ({exc})"
     return True, "triton importable"
+
+
+@functools.lru_cache(maxsize=None)
+def kernel_module(name: str):
+    """tritium.kernels.<name>, imported on first use (it imports triton); a cached look-up
+    after that, where a function-level import runs the import machinery on every call."""
+    return importlib.import_module(f"{__package__}.kernels.{name}")
 
 
 def use_triton(t: torch.Tensor) -> bool:

@@ -37,6 +37,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .amax import group_world_size
+
 PARALLEL_MODES = (None, "column", "row")
 
 
@@ -154,7 +156,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenation along dim 0 of every rank's x (same shape on every rank). FP8 tensors
     travel as their bytes."""
-    n = dist.get_world_size(group)
+    n = group_world_size(group)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     if x.dtype.itemsize == 1 and x.dtype.is_floating_point:  # fp8: gloo has no fp8 dtypes
@@ -172,7 +174,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
 def start_reduce_scatter_dim0(x: torch.Tensor, group):
     """reduce_scatter_dim0 started asynchronously: returns a function that waits for it and
     gives the result (work on other streams, e.g. a wgrad GEMM, runs meanwhile)."""
-    n = dist.get_world_size(group)
+    n = group_world_size(group)
     if x.shape[0] % n:
         raise ValueError(f"sequence parallelism: dim 0 of the tensor to reduce-scatter "
                          f"({tuple(x.shape)}) is not divisible by tp_size={n}; the sequence "

@@ -16,9 +16,10 @@ import functools
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .. import _device, _env
-from ..distributed.amax import reduce_amax_rows
+from ..distributed.amax import group_world_size, reduce_amax_rows
 from ..ops import scaling as ops_scaling
 from ..ref import scaling as ref_scaling
 from .formats import fp8_max
@@ -45,9 +46,10 @@ class ScalingState:
             t._dynamo_static_input_type = "unguarded"
         n = self.scale.numel()
         self._amax_views = [self.amax_history[0, i:i + 1] for i in range(n)]
+        self._amax_row = self.amax_history[0]  # what update_states all-reduces
         self._scale_views = [self.scale[i:i + 1] for i in range(n)]
         self._update_fn, self._update_for = None, None
-        self._fused = None  # see _fused_update
+        self._fused = None  # see _prepared
 
     @property
     def num_slots(self) -> int:
@@ -124,47 +126,68 @@ class ScalingState:
 
 def update_states(states: list[ScalingState], group=None, reduce: bool = True) -> None:
     """One MAX all-reduce of all row 0s (when asked and world > 1), then each state's update:
-    all in one launch where they share a kernel's constants (see `_fused_update`)."""
+    all in one launch where they share a kernel's constants (see `_prepared`)."""
     if not states:
         return
-    if reduce:
-        reduce_amax_rows([s.amax_history for s in states], group)
-    if len(states) > 1 and not torch.compiler.is_compiling():
-        fused = _fused_update(states)
-        if fused is not None:
-            return fused()
+    if torch.compiler.is_compiling():  # the graph's own views of the buffers, state by state
+        if reduce:
+            reduce_amax_rows([s.amax_history for s in states], group)
+        for s in states:
+            s.update()
+        return
+    _, fused, rows, flat, parts, _ = _prepared(states)
+    if reduce and group_world_size(group) > 1:
+        if flat is None:  # (CUDA graph capture: no buffer kept)
+            reduce_amax_rows([s.amax_history for s in states], group)
+        else:  # into the kept buffer, reduced, copied back in one call through its kept views
+            torch.cat(rows, out=flat)
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+            torch._foreach_copy_(rows, parts)
+    if fused is not None:
+        return fused()
     for s in states:
         s.update()
 
 
-def _fused_update(states: list[ScalingState]):
-    """The update of all `states` as one prepared launch (`kernels.scaling.prepared_update_many`),
-    or None where they need more than one (callables, several fp8 dtypes, margins, algorithms
-    or history lengths, several devices, the reference path) or a table cannot be uploaded now
-    (CUDA graph capture). An fp8_autocast region updates the same states every step: the
-    launch is kept on the first state, keyed by the identities of the states and their tensors
-    (the entry holds those objects, so their ids stay theirs) and by the recipes' values."""
+def _prepared(states: list[ScalingState]) -> tuple:
+    """(sig, fused update, row 0s, reduction buffer, its views per state, refs) of `states`.
+    An fp8_autocast region updates the same states every step, so this is made once and kept
+    on the first state, keyed by the identities of the states and their tensors (the entry
+    holds those objects, so their ids stay theirs) and by the recipes' values.
+    The fused update is all `states` as one prepared launch
+    (`kernels.scaling.prepared_update_many`), or None where they need more than one (one
+    state, callables, several fp8 dtypes, margins, algorithms or history lengths, several
+    devices, the reference path) or a table cannot be uploaded now (CUDA graph capture). The
+    reduction buffer (None while capturing: made per call then) takes the row 0s for the
+    amax all-reduce."""
     head = states[0]
     sig = [_env.force_ref()]
     for s in states:
         sig += (id(s), id(s.amax_history), id(s.scale), s.recipe)  # recipes: by value
     cached = head._fused
     if cached is not None and cached[0] == sig:
-        return cached[1]
+        return cached
     fn = None
     r0, dev = head.recipe, head.scale.device
+    capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
     consts = (head.fp8_dtype, r0.margin, r0.amax_compute_algo, head.amax_history.shape[0])
-    if all(not s.recipe.uses_callables and s.scale.device == dev and
-           (s.fp8_dtype, s.recipe.margin, s.recipe.amax_compute_algo,
-            s.amax_history.shape[0]) == consts for s in states) and _device.use_triton(head.scale):
+    if len(states) > 1 and all(
+            not s.recipe.uses_callables and s.scale.device == dev and
+            (s.fp8_dtype, s.recipe.margin, s.recipe.amax_compute_algo,
+             s.amax_history.shape[0]) == consts for s in states) and _device.use_triton(head.scale):
         from ..kernels import scaling as kernel_scaling
-        capturing = dev.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if consts[3] <= kernel_scaling.MAX_HISTORY and not capturing:
             fn = kernel_scaling.prepared_update_many(
                 [s.amax_history for s in states], [s.scale for s in states],
                 fp8_max(head.fp8_dtype), r0.margin, r0.amax_compute_algo)
-    head._fused = (sig, fn, [(s, s.amax_history, s.scale) for s in states])
-    return fn
+    rows = [s._amax_row for s in states]
+    flat = parts = None
+    if not capturing and all(r.device == dev for r in rows):
+        sizes = [r.numel() for r in rows]
+        flat = torch.empty(sum(sizes), dtype=torch.float32, device=dev)
+        parts = flat.split(sizes)
+    head._fused = (sig, fn, rows, flat, parts, [(s, s.amax_history, s.scale) for s in states])
+    return head._fused
 
 
 class FP8Meta:

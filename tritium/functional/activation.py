@@ -45,8 +45,7 @@ def _impl(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return ops_activation
     if _device.use_triton(t):
-        from ..kernels import activation as kernel_activation
-        return kernel_activation
+        return _device.kernel_module("activation")
     return ref_activation
 
 
@@ -54,8 +53,7 @@ def _impl_fp8(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return ops_activation
     if _device.use_triton(t):
-        from ..kernels import act_cast as kernel_act_cast
-        return kernel_act_cast
+        return _device.kernel_module("act_cast")
     return ref_activation
 
 

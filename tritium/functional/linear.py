@@ -55,10 +55,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
@@ -400,6 +399,13 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     return dx, dw
 
 
+class _GradMeta(NamedTuple):
+    """What the backward reads of a grad it takes as gathered fp8 operands: shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
@@ -423,8 +429,9 @@ class _LinearFunction(torch.autograd.Function):
         # the local grad rows and all-gathers the fp8 bytes
         column = tp if tp is not None and tp.mode == "column" else None
         ctx.column = column
-        ctx.row_gather = (tp.group if tp is not None and tp.mode == "row" and tp.sequence_parallel
-                          else None)
+        # (TPSpec.size: the group's size, known already; no query per call)
+        row_sp = ctx.row_sp = (tp if tp is not None and tp.mode == "row" and tp.sequence_parallel
+                               else None)
         gather = column.group if column is not None and column.sequence_parallel else None
         need_dgrad, need_wgrad = ctx.needs_input_grad[0], ctx.needs_input_grad[1] or bool(main_grad)
         if plan is not None and not plan.grad:  # no backward follows (FP8Plan.grad)
@@ -436,8 +443,8 @@ class _LinearFunction(torch.autograd.Function):
         if fp8:
             if gather is not None:
                 x8, x8_t, x_si = gathered_fp8(plan, x2d, gather, need_wgrad)
-                tokens = tokens * dist.get_world_size(gather)
-                shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
+                tokens = tokens * column.size
+                shape = (shape[0] * column.size, *shape[1:])
                 w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             elif isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
                 x8, x8_t, x_si = fp8_operands(inp, need_wgrad)
@@ -471,8 +478,8 @@ class _LinearFunction(torch.autograd.Function):
         else:
             if gather is not None:  # column-parallel under sequence parallelism, high precision
                 x2d = all_gather_dim0(x2d, gather)
-                tokens = tokens * dist.get_world_size(gather)
-                shape = (shape[0] * dist.get_world_size(gather), *shape[1:])
+                tokens = tokens * column.size
+                shape = (shape[0] * column.size, *shape[1:])
             if isinstance(weight, Float8Tensor):
                 weight = weight.dequantize()
             if plan is not None and plan.fwd.amax_slot(plan.input_slot) is not None:
@@ -484,23 +491,23 @@ class _LinearFunction(torch.autograd.Function):
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
         ctx.shape, ctx.in_shape, ctx.need = shape, carrier_shape, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
-        if ctx.row_gather is not None:
-            out = reduce_scatter_dim0(out, ctx.row_gather)
-            shape = (shape[0] // dist.get_world_size(ctx.row_gather), *shape[1:])
+        if row_sp is not None:
+            out = reduce_scatter_dim0(out, row_sp.group)
+            shape = (shape[0] // row_sp.size, *shape[1:])
         return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad_out):
         plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
         dyq = dy_hp = None
-        if ctx.row_gather is not None:  # this rank's grad rows: cast, then gather the fp8 bytes
+        row_sp = ctx.row_sp
+        if row_sp is not None:  # this rank's grad rows: cast, then gather the fp8 bytes
             if isinstance(grad_out, Float8Tensor):
                 grad_out = grad_out.dequantize()
             local = grad_out.reshape(-1, grad_out.shape[-1])
-            dyq = gathered_fp8(plan, local, ctx.row_gather, need_wgrad, backward=True)
+            dyq = gathered_fp8(plan, local, row_sp.group, need_wgrad, backward=True)
             # dy2d only gives the backward its shape and dtype: the data is dyq's
-            grad_out = torch.empty((local.shape[0] * dist.get_world_size(ctx.row_gather),
-                                    local.shape[1]), dtype=local.dtype, device="meta")
+            grad_out = _GradMeta((local.shape[0] * row_sp.size, local.shape[1]), local.dtype)
         elif isinstance(grad_out, Float8Tensor):  # written in fp8 by a fused activation backward
             if ctx.fp8 and grad_out._fp8_dtype == plan.recipe.fp8_format.backward_dtype:
                 dyq = fp8_operands(grad_out, need_wgrad)
@@ -508,7 +515,7 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 grad_out = grad_out.dequantize()
         # a Float8Tensor taken as fp8 (dyq) is not reshaped: only its shape and dtype are read
-        dy2d = grad_out if grad_out.dim() == 2 or dyq is not None else \
+        dy2d = grad_out if dyq is not None or grad_out.dim() == 2 else \
             grad_out.reshape(-1, grad_out.shape[-1])
         dx = dw = None
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype

@@ -43,8 +43,7 @@ def _impl(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return ops_norm
     if t.shape[-1] <= _MAX_HIDDEN and _device.use_triton(t):
-        from ..kernels import norm as kernel_norm
-        return kernel_norm
+        return _device.kernel_module("norm")
     return ref_norm
 
 
@@ -52,8 +51,7 @@ def _impl_fp8(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return ops_norm
     if t.shape[-1] <= _MAX_HIDDEN and _device.use_triton(t):
-        from ..kernels import norm_cast as kernel_norm_cast
-        return kernel_norm_cast
+        return _device.kernel_module("norm_cast")
     return ref_norm
 
 

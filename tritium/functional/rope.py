@@ -57,8 +57,7 @@ def _impl(t: torch.Tensor):
     if torch.compiler.is_compiling():
         return ops_rope
     if _device.use_triton(t):
-        from ..kernels import rope as kernel_rope
-        return kernel_rope
+        return _device.kernel_module("rope")
     return ref_rope
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed.tensor_parallel import sp_replicated
-from ..functional.fused_cast import BlockCastSpec
+from ..functional.fused_cast import BlockCastSpec, CastSpec
 from ..functional.norm import layer_norm, rms_norm
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -75,7 +75,6 @@ def norm_then_gemm_input(module: torch.nn.Module, inp: torch.Tensor, fp8_cast,
 def norm_cast_spec(module, recipe, device, write_transpose: bool):
     """The CastSpec of the fused norm: the first GEMM's input slot (0) of the forward state
     (its frozen copy when a checkpoint recomputes)."""
-    from ..functional.fused_cast import CastSpec
     module.fp8_meta.prepare(recipe, device)
     fwd = module._forward_scales()
     return CastSpec(fwd.scale_slot(0), fwd.amax_slot(0), fwd.fp8_dtype, write_transpose)

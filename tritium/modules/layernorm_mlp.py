@@ -16,8 +16,8 @@ norm writes fc1's fp8 input (+ transpose, amax), the activation writes fc2's fp8
 activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the high-precision
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
-With both inputs fused (and no checkpoint, tensor parallelism or weight caching) the two
-weights are cast in one launch before fc1 (`functional.linear.cast_weights_together`).
+With both inputs fused (and no checkpoint or weight caching; tensor parallelism included) the
+two weights are cast in one launch before fc1 (`functional.linear.cast_weights_together`).
 Under Float8BlockScaling the norm writes fc1's 1x128 input blocks (`kernels.norm_block_cast`),
 the activation writes fc2's 1x128 input blocks instead of its bf16 output, and its backward
 writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
@@ -174,9 +174,10 @@ class LayerNormMLP(FP8Module):
             norm_cast = norm_cast_spec(self, state.recipe, inp.device,
                                        grad_on and self.fc1_weight.requires_grad and not sp_gather)
             fused = (fc2_plan.input_slot, grad_on and self.fc2_weight.requires_grad)
-        if fused is not None and fc1_tp is None and fc2_tp is None and not self.checkpoint:
-            # fc1's input comes from the norm's cast and fc2's from the activation's: each
-            # would cast its weight alone, so both weights are cast in one launch here
+        if fused is not None and not self.checkpoint:
+            # fc1's input comes from the norm's cast (all-gathered in fp8 under sequence
+            # parallelism) and fc2's from the activation's: each would cast its weight (its
+            # shard under TP) alone, so both weights are cast in one launch here
             grad_on = torch.is_grad_enabled()  # transposes for dgrad (unused ones: harmless)
             fc1_plan, fc2_plan = cast_weights_together(
                 plans, (self.fc1_weight, self.fc2_weight), (grad_on, grad_on))
