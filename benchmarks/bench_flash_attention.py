@@ -23,11 +23,14 @@ atomic dq alone; dq) for the speed mode, then a smaller one for the split mode, 
 shape (MHA, causal + no mask summed; a candidate off cuDNN's results is not chosen), prints each
 and the best per kernel (as --cfg arguments), applies the best and then runs the table: one
 command finds the configs and shows what they give (sized for ~8 minutes on an H200).
+--sweep-fp8 does the same for the FP8 forward alone (kind fwd_fp8, E4M3 q/k/v with V
+keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's error: out).
 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
-      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:)
+      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
+       kind fwd_fp8: the FP8 forward, e.g. --cfg fwd_fp8=128,128,4,3,1)
 """
 from __future__ import annotations
 
@@ -220,6 +223,11 @@ def _parse_cfg(spec: str):
     return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
 
 
+def _cfg_key(kind: str, split: bool):
+    """GPU_CFG's key at D: (head dim, split), or the head dim alone for the FP8 forward."""
+    return D if kind == "fwd_fp8" else (D, split)
+
+
 def _cfg_arg(kind, cfg, split=False):
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
     while flags and not flags[-1]:
@@ -258,15 +266,23 @@ SWEEPS = {
                atomic=[])}
 
 
+# the FP8 forward, D=128: around the H100 sweep's best (128 x 128, 4 warps, 3 stages)
+SWEEP_FP8 = [Cfg(128, 128, 4, 3, T), Cfg(128, 128, 4, 4, T), Cfg(128, 128, 4, 2, T),
+             Cfg(128, 64, 4, 3, T), Cfg(128, 64, 4, 4, T), Cfg(64, 128, 4, 3, T),
+             Cfg(64, 64, 4, 4, T), Cfg(128, 128, 8, 3, T), Cfg(128, 128, 8, 3, T, T),
+             Cfg(256, 128, 8, 2, T), Cfg(128, 128, 4, 3)]
+
+
 def _rel_err(got, want):
     return max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
                for a, b in zip(got, want))
 
 
-def _time_cfgs(kind, split, cands, run, ref):
+def _time_cfgs(kind, split, cands, run, ref, tol=2e-2):
     """Time run(causal) for each candidate of `kind` (causal + no mask summed) -> (ms, best).
-    A candidate whose results are off SDPA's (`ref[causal]`) by more than bf16 error is out."""
-    key = (D, split)
+    A candidate whose results are off SDPA's (`ref[causal]`) by more than `tol` (bf16's error;
+    FP8's for the FP8 forward) is out."""
+    key = _cfg_key(kind, split)
     keep, best = FA.GPU_CFG[kind][key], (math.inf, None)
     for cfg in cands:
         FA.GPU_CFG[kind][key] = cfg
@@ -274,7 +290,7 @@ def _time_cfgs(kind, split, cands, run, ref):
             err = max(_rel_err(run(c), ref[c]) for c in (True, False))
             ms = [time_ms(lambda: run(c), warmup=10, rep=40) for c in (True, False)]
             line = f"causal {ms[0]:.3f} + nomask {ms[1]:.3f} = {sum(ms):.3f} ms, err {err:.1e}"
-            if err < 2e-2:
+            if err < tol:
                 best = min(best, (sum(ms), cfg))
             else:
                 line += " WRONG (not chosen)"
@@ -328,6 +344,28 @@ def sweep(split: bool):
     torch.cuda.empty_cache()
 
 
+def sweep_fp8():
+    """The FP8 forward's candidates at B4 H32 S4096 D128 (E4M3 q/k/v from current scaling, V
+    keys-contiguous, bf16 out); sets the best. Off cuDNN's bf16 out by > 2^-4: out."""
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, _ = _tensors(4, 4096, 4096, 32, 32, g)
+    plan = F.FP8AttnPlan(recipe.Float8CurrentScaling(fp8_dpa=True), None, False)
+    q8, k8, _, descale, v8_t = F.quantize(plan, q, k, v, v_keys_contiguous=True)
+    ref = {c: (_sdpa(q, k, v, c, False).detach(),) for c in (True, False)}
+
+    def fwd(c):
+        return FA.flash_attention_fp8_fwd(q8, k8, v8_t, descale, c, 1 / math.sqrt(D),
+                                          out_dtype=torch.bfloat16)[:1]
+    print("sweep fp8: fwd", flush=True)
+    ms, _ = _time_cfgs("fwd_fp8", False, SWEEP_FP8, fwd, ref, tol=2.0 ** -4)
+    print(f"best fp8: fwd {ms:.3f} ms, causal + nomask summed; as arguments:")
+    print(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][D]), flush=True)
+    del q, k, v, q8, k8, v8_t, ref
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, nargs="*", default=[],
@@ -335,18 +373,22 @@ def main():
     ap.add_argument("--cp", action="store_true", help="also one cp=2 rank's blocks at S=32768")
     ap.add_argument("--cfg", action="append", default=[],
                     help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
-                         "(kind: fwd, dkdv, dq; D=128)")
+                         "(kind: fwd, dkdv, dq, fwd_fp8; D=128)")
     ap.add_argument("--sweep", action="store_true", help="sweep the configs (both modes) first")
+    ap.add_argument("--sweep-fp8", action="store_true",
+                    help="sweep the FP8 forward's configs first")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
     for spec in args.cfg:
         kind, split, cfg = _parse_cfg(spec)
-        FA.GPU_CFG[kind][(D, split)] = cfg
+        FA.GPU_CFG[kind][_cfg_key(kind, split)] = cfg
     settle_gpu()
     if args.sweep:
         sweep(False)
         sweep(True)
+    if args.sweep_fp8:
+        sweep_fp8()
     rows = []
     _run(rows, args)
     finish("flash_attention", rows, baseline="sdpa cudnn")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
 #        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [tests:EXPR]
-#        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG] [pack]
+#        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG] [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
 # tests:EXPR runs the gpu tier with pytest -k EXPR (+ for a space: tests:fp8_attention+or+scaling); block:REGEX the block bench's variants
@@ -40,6 +40,7 @@ for s in $stages; do
     graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
     flash)  python3 benchmarks/bench_flash_attention.py 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
+    flash:*) a=${s#flash:}; python3 benchmarks/bench_flash_attention.py ${a//+/ } 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
     cpscale) torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/bench_cp_scale.py 2>&1 | tee "$OUT/bench_cp_scale.log" | grep -v "^{" ;;
     cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
