@@ -255,7 +255,8 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
 _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
-    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False), "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False),
+              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
     KERNELS[("flash_attention", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,

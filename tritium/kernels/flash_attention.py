@@ -52,8 +52,9 @@ the running max) times P_SCALE = 448 rounded to E4M3 for an E4M3 P @ V; out = ac
 l, written in out_dtype; lse from the unquantized P. E4M3 wgmma reads both operands K-major, so
 P @ V wants V with the keys contiguous (VT: the layer's cast writes V that way, in the same pass;
 the wrapper copies any other V once); read as [d, keys] tiles and transposed as a view, it ran
-3.3x faster than row-major V (H100, 238 -> 785 TFLOPS). Twin: `ref.flash_attention.flash_attention_fp8_fwd`
-with block_n = `fp8_block_n(...)` (P's quantization depends on the key tiling). No FP8
+3.3x faster than row-major V (H100, 238 -> 785 TFLOPS). Twin:
+`ref.flash_attention.flash_attention_fp8_fwd` with block_n = `fp8_block_n(...)` (P's
+quantization depends on the key tiling). No FP8
 backward: the attention layer runs the backward above on the dequantized inputs.
 Deliberately not here: dropout, sliding windows, padding masks, bottom-right
 causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
@@ -420,7 +421,7 @@ GPU_CFG = {
     "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
-# FP8 forward by head dim, from a sweep on an H100 (2026-11-27, B4 S4096, V keys-contiguous):
+# FP8 forward by head dim, from a sweep on an H100 (2026-11-26, B4 S4096, V keys-contiguous):
 # at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (128 x 64 at 8 warps, the
 # bf16 speed mode's tiles: 572), 652 causal; at D=64 the same tiles are fastest too.
 GPU_CFG["fwd_fp8"] = {128: Cfg(128, 128, 4, 3, tma=True), 64: Cfg(128, 128, 4, 3, tma=True)}
