@@ -63,6 +63,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
                    for i, m in enumerate(model) for d in ("fwd", "bwd")
                    for k in ("scale", "amax_history")}}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -123,6 +124,7 @@ def _compiled_worker(rank: int, port: int, out_dir: str, seed: int):
             states[name] = [getattr(getattr(m.fp8_meta, d), k).clone() for m in model
                             for d in ("fwd", "bwd") for k in ("scale", "amax_history")]
         torch.save(states, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

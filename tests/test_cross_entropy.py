@@ -204,6 +204,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
         loss3.backward(torch.linspace(-1, 1, 22))
         res.update(loss3=loss3.detach(), dh3=h.grad, dw3=ws.grad)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

@@ -36,6 +36,7 @@ def _entry(rank, world, port, ckpt, out, seed):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _check_two_ranks(rank, world, ckpt, out, seed)
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

@@ -57,6 +57,7 @@ def _entry(rank, world, port, fn, args):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         fn(rank, world, *args)
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
@@ -661,5 +662,6 @@ def test_refusals_of_sharded_scaled_states_and_current_scaled_fp8_weights():
         with pytest.raises(ValueError, match="cannot be sharded"):
             with te.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8CurrentScaling()):
                 fp8(torch.randn(4, 32))
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()

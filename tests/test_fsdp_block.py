@@ -32,6 +32,7 @@ def _entry(rank, world, port):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         _check(rank, world)
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 

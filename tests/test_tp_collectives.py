@@ -106,6 +106,7 @@ def _worker(rank, port, out_dir):
         dist.all_gather_object(everyone, res)
         if rank == 0:
             torch.save(everyone, os.path.join(out_dir, "results.pt"))
+        dist.barrier()   # no rank tears the group down while another still uses it
     finally:
         dist.destroy_process_group()
 
