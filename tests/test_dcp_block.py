@@ -13,12 +13,11 @@ dequantized values. Mismatches are refused by name with nothing changed: a tenso
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from testlib import assert_bits, free_port
+from testlib import assert_bits, free_port, gloo_group
 from test_fsdp_block import B, F, H, _model, _shard
 import torch.multiprocessing as mp
 
@@ -30,15 +29,8 @@ DIMS = (2, 1)          # w_block_scaling_dim: 128x128 and 1x128 weight blocks
 
 
 def _entry(rank, world, port, ckpt, out, seed):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         _check_two_ranks(rank, world, ckpt, out, seed)
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 def _steps(model, opt, start, n, dim=2):

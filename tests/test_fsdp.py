@@ -27,12 +27,11 @@ asserts inside the workers; rank 0 leaves the results the next world size needs 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import pytest
 import torch
 
-from testlib import all_gather_sizes, free_port
+from testlib import all_gather_sizes, free_port, gloo_group
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
@@ -51,15 +50,8 @@ def _spawn(fn, world, *args):
 
 
 def _entry(rank, world, port, fn, args):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         fn(rank, world, *args)
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- worker helpers

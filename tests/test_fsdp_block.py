@@ -12,12 +12,11 @@ shard raise at fully_shard, before any collective.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
-from testlib import all_gather_sizes, assert_bits, free_port
+from testlib import all_gather_sizes, assert_bits, free_port, gloo_group
 import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
@@ -26,15 +25,8 @@ H, F, B, STEPS = 256, 512, 16, 3
 
 
 def _entry(rank, world, port):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         _check(rank, world)
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 def _model(block: bool, dtype=torch.float32, out: int = F, dim: int = 2, seed: int = 0):

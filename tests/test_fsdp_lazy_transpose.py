@@ -16,13 +16,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-from testlib import free_port
+from testlib import free_port, gloo_group
 
 pytestmark = pytest.mark.cpu
 
@@ -30,15 +29,8 @@ H, F, G, OUT = 32, 64, 8, 48       # hidden, ffn, global batch rows, head output
 
 
 def _entry(rank, world, port):
-    import torch.distributed as dist
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         _worker(rank, world)
-        dist.barrier()   # no rank tears the group down while the other still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 @contextlib.contextmanager

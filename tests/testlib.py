@@ -112,6 +112,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def gloo_group(rank: int, world: int, port: int):
+    """A gloo process group for this spawned rank (rendezvous on localhost:port, one CPU thread,
+    TRITIUM_FORCE_REF=1). After the body, every rank waits for the others before the group is
+    torn down: a rank destroying it early aborts a peer still in a collective (SIGABRT). On an
+    error the group goes at once."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def spawn_results(worker, world: int, out_dir, *args):
     """Run worker(rank, port, str(out_dir), *args) in `world` processes (torch.multiprocessing,
     a fresh rendezvous port) and return what they left in out_dir/results.pt."""
