@@ -8,9 +8,8 @@ import os
 import pytest
 import torch
 
-from testlib import free_port
+from testlib import free_port, spawn
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytestmark = pytest.mark.cpu
 
@@ -69,7 +68,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
 
 
 def test_amax_reduction_two_ranks(tmp_path, _seed):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, free_port(), str(tmp_path), _seed)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     keys = [k for k in r0[True] if k != "calls"]
@@ -130,8 +129,7 @@ def _compiled_worker(rank: int, port: int, out_dir: str, seed: int):
 
 
 def test_amax_reduction_compiled_two_ranks(tmp_path, _seed):
-    mp.spawn(_compiled_worker, args=(free_port(), str(tmp_path), _seed), nprocs=WORLD,
-             join=True)
+    spawn(_compiled_worker, WORLD, free_port(), str(tmp_path), _seed)
     r0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
     r1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
     for i, (a, b, c) in enumerate(zip(r0["eager"], r0["compiled"], r1["compiled"])):

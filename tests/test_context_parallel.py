@@ -28,13 +28,12 @@ import zlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import tritium.attention as A
 from tritium.attention import cp
 from tritium.attention.cp import p2p, all_gather
 
-from testlib import FP32_TOL, free_port
+from testlib import FP32_TOL, free_port, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -233,7 +232,7 @@ def _worker(rank, world, port, out_dir, cases):
 
 def _spawn(world, tmp_path_factory, cases):
     out = tmp_path_factory.mktemp(f"cp{world}")
-    mp.spawn(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=True)
+    spawn(_worker, world, world, free_port(), str(out), cases)
     res = torch.load(out / "results.pt", weights_only=False)
     res["accuracy"] = json.loads((out / "accuracy.json").read_text())
     return res

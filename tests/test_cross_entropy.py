@@ -10,12 +10,11 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 import tritium as te
 from tritium import recipe
-from testlib import BF16_TOL, FP32_TOL, free_port
+from testlib import BF16_TOL, FP32_TOL, free_port, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -210,7 +209,7 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
 
 
 def test_vocab_parallel_two_ranks(tmp_path, _seed):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), _seed), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, free_port(), str(tmp_path), _seed)
     logits, hid, w, t1, t2 = _case(_seed)
     x = logits.clone().requires_grad_()
     want1 = te.parallel_cross_entropy(x, t1, 0.1)

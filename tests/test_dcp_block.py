@@ -17,9 +17,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from testlib import assert_bits, free_port, gloo_group
+from testlib import assert_bits, free_port, gloo_group, spawn
 from test_fsdp_block import B, F, H, _model, _shard
-import torch.multiprocessing as mp
 
 pytestmark = [pytest.mark.cpu,   # one process loads with DCP without a process group:
               pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -160,7 +159,7 @@ def test_block_fp8_dcp_resume_two_ranks_and_one(tmp_path, _seed):
     from tritium.distributed import checkpointing
     from tritium.fp8.block_tensor import Float8BlockTensor
     ckpt, out = str(tmp_path / "ckpt"), str(tmp_path / "after")
-    mp.spawn(_entry, args=(2, free_port(), ckpt, out, _seed), nprocs=2, join=True)
+    spawn(_entry, 2, 2, free_port(), ckpt, out, _seed)
 
     # one process, no FSDP: the 2-rank checkpoints continue bit for bit
     for dim in DIMS:

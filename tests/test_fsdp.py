@@ -31,8 +31,7 @@ import contextlib
 import pytest
 import torch
 
-from testlib import all_gather_sizes, free_port, gloo_group
-import torch.multiprocessing as mp
+from testlib import all_gather_sizes, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -46,7 +45,7 @@ BF16 = dict(rtol=1.6e-2, atol=1.6e-2 * LR * STEPS)
 
 
 def _spawn(fn, world, *args):
-    mp.spawn(_entry, args=(world, free_port(), fn, args), nprocs=world, join=True)
+    spawn(_entry, world, world, free_port(), fn, args)
 
 
 def _entry(rank, world, port, fn, args):

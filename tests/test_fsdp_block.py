@@ -16,8 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from testlib import all_gather_sizes, assert_bits, free_port, gloo_group
-import torch.multiprocessing as mp
+from testlib import all_gather_sizes, assert_bits, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -145,7 +144,7 @@ def _check_training(world, dim):
 
 
 def test_block_fp8_params_fsdp_two_ranks():
-    mp.spawn(_entry, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_entry, 2, 2, free_port())
 
 
 def test_block_split_rules(randn):

@@ -19,9 +19,8 @@ import functools
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from testlib import free_port, gloo_group
+from testlib import free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -133,7 +132,7 @@ def _worker(rank, world):
 
 
 def test_one_transpose_per_weight_per_step_under_fsdp2():
-    mp.spawn(_entry, args=(2, free_port()), nprocs=2, join=True)
+    spawn(_entry, 2, 2, free_port())
 
 
 class _Mesh:

@@ -20,9 +20,8 @@ import zlib
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from testlib import FP32_TOL, fp8_states, free_port
+from testlib import FP32_TOL, fp8_states, free_port, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -474,7 +473,7 @@ def _worker(rank, world, port, out_dir, cases):
 
 def _spawn(world, tmp_path_factory, cases):
     out = tmp_path_factory.mktemp(f"tp{world}")
-    mp.spawn(_worker, args=(world, free_port(), str(out), cases), nprocs=world, join=True)
+    spawn(_worker, world, world, free_port(), str(out), cases)
     return torch.load(out / "results.pt", weights_only=False)
 
 

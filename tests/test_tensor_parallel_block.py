@@ -40,10 +40,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from test_tensor_parallel import _gather, _seed
-from testlib import FP8_TOL, FP32_TOL, assert_bits, free_port
+from testlib import assert_bits, FP32_TOL, FP8_TOL, free_port, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -418,7 +417,7 @@ def _worker(rank, world, port, out_dir):
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
     out = tmp_path_factory.mktemp("tpblock")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    spawn(_worker, 2, 2, free_port(), str(out))
     return torch.load(out / "results.pt", weights_only=False)
 
 

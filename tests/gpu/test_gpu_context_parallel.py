@@ -19,8 +19,7 @@ import os
 import pytest
 import torch
 
-from testlib import free_port
-import torch.multiprocessing as mp
+from testlib import free_port, spawn
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -82,7 +81,7 @@ def _worker(rank, port, out_dir):
 def result(tmp_path_factory):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast
     out = tmp_path_factory.mktemp("cp_gpu")
-    mp.spawn(_worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, free_port(), str(out))
     res = json.loads((out / "cp.json").read_text())
     from tritium.attention.cp.accuracy import table
     text = table(res["rows"], f"{torch.cuda.get_device_name(0)}, NCCL cp=2, bf16, "

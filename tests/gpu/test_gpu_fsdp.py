@@ -19,8 +19,7 @@ import os
 import pytest
 import torch
 
-from testlib import free_port
-import torch.multiprocessing as mp
+from testlib import free_port, spawn
 
 pytestmark = [pytest.mark.multigpu,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")]
@@ -171,4 +170,4 @@ def _worker(rank, port, out_dir):
 
 def test_fsdp_two_gpus(tmp_path):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")     # no NVLink multicast
-    mp.spawn(_worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn(_worker, WORLD, free_port(), str(tmp_path))
