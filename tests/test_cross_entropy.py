@@ -48,6 +48,8 @@ def test_parallel_cross_entropy_fp32(randn, layout, reduce_loss, eps):
     loss = te.parallel_cross_entropy(x, t, eps, reduce_loss, None, -100)
     assert loss.dtype == torch.float32
     assert loss.shape == (() if reduce_loss else (3, 5))
+    # a reduced loss is a new tensor: FSDP2 warns of view outputs (in-place ops drop its hooks)
+    assert not (reduce_loss and loss._is_view())
     gout = torch.tensor(1.7) if reduce_loss else randn(3, 5)
     loss.backward(gout)
     xd = x.detach().double().requires_grad_()
@@ -97,6 +99,7 @@ def test_linear_cross_entropy_fp32(randn, reduction, eps, z, chunk_size):
     hid, w, b, t = _lce_case(randn, 45, 24, 61, bias=True)  # 45 tokens: 3 chunks, a ragged one
     loss = te.linear_cross_entropy(hid, w, t, reduction=reduction, label_smoothing=eps,
                                    lse_square_scale=z, bias=b, chunk_size=chunk_size)
+    assert not (reduction != "none" and loss._is_view())
     gout = randn(45) if reduction == "none" else torch.tensor(0.8)
     loss.backward(gout)
     want, dh, dw, db = _lce_oracle(hid, w, b, t, gout, reduction=reduction, eps=eps, z=z)

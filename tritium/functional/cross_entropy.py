@@ -122,7 +122,7 @@ class _ParallelCrossEntropy(torch.autograd.Function):
         loss, _ = ce_chunk(x, t, grad, scale, ignore_idx, label_smoothing, 0.0, group)
         ctx.grad, ctx.reduce, ctx.shape = grad, reduce_loss, inp.shape
         if reduce_loss:
-            return (loss.sum() / n).reshape(())
+            return loss.sum() / n.reshape(())   # a new tensor, not a view: FSDP2 warns on view outputs
         return loss.reshape(target.shape)
 
     @staticmethod

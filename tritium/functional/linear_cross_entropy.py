@@ -159,7 +159,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if reduction == "none" and (need_h or need_w or need_b):
             ctx.save_for_backward(h2d, weight, bias, target, lse)
         if reduction == "mean":
-            return (loss.sum() / n).reshape(())
+            return loss.sum() / n.reshape(())   # a new tensor, not a view: FSDP2 warns on view outputs
         return loss.sum() if reduction == "sum" else loss
 
     @staticmethod

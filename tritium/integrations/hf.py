@@ -235,7 +235,9 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
         if group is not None and self.gather_output:
             out = gather_from_sequence_parallel_region(out, group,
                                                        tensor_parallel_output_grad=False)
-            out = out.transpose(0, 1).contiguous()
+            # a copy even at batch 1 (where contiguous() would return the transposed view):
+            # FSDP2 warns of view outputs, and an in-place op on one drops its backward hook
+            out = out.transpose(0, 1).clone(memory_format=torch.contiguous_format)
         return (out,) if self.return_tuple else out
 
     def extra_repr(self) -> str:
