@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from testlib import free_port, spawn
+from testlib import free_port, gloo_group, spawn
 import torch.distributed as dist
 
 pytestmark = pytest.mark.cpu
@@ -27,10 +27,7 @@ def _step_data(seed: int, rank: int, step: int):
 
 
 def _worker(rank: int, port: int, out_dir: str, seed: int):
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port),
-                      TRITIUM_FORCE_REF="1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         import tritium as te
         from tritium import recipe
 
@@ -62,9 +59,6 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
                    for i, m in enumerate(model) for d in ("fwd", "bwd")
                    for k in ("scale", "amax_history")}}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 def test_amax_reduction_two_ranks(tmp_path, _seed):
@@ -97,10 +91,7 @@ def test_amax_reduction_two_ranks(tmp_path, _seed):
 def _compiled_worker(rank: int, port: int, out_dir: str, seed: int):
     """The same two-Linear model, eager and under torch.compile (the backward amaxes reduced
     inside the compiled backward, per module): the states must agree bit for bit."""
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port),
-                      TRITIUM_FORCE_REF="1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         import copy
 
         import tritium as te
@@ -123,9 +114,6 @@ def _compiled_worker(rank: int, port: int, out_dir: str, seed: int):
             states[name] = [getattr(getattr(m.fp8_meta, d), k).clone() for m in model
                             for d in ("fwd", "bwd") for k in ("scale", "amax_history")]
         torch.save(states, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 def test_amax_reduction_compiled_two_ranks(tmp_path, _seed):

@@ -33,7 +33,7 @@ import tritium.attention as A
 from tritium.attention import cp
 from tritium.attention.cp import p2p, all_gather
 
-from testlib import FP32_TOL, free_port, spawn
+from testlib import FP32_TOL, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -201,14 +201,8 @@ def _errors(group, world, rank):
 
 
 def _worker(rank, world, port, out_dir, cases):
-    os.environ["TRITIUM_FORCE_REF"] = "1"
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    from tritium import _env
-    _env.reload()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         group = dist.group.WORLD
         results = {}
         for name in cases:
@@ -225,9 +219,6 @@ def _worker(rank, world, port, out_dir, cases):
             torch.save(results, os.path.join(out_dir, "results.pt"))
             with open(os.path.join(out_dir, "accuracy.json"), "w") as f:
                 json.dump(rows, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world, tmp_path_factory, cases):

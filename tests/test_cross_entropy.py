@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import tritium as te
 from tritium import recipe
-from testlib import BF16_TOL, FP32_TOL, free_port, spawn
+from testlib import BF16_TOL, FP32_TOL, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -186,9 +186,7 @@ def _case(seed):
 
 
 def _worker(rank: int, port: int, out_dir: str, seed: int):
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         logits, hid, w, t1, t2 = _case(seed)
         x = logits[..., rank * 27:(rank + 1) * 27].clone().requires_grad_()
         loss1 = te.parallel_cross_entropy(x, t1, 0.1, False, dist.group.WORLD)
@@ -206,9 +204,6 @@ def _worker(rank: int, port: int, out_dir: str, seed: int):
         loss3.backward(torch.linspace(-1, 1, 22))
         res.update(loss3=loss3.detach(), dh3=h.grad, dw3=ws.grad)
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 def test_vocab_parallel_two_ranks(tmp_path, _seed):

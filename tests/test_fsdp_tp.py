@@ -37,7 +37,7 @@ import zlib
 import pytest
 import torch
 
-from testlib import FP32_TOL, fp8_states, spawn_results
+from testlib import FP32_TOL, fp8_states, gloo_group, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -202,10 +202,7 @@ def _worker(rank, port, out_dir):
     from tritium import recipe
     from tritium.distributed.tensor_parallel import gather_full_state_dict
     from tritium.integrations.hf import convert_llama
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         dp_rank = mesh.get_local_rank("dp")
         res = {"errors": _errors(mesh), "meta_build": _meta_build(mesh)}
@@ -239,9 +236,6 @@ def _worker(rank, port, out_dir):
             res["ref_fp8_losses"] = _train(ref, 2, rcp=rcp, fp8_group=solo)
             res["fp8_states"], res["ref_fp8_states"] = fp8_states(fp8_model), fp8_states(ref)
             torch.save(res, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import zlib
 import pytest
 import torch
 
-from testlib import FP32_TOL, fp8_states, free_port, spawn
+from testlib import FP32_TOL, fp8_states, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -445,14 +445,8 @@ def _errors(group, world, rank):
 
 
 def _worker(rank, world, port, out_dir, cases):
-    os.environ["TRITIUM_FORCE_REF"] = "1"
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    from tritium import _env
-    _env.reload()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         group = dist.group.WORLD
         results = {name: _module_case(name, group, world, rank) for name in cases}
         if world == 2:
@@ -466,9 +460,6 @@ def _worker(rank, world, port, out_dir, cases):
             results["errors"] = _errors(group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _spawn(world, tmp_path_factory, cases):

@@ -34,7 +34,7 @@ import zlib
 import pytest
 import torch
 
-from testlib import spawn_results
+from testlib import gloo_group, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -84,10 +84,7 @@ def _step(model, ids, rcp):
 def _worker(rank, port, out_dir):
     import torch.distributed as dist
     from tritium import recipe
-    os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
+    with gloo_group(rank, WORLD, port):
         recipes = {"bf16": None, "delayed": recipe.DelayedScaling(),
                    "current": recipe.Float8CurrentScaling()}
         ids = torch.randint(0, VOCAB, (1, SEQ), generator=torch.Generator().manual_seed(SEED))
@@ -106,9 +103,6 @@ def _worker(rank, port, out_dir):
         dist.all_gather_object(everyone, res)
         if rank == 0:
             torch.save(everyone, os.path.join(out_dir, "results.pt"))
-        dist.barrier()   # no rank tears the group down while another still uses it
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

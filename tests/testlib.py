@@ -116,11 +116,13 @@ def free_port() -> int:
 @contextlib.contextmanager
 def gloo_group(rank: int, world: int, port: int):
     """A gloo process group for this spawned rank (rendezvous on localhost:port, one CPU thread,
-    TRITIUM_FORCE_REF=1). After the body, every rank waits for the others before the group is
-    torn down: a rank destroying it early aborts a peer still in a collective (SIGABRT). On an
-    error the group goes at once."""
+    TRITIUM_FORCE_REF=1 re-read by tritium). After the body, every rank waits for the others
+    before the group is torn down: a rank destroying it early aborts a peer still in a
+    collective (SIGABRT). On an error the group goes at once."""
     import torch.distributed as dist
+    from tritium import _env
     os.environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(port), TRITIUM_FORCE_REF="1")
+    _env.reload()
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
