@@ -7,12 +7,13 @@ What is asserted, on fresh random data:
     tensor, bit for bit, for 1x128 blocks (128 local tokens) and MXFP8's 1x32 (96 local
     tokens); with 80 local tokens the rowwise form still is, the columnwise form is not (its
     128-token blocks would span both ranks: why that case falls back);
-  * modules (Linear column / row, LayerNormLinear, LayerNormMLP gelu / swiglu; 128 local
-    tokens): with the FP8 gather every output and gradient equals the high-precision gather's
-    (`fp8_block_gather(False)`) bit for bit, and the unsharded module's as
+  * modules (Linear column / row, LayerNormLinear, LayerNormMLP gelu / swiglu, in fp32, some
+    in bf16; a TransformerLayer and LayerNormMLP(checkpoint=True); 128 local tokens): with the
+    FP8 gather every output and gradient equals the high-precision gather's
+    (`fp8_block_gather(False)`) bit for bit, and (fp32) the unsharded module's as
     tests/test_tensor_parallel_block.py states (bit-identical where every reduction dim is
     whole, fp32 tolerance where a split sum is finished by a collective); the norm's block cast
-    runs fused under SP now (a spy counts it);
+    runs fused under SP now (a spy counts it; not with checkpoint=True);
   * the bytes every rank puts into the gathers (counted at tensor_parallel's all-gather, as
     testlib.all_gather_sizes does for FSDP2): exactly one form (fp8 data + scales,
     1 + 4/128 bytes an element) per column GEMM in forward, <= 0.55x the high-precision gather
@@ -31,7 +32,7 @@ import pytest
 import torch
 
 from test_tensor_parallel import _gather, _seed
-from test_tensor_parallel_block import B, H, _build, _check, _exact, _perturb_norm, _recipe, _Spy
+from test_tensor_parallel_block import B, F, H, _build, _check, _exact, _perturb_norm, _recipe, _Spy
 from testlib import FP32_TOL, all_gather_sizes, assert_bits, free_port, spawn
 
 pytestmark = pytest.mark.cpu
@@ -40,7 +41,12 @@ S_FP8, S_MX, S_FALLBACK = 128, 96, 80   # 2 ranks, batch 2: 128 / 96 / 80 local 
 KINDS = ("linear-col", "linear-row", "lnlinear", "lnmlp-gelu", "lnmlp-swiglu")
 CASES = ([f"{k}/fp32" for k in KINDS] + ["linear-col/bf16", "linear-row/bf16", "lnmlp-gelu/bf16"]
          + ["linear-col/mx", "linear-row/mx"]
-         + ["linear-col/fallback", "linear-row/fallback", "lnlinear/fallback"])
+         + ["linear-col/fallback", "linear-row/fallback", "lnlinear/fallback"]
+         + ["layer/fp32", "lnmlp-ckpt/fp32"])
+# compared with the high-precision gather only (the unsharded comparison: the cases above and
+# tests/test_tensor_parallel_block.py)
+SAME_ONLY = {"linear-col/bf16", "linear-row/bf16", "lnmlp-gelu/bf16", "layer/fp32",
+             "lnmlp-ckpt/fp32"}
 
 
 # --------------------------------------------------------------------------- worker side
@@ -67,6 +73,19 @@ def _run_counted(mod, x, dy, rcp, fp8_gather: bool):
     return (y.detach(), leaf.grad, grads), fwd, bwd
 
 
+def _build_sp(kind, tp: dict):
+    """_build's modules, a TransformerLayer (LayerNorm QKV, gelu MLP; set_parallel_mode) and a
+    LayerNormMLP(checkpoint=True) (fc1 and its input gather recomputed in backward)."""
+    import tritium as te
+    if kind == "layer":
+        return te.TransformerLayer(H, F, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                                   set_parallel_mode=True, device="cpu", **tp), H, H
+    if kind == "lnmlp-ckpt":
+        return te.LayerNormMLP(H, F, set_parallel_mode=True, checkpoint=True, device="cpu",
+                               **tp), H, H
+    return _build(kind, tp)
+
+
 def _module_case(name, group, world, rank, spy):
     """The SP module (its own init on each rank) and the unsharded one loaded with the gathered
     state dict, on the same full data: FP8 gather, high-precision gather, unsharded."""
@@ -77,10 +96,9 @@ def _module_case(name, group, world, rank, spy):
     dtype = torch.bfloat16 if how == "bf16" else torch.float32
     extra = {"params_dtype": dtype} if how == "bf16" else {}
     torch.manual_seed(_seed(name) + rank)
-    tp_mod, k_in, n_out = _build(kind, dict(tp_group=group, sequence_parallel=True, **extra))
+    tp_mod, k_in, n_out = _build_sp(kind, dict(tp_group=group, sequence_parallel=True,
+                                               **extra))
     _perturb_norm(tp_mod, _seed(name))
-    ref, _, _ = _build(kind, extra)
-    ref.load_state_dict(T.gather_full_state_dict(tp_mod))
     col = kind in ("linear-col", "lnlinear")
     g = torch.Generator().manual_seed(_seed(name) + 1)   # the same data on every rank
     x = torch.randn(s, B, k_in, generator=g).to(dtype)
@@ -99,8 +117,10 @@ def _module_case(name, group, world, rank, spy):
     res = {"same": same, "bytes": {"fp8": (fwd8, bwd8), "hp": (fwd_hp, bwd_hp)},
            "calls": calls, "hp_calls": hp_calls, "tokens": s * B // world,
            "elt": x.element_size()}
-    if how == "bf16":
+    if name in SAME_ONLY:
         return res
+    ref, _, _ = _build(kind, extra)
+    ref.load_state_dict(T.gather_full_state_dict(tp_mod))
     want, _, _ = _run_counted(ref, x, dy, rcp, True)
     y_tp, gx, grads = got
     if col:
@@ -180,19 +200,16 @@ def _form_bytes(elements: int, mx: bool) -> int:
 
 def _expected_bytes(kind: str, how: str, tokens: int, elt: int):
     """{"fp8"/"hp": (forward, backward) bytes this rank gathers} from the layer's structure:
-    column GEMMs gather their input [tokens, K] (fp8: rowwise in forward, columnwise in
-    backward), row GEMMs their grad [tokens, N] in backward (fp8: both forms)."""
-    mx = how == "mx"
-    col_k = {"linear-col": H, "lnlinear": H, "lnmlp-gelu": H, "lnmlp-swiglu": H}.get(kind)
-    row_n = {"linear-row": H, "lnmlp-gelu": H, "lnmlp-swiglu": H}.get(kind)
-    fwd8 = bwd8 = fwd_hp = bwd_hp = 0
-    if col_k:
-        fwd8 += _form_bytes(tokens * col_k, mx)
-        bwd8 += _form_bytes(tokens * col_k, mx)
-        fwd_hp += tokens * col_k * elt
-    if row_n:
-        bwd8 += 2 * _form_bytes(tokens * row_n, mx)
-        bwd_hp += tokens * row_n * elt
+    column GEMMs gather their input [tokens, H] (fp8: rowwise in forward, columnwise in
+    backward), row GEMMs their grad [tokens, H] in backward (fp8: both forms); a checkpointed
+    fc1 gathers its input again in the backward's recompute."""
+    one = _form_bytes(tokens * H, how == "mx")
+    cols, rows = {"linear-col": (1, 0), "lnlinear": (1, 0), "linear-row": (0, 1),
+                  "layer": (2, 2)}.get(kind, (1, 1))
+    fwd8, bwd8 = cols * one, cols * one + rows * 2 * one
+    fwd_hp, bwd_hp = cols * tokens * H * elt, rows * tokens * H * elt
+    if kind == "lnmlp-ckpt":
+        bwd8, bwd_hp = bwd8 + one, bwd_hp + fwd_hp
     return {"fp8": (fwd8, bwd8), "hp": (fwd_hp, bwd_hp)}
 
 
@@ -207,7 +224,7 @@ def test_block_sp_fp8_gather_equals_hp_gather(world2, name):
         assert_bits(got, want, f"{name} {label}")
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if not c.endswith("/bf16")])
+@pytest.mark.parametrize("name", [c for c in CASES if c not in SAME_ONLY])
 def test_block_sp_matches_unsharded(world2, name):
     """As tests/test_tensor_parallel_block.py: bit-identical where every reduction dim is
     whole on each rank, fp32 tolerance (and not the same bits) where a split sum is finished
@@ -247,12 +264,12 @@ def test_block_sp_gather_bytes(world2, name):
         assert fwd8 == 0 or math.isclose(fwd8 / fwd_hp, (1 + 4 / 128) / 2), (fwd8, fwd_hp)
 
 
-@pytest.mark.parametrize("name", [c for c in CASES if c.startswith("ln")])
+@pytest.mark.parametrize("name", [c for c in CASES if c.startswith(("ln", "layer"))])
 def test_block_sp_fused_norm(world2, name):
     """The norm writes the column GEMM's blocks under SP where the gather is FP8, and not
-    where it is high precision (fallback, or the switch off)."""
+    where it is high precision (fallback, or the switch off), nor with checkpoint=True."""
     res = world2[name]
-    fused = 0 if name.endswith("/fallback") else 1
+    fused = 0 if name.endswith("/fallback") or "ckpt" in name else 2 if "layer" in name else 1
     assert res["calls"]["norm"] == fused, res["calls"]
     assert res["hp_calls"]["norm"] == 0, res["hp_calls"]
 

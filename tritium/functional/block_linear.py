@@ -39,9 +39,12 @@ Likewise a grad_output written in blocks by the fused activation backward (a car
 high-precision gradient when the bias gradient needs its values) is not cast again.
 Tensor parallelism: the collectives wrap this Function (functional.linear._tp_linear); block
 scales are local, nothing is reduced across ranks (what equals the unsharded module and why:
-docs/block_scaling.md). Not done: the FP8 all-gather of sequence parallelism (column-parallel
-layers gather the high-precision input, row-parallel ones the high-precision grad, then
-quantize).
+docs/block_scaling.md). Sequence parallelism gathers fp8 blocks where each rank's token count
+is a multiple of the block (128; MXFP8: 32), else high precision (functional/block_sp.py): a
+column-parallel layer's input arrives as a carrier of the gathered rowwise blocks whose
+columnwise form (`data_t`) is a callable that all-gathers it when wgrad asks; a row-parallel
+layer's grad arrives as a carrier of the gathered blocks (rowwise for dgrad, columnwise for
+wgrad). Both are the bits of quantizing the gathered tensor.
 """
 from __future__ import annotations
 
