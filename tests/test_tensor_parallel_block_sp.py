@@ -287,3 +287,32 @@ def test_block_sp_gather_forms_bitwise(world2):
                 assert not torch.equal(got.float(), want.float()), (case, field)
             else:
                 assert_bits(got, want, f"{case} {field}")
+
+
+def test_block_sp_refuses_mismatched_blocks():
+    """Before any collective: a fused norm's carrier that reaches the high-precision gather
+    (80 local tokens) is refused, and so is a carrier whose blocks are not the recipe's form;
+    the block Linear refuses pre-quantized blocks of the other block form (1x128 vs MXFP8)."""
+    from types import SimpleNamespace
+    from tritium.distributed.tensor_parallel import TPSpec
+    from tritium.functional import block_sp
+    from tritium.functional.block_linear import BlockScheme, _check_block_operand
+    from tritium.functional.fused_cast import block_carrier
+    spec = TPSpec("column", None, 2, True)   # no group: nothing may reach a collective
+    plan = SimpleNamespace(recipe=_recipe("128x128"), grad=True)
+    scheme = BlockScheme.of(plan.recipe)
+    weight = torch.zeros(8, H)
+    for tokens in (80, 128):
+        x = torch.randn(tokens, H)
+        q = scheme.quantize(x, scheme.x_q, scheme.fwd_dtype, rowwise=True, columnwise=True)
+        carrier = block_carrier(q._replace(data=q.data[: tokens // 2]), (tokens, H), x.dtype)
+        with pytest.raises((RuntimeError, ValueError)) as err:
+            block_sp.gather_input(carrier, plan, weight, (), spec)
+        text = str(err.value)
+        assert ("reached the high-precision gather" if tokens == 80 else
+                "must hold 128 rows") in text, text
+    mx = BlockScheme.of(_mx_or("mx"))
+    q = scheme.quantize(torch.randn(128, H), scheme.x_q, scheme.fwd_dtype, rowwise=True,
+                        columnwise=False)
+    with pytest.raises(ValueError, match="must hold 1x32 MXFP8"):
+        _check_block_operand(q, mx, (128, H), mx.fwd_dtype, "input")

@@ -42,14 +42,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional
 
 import torch
 
-from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, gather_from_sequence_parallel_region,
+from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0,
+                                           gather_from_sequence_parallel_region,
                                            reduce_scatter_dim0,
                                            reduce_scatter_to_sequence_parallel_region)
 from ..fp8.autocast import current as current_autocast
+from ..fp8.tensor import Float8Tensor
 from ..ref.block_cast import BLOCK, MX_BLOCK, BlockQuantized, e8m0_bits
 from ._apply import fast_apply
 from .block_linear import BlockScheme, is_block_recipe
@@ -169,9 +170,8 @@ class _ScatterGatherBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, scheme: BlockScheme, spec: TPSpec, need_dgrad: bool,
                 need_wgrad: bool):
-        ctx.scheme, ctx.spec, ctx.need, ctx.dtype = scheme, spec, (need_dgrad, need_wgrad), \
-            out.dtype
-        ctx.shape = out.shape
+        ctx.scheme, ctx.spec, ctx.need = scheme, spec, (need_dgrad, need_wgrad)
+        ctx.shape, ctx.dtype = out.shape, out.dtype
         return reduce_scatter_dim0(out, spec.group)
 
     @staticmethod
@@ -203,6 +203,8 @@ def gather_input(inp: torch.Tensor, plan, weight, main_grad, spec: TPSpec) -> to
                                "reached the high-precision gather; the norm is fused only "
                                "where the gather is FP8 (functional/block_sp.py)")
         return gather_from_sequence_parallel_region(inp, spec.group)
+    if isinstance(inp, Float8Tensor):   # as the block Linear reads one: its values
+        inp = inp.dequantize()
     dev = inp.device.type
     if torch.is_autocast_enabled(dev) and block_operand(inp) is None:
         inp = inp.to(torch.get_autocast_dtype(dev))   # what the Linear would quantize
