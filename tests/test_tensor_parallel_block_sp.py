@@ -89,7 +89,6 @@ def _build_sp(kind, tp: dict):
 def _module_case(name, group, world, rank, spy):
     """The SP module (its own init on each rank) and the unsharded one loaded with the gathered
     state dict, on the same full data: FP8 gather, high-precision gather, unsharded."""
-    import tritium as te  # noqa: F401
     from tritium.distributed import tensor_parallel as T
     kind, how = name.split("/")
     s = {"mx": S_MX, "fallback": S_FALLBACK}.get(how, S_FP8)
