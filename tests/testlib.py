@@ -158,20 +158,22 @@ def spawn_results(worker, world: int, out_dir, *args):
 
 
 @contextlib.contextmanager
-def all_gather_sizes():
+def all_gather_sizes(owner=None, name: str = "all_gather_single"):
     """Inside: every dist.all_gather_single call (FSDP2's gather) appends its input's bytes to
-    the yielded list."""
+    the yielded list; or every call of `owner.name` (e.g. tritium.distributed.tensor_parallel's
+    `_all_gather`, which all_gather_dim0 calls: the tensor-parallel gathers)."""
     import torch.distributed as dist
-    sizes, real = [], dist.all_gather_single
+    owner = dist if owner is None else owner
+    sizes, real = [], getattr(owner, name)
 
     def counting(output, inp, *args, **kwargs):
         sizes.append(inp.numel() * inp.element_size())
         return real(output, inp, *args, **kwargs)
-    dist.all_gather_single = counting
+    setattr(owner, name, counting)
     try:
         yield sizes
     finally:
-        dist.all_gather_single = real
+        setattr(owner, name, real)
 
 
 def fp8_states(model) -> list:

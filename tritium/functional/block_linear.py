@@ -39,9 +39,12 @@ Likewise a grad_output written in blocks by the fused activation backward (a car
 high-precision gradient when the bias gradient needs its values) is not cast again.
 Tensor parallelism: the collectives wrap this Function (functional.linear._tp_linear); block
 scales are local, nothing is reduced across ranks (what equals the unsharded module and why:
-docs/block_scaling.md). Not done: the FP8 all-gather of sequence parallelism (column-parallel
-layers gather the high-precision input, row-parallel ones the high-precision grad, then
-quantize).
+docs/block_scaling.md). Sequence parallelism gathers fp8 blocks where each rank's token count
+is a multiple of the block (128; MXFP8: 32), else high precision (functional/block_sp.py): a
+column-parallel layer's input arrives as a carrier of the gathered rowwise blocks whose
+columnwise form (`data_t`) is a callable that all-gathers it when wgrad asks; a row-parallel
+layer's grad arrives as a carrier of the gathered blocks (rowwise for dgrad, columnwise for
+wgrad). Both are the bits of quantizing the gathered tensor.
 """
 from __future__ import annotations
 
@@ -162,14 +165,25 @@ def _weight_operands(plan, scheme: BlockScheme, weight: torch.Tensor,
 
 
 def _check_block_operand(xq: BlockQuantized, scheme: BlockScheme, shape, fp8_dtype, what: str):
-    """An operand a fused producer already quantized: its form must be what this GEMM casts."""
+    """An operand a fused producer (or an FP8 sequence-parallel gather) already quantized: its
+    form must be what this GEMM casts: fp8 dtype, shape, and the scales' layout (1x128 blocks,
+    or MXFP8's 1x32)."""
     tokens, k = shape
     tp = -(-tokens // 16) * 16
-    if scheme.mx or xq.data.dtype != fp8_dtype or tuple(xq.data.shape) != (tp, k):
+    if xq.data is not None:
+        data, scale, want = xq.data, xq.scale_inv, (tp, k)
+    else:
+        data, scale, want = xq.data_t, xq.scale_inv_t, (k, tp)
+    rows, cols = want
+    want_scale = (rows, -(-cols // 32)) if scheme.mx else (-(-cols // 128), rows)
+    form = "1x32 MXFP8" if scheme.mx else "1x128"
+    if (data is None or data.dtype != fp8_dtype or tuple(data.shape) != want
+            or scale is None or tuple(scale.shape) != want_scale):
+        got = None if data is None else f"{data.dtype}{tuple(data.shape)}"
         raise ValueError(
-            f"block Linear: a pre-quantized {what} must hold 1x128 {fp8_dtype} blocks of "
-            f"[{tp}, {k}] (tokens padded to 16), got {xq.data.dtype}{tuple(xq.data.shape)}; "
-            "quantize it with the recipe the Linear runs under")
+            f"block Linear: a pre-quantized {what} must hold {form} {fp8_dtype} blocks of "
+            f"[{tp}, {k}] (tokens padded to 16), got {got}; quantize it with the recipe the "
+            "Linear runs under")
 
 
 class _BlockLinearFunction(torch.autograd.Function):
@@ -216,20 +230,23 @@ class _BlockLinearFunction(torch.autograd.Function):
         if isinstance(grad_out, Float8Tensor):
             grad_out = grad_out.dequantize()
         dy2d = grad_out.reshape(-1, grad_out.shape[-1])
-        dyq = block_operand(grad_out)  # written in 1x128 blocks by a fused activation backward
+        # written in blocks by a fused activation backward, or gathered so (block_sp.py)
+        dyq = block_operand(grad_out)
         if dyq is None:
             dyq = scheme.quantize(_pad16(dy2d), scheme.g_q, scheme.bwd_dtype, rowwise=need_dgrad,
                                   columnwise=need_wgrad)
         else:
             _check_block_operand(dyq, scheme, dy2d.shape, scheme.bwd_dtype, "grad_output")
-            if (need_wgrad and dyq.data_t is None) or (
+            if (need_wgrad and dyq.data_t is None) or (need_dgrad and dyq.data is None) or (
                     ctx.has_bias and ctx.needs_input_grad[2]
                     and getattr(grad_out, "_block_carrier", False)):
                 raise RuntimeError("block Linear: a pre-quantized grad_output lacks the "
-                                   "columnwise blocks (wgrad) or the high-precision values "
-                                   "(bias gradient) this GEMM needs")
+                                   "columnwise blocks (wgrad), the rowwise blocks (dgrad) or "
+                                   "the high-precision values (bias gradient) this GEMM needs")
         dx = dw = db = None
         if need_wgrad:
+            if callable(x_t):  # gathered now (an FP8 sequence-parallel gather: block_sp.py)
+                x_t, x_st = x_t()
             wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
             dw = scheme.gemm(dyq.data_t, x_t, dyq.scale_inv_t, x_st, wgrad_dtype)
         del x_t, x_st

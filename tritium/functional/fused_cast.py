@@ -35,9 +35,10 @@ every mode: the activation's input and output are this rank's columns, no collec
 The norm of LayerNormLinear / LayerNormMLP likewise writes the first GEMM's 1x128 input blocks
 (rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`) and returns a
 carrier (plus the high-precision output for return_layernorm_output), with the same skip;
-under tensor parallelism only for a column-parallel GEMM without sequence parallelism (the
-identity `copy_to_tensor_parallel_region` hands the carrier on), not where sequence
-parallelism all-gathers the norm's output first (docs/block_scaling.md).
+under tensor parallelism only for a column-parallel GEMM: without sequence parallelism (the
+identity `copy_to_tensor_parallel_region` hands the carrier on), or with it where the gather
+moves fp8 blocks (`block_sp`: each rank's tokens a multiple of 128; the gather sends this
+rank's blocks as they are), not where it gathers high precision (docs/block_scaling.md).
 
 `fused_casts(False)` (a context manager) switches the fusion off, for tests and comparisons.
 """

@@ -75,6 +75,7 @@ from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
 from ..fp8.tensor import Float8Tensor
 from ._apply import fast_apply
+from . import block_sp
 from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands
@@ -644,8 +645,11 @@ def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
         in_fp8 = fp8 is not None and fp8.compute_in_fp8 and not block
         if in_fp8 or not (block or torch.compiler.is_compiling()):
             return _linear(inp, weight, bias, fp8, main_grad, tp=tp)
-        inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
-               else copy_to_tensor_parallel_region(inp, group))
+        if block and tp.sequence_parallel:  # fp8 blocks gathered where exact (block_sp.py)
+            inp = block_sp.gather_input(inp, fp8, weight, main_grad, tp)
+        else:
+            inp = (gather_from_sequence_parallel_region(inp, group) if tp.sequence_parallel
+                   else copy_to_tensor_parallel_region(inp, group))
         return _linear(inp, weight, bias, fp8, main_grad)
     if tp.sequence_parallel and fp8 is not None and fp8.compute_in_fp8 \
             and not is_block_recipe(fp8.recipe) and not torch.compiler.is_compiling():
@@ -653,8 +657,12 @@ def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
         out = _linear(inp, weight, None, fp8, main_grad, tp=tp)
     else:
         out = _linear(inp, weight, None, fp8, main_grad)
-        out = (reduce_scatter_to_sequence_parallel_region(out, group) if tp.sequence_parallel
-               else reduce_from_tensor_parallel_region(out, group))
+        if tp.sequence_parallel and fp8 is not None and fp8.compute_in_fp8:
+            # block recipes: the grad gathered in fp8 blocks where exact (block_sp.py)
+            out = block_sp.scatter_output(out, inp, fp8, weight, main_grad, tp)
+        else:
+            out = (reduce_scatter_to_sequence_parallel_region(out, group)
+                   if tp.sequence_parallel else reduce_from_tensor_parallel_region(out, group))
     if bias is None:
         return out
     return out + sp_replicated(bias, tp).to(out.dtype)

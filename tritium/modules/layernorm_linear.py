@@ -11,10 +11,12 @@ amax + transpose in one kernel, bit-identical to norm then cast; `tritium.functi
 says when it applies); the high-precision norm output is then written only for
 return_layernorm_output. Under Float8BlockScaling the norm writes the GEMM's 1x128 input
 blocks instead (rowwise, and columnwise when wgrad needs them; `kernels.norm_block_cast`,
-bit-identical to norm then the Linear's quantize_blocks), also column-parallel, but not under
-sequence parallelism: the GEMM all-gathers the high-precision norm output and quantizes it
-whole (a 1x128 tile along the tokens spans the ranks' rows), nor row-parallel. Other
-recipes, calibration and high precision: norm, then the GEMM.
+bit-identical to norm then the Linear's quantize_blocks), also column-parallel, and under
+sequence parallelism where the GEMM all-gathers fp8 blocks (each rank's token count a multiple
+of 128: functional/block_sp.py; the norm's blocks of this rank's rows are gathered as they
+are). Not where sequence parallelism gathers high precision (a 1x128 tile along the tokens
+would span the ranks' rows), nor row-parallel. Other recipes, calibration and high precision:
+norm, then the GEMM.
 
 Tensor parallelism: as Linear (usually parallel_mode="column"). Under sequence parallelism the
 norm runs on this rank's rows, its output (in fp8 when fused) is all-gathered before the GEMM,
@@ -27,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..functional.block_sp import norm_fusable_under_sp
 from ..functional.fused_cast import block_norm_spec, fusable_state
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
@@ -60,9 +63,10 @@ class LayerNormLinear(Linear):
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
             cast = norm_cast_spec(self, state.recipe, inp.device, need_t)
-        elif tp is None or (tp.mode == "column" and not tp.sequence_parallel):
-            # Float8BlockScaling: the norm writes the blocks (not where sequence parallelism
-            # all-gathers them first: see the module note)
+        elif tp is None or (tp.mode == "column" and (not tp.sequence_parallel
+                                                     or norm_fusable_under_sp(inp))):
+            # Float8BlockScaling: the norm writes the blocks (under sequence parallelism where
+            # they are all-gathered as fp8 blocks: see the module note)
             wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
                                                         for w in self._parts("weight"))
             cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)

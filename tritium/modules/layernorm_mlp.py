@@ -23,7 +23,8 @@ the activation writes fc2's 1x128 input blocks instead of its bf16 output, and i
 writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
 gradient); not with checkpoint=True. Under tensor parallelism the activation's casts run in
 every mode (its input and output are this rank's F/tp columns, no collective between), the
-norm's not under sequence parallelism (fc1 all-gathers its high-precision output first).
+norm's under sequence parallelism only where fc1 all-gathers fp8 blocks (each rank's token
+count a multiple of 128: functional/block_sp.py), not where it gathers high precision.
 
 Tensor parallelism (TE's tp_group / tp_size / set_parallel_mode / sequence_parallel): the
 parameters are this rank's shards: fc1_weight [F/tp, H] (gated: [gate_r; up_r], [2F/tp, H],
@@ -45,6 +46,7 @@ from ..distributed.tensor_parallel import TPConfig, divide, sp_replicated
 from ..fp8.autocast import is_fp8_enabled
 from ..fp8.formats import HIGH_PRECISION_DTYPES
 from ..functional.activation import ACTIVATIONS, GATED, activation as apply_activation
+from ..functional.block_sp import norm_fusable_under_sp
 from ..functional.fused_cast import BlockGradCastSpec, CastSpec, GradCastSpec, block_fusable, \
     block_input_spec, fusable_state
 from ..functional.linear import cast_weights_together, linear
@@ -184,7 +186,8 @@ class LayerNormMLP(FP8Module):
         block_cast = None
         if not (self.checkpoint and torch.is_grad_enabled()):
             block_cast = self._block_casts(inp, fc1_plan, fc2_plan)
-            if not sp_gather and block_fusable(inp, fc1_plan):  # the norm writes fc1's blocks
+            if block_fusable(inp, fc1_plan) and (not sp_gather or norm_fusable_under_sp(inp)):
+                # the norm writes fc1's blocks (under SP where they are gathered as fp8 blocks)
                 norm_cast = block_input_spec(fc1_plan.recipe, torch.is_grad_enabled()
                                              and self.fc1_weight.requires_grad)
         ln_out, ln_out_hp = norm_then_gemm_input(self, inp, norm_cast,
