@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from test_tensor_parallel import _gather, _seed
-from testlib import assert_bits, FP32_TOL, FP8_TOL, free_port, spawn
+from testlib import assert_bits, FP32_TOL, FP8_TOL, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -389,14 +389,8 @@ def _opt_case(name, group, world, rank):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ["TRITIUM_FORCE_REF"] = "1"
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    from tritium import _env
-    _env.reload()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         group, spy = dist.group.WORLD, _Spy()
         results = {name: _block_case(name, group, world, rank, spy) for name in CASES}
         for name, form in PARAM_CASES.items():
@@ -409,9 +403,6 @@ def _worker(rank, world, port, out_dir):
             results[f"opt:{name}"] = _opt_case(name, group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")

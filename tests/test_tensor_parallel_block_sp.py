@@ -33,7 +33,7 @@ import torch
 
 from test_tensor_parallel import _gather, _seed
 from test_tensor_parallel_block import B, F, H, _build, _check, _exact, _perturb_norm, _recipe, _Spy
-from testlib import FP32_TOL, all_gather_sizes, assert_bits, free_port, spawn
+from testlib import all_gather_sizes, assert_bits, FP32_TOL, free_port, gloo_group, spawn
 
 pytestmark = pytest.mark.cpu
 
@@ -165,22 +165,13 @@ def _gather_unit_case(group, world, rank):
 
 
 def _worker(rank, world, port, out_dir):
-    os.environ["TRITIUM_FORCE_REF"] = "1"
-    torch.set_num_threads(1)
     import torch.distributed as dist
-    from tritium import _env
-    _env.reload()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         group, spy = dist.group.WORLD, _Spy()
         results = {name: _module_case(name, group, world, rank, spy) for name in CASES}
         results["unit"] = _gather_unit_case(group, world, rank)
         if rank == 0:
             torch.save(results, os.path.join(out_dir, "results.pt"))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
