@@ -58,7 +58,8 @@ class LayerNormLinear(Linear):
         tp = self.tp.spec(type(self).__name__, self.parallel_mode)
         cast, state = None, fusable_state(inp)
         if state is not None:
-            self._check_fp8_dims()
+            if not self._fp8_dims_ok:  # set once Linear.forward has checked (eager)
+                self._check_fp8_dims()
             # under sequence parallelism the transpose is made after the fp8 gather
             need_t = torch.is_grad_enabled() and (self.fuse_wgrad_accumulation or any(
                 w.requires_grad for w in self._parts("weight"))) and not self.sequence_parallel
@@ -70,7 +71,7 @@ class LayerNormLinear(Linear):
             wgrad = self.fuse_wgrad_accumulation or any(w.requires_grad
                                                         for w in self._parts("weight"))
             cast = block_norm_spec(inp, torch.is_grad_enabled() and wgrad)
-            if cast is not None:
+            if cast is not None and not self._fp8_dims_ok:
                 self._check_fp8_dims()
         gemm_in, ln_out = norm_then_gemm_input(self, inp, cast, self.return_layernorm_output, tp)
         out = super().forward(gemm_in, is_first_microbatch)

@@ -84,6 +84,7 @@ class LayerNormMLP(FP8Module):
             raise TypeError(f"params_dtype must be one of {HIGH_PRECISION_DTYPES}, got {params_dtype}")
         self.hidden_size, self.ffn_hidden_size = hidden_size, self._ffn_full
         self.size_per_partition = ffn_hidden_size  # TE's name: this rank's share of the ffn
+        self._fp8_dims_ok = False  # the FP8 dims check passed (the sizes never change)
         self.eps, self.normalization, self.activation = float(eps), normalization, activation
         self.zero_centered_gamma, self.use_bias = zero_centered_gamma, bias
         self.return_bias, self.return_layernorm_output = return_bias, return_layernorm_output
@@ -129,9 +130,11 @@ class LayerNormMLP(FP8Module):
 
     def _check(self, inp) -> None:
         check_input("LayerNormMLP", inp, self.fc1_weight, "hidden_size", self.hidden_size)
-        if is_fp8_enabled():
+        if not self._fp8_dims_ok and is_fp8_enabled():
             check_fp8_dims("LayerNormMLP", {"hidden_size": self.hidden_size,
                                             "ffn_hidden_size / tp_size": self.size_per_partition})
+            # checked once (in eager: a compiled graph would guard on the flag), as Linear
+            self._fp8_dims_ok = not torch.compiler.is_compiling()
 
     def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp, block_cast=None) -> torch.Tensor:
         h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp)
