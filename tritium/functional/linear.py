@@ -147,6 +147,14 @@ class FP8Plan:
         fwd = None if self.fwd is None else FrozenScales(self.fwd)
         return dataclasses.replace(self, fwd=fwd)
 
+    def with_weight_ready(self, ready: tuple) -> "FP8Plan":
+        """dataclasses.replace(self, weight_ready=ready) without its walk over every field
+        (two plans per LayerNormMLP call): a shallow copy, then the one field set."""
+        plan = object.__new__(type(self))
+        plan.__dict__.update(self.__dict__)
+        plan.weight_ready = ready
+        return plan
+
     def quantize(self, x2d, state, slot, fp8_dtype, *, record=True, pad_rows_to=16,
                  write_data=True, write_transpose=False, tensor_amax=None):
         """Cast one GEMM operand. `tensor_amax` (current scaling only): the amax of the whole
@@ -289,7 +297,7 @@ def cast_weights_together(plans: Sequence[FP8Plan], weights: Sequence[torch.Tens
     ready = quantize_pair(*jobs, rec.fp8_format.forward_dtype,
                           (rec.amax_epsilon, rec.power_2_scale) if current else None)
     ready = [r if c is None else (r[0], c, r[2]) for r, c in zip(ready, recasts)]
-    return [dataclasses.replace(p, weight_ready=r) for p, r in zip(plans, ready)]
+    return [p.with_weight_ready(r) for p, r in zip(plans, ready)]
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
