@@ -249,7 +249,9 @@ def test_fc1_fc2_weights_cast_together_same_bits(monkeypatch, normalization):
 
     def spy(plans, weights, need_t):
         out = real(plans, weights, need_t)
-        used.append(all(p.weight_ready is not None for p in out))
+        # new plans with weight_ready set; the ones given are left as they were
+        used.append(all(p.weight_ready is not None for p in out)
+                    and all(p.weight_ready is None for p in plans))
         return out
 
     def run(pair):
@@ -276,3 +278,20 @@ def test_fc1_fc2_weights_cast_together_same_bits(monkeypatch, normalization):
     for a, b in zip(separate, paired):
         assert torch.equal(a.view(-1).view(torch.int16 if a.element_size() == 2 else torch.int32),
                            b.view(-1).view(torch.int16 if b.element_size() == 2 else torch.int32))
+
+
+def test_fp8_dims_checked_at_every_call_until_they_pass():
+    """The FP8 dims check runs once it has passed (a flag), so a bad size must still raise at
+    every FP8 call, and a good module's later calls skip it."""
+    bad = te.LayerNormMLP(64, 40, device="cpu")
+    x = torch.randn(4, 64)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="divisible by 16"):
+            with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+                bad(x)
+    assert bad(x).shape == (4, 64)  # without FP8: no check
+    good = te.LayerNormMLP(64, 96, device="cpu")
+    assert not good._fp8_dims_ok
+    with te.fp8_autocast(fp8_recipe=recipe.DelayedScaling()):
+        good(x)
+    assert good._fp8_dims_ok
