@@ -39,7 +39,7 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       rounds interleaved, medians); --profile adds cProfile's tables of the
                       forward (tottime and cumulative). CPU ops that are not stubbed (residual
                       adds, reshapes that copy, the loss) really run, on one thread.
-  model-cpu-graphs [--profile] [--repeats R --steps N]
+  model-cpu-graphs [--profile] [--launches] [--repeats R --steps N]
                       bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128
                       B2, fwd + bwd + FusedAdam) the same way, bf16, FP8 delayed and FP8
                       current, with the bf16 path's GPU ATen ops (GEMMs, adds, copies, cat,
@@ -47,8 +47,8 @@ The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd 
                       interleaved rounds) and FP8 / bf16 (the GPU ratio when the step is
                       host-bound, docs/performance.md), Triton launches, _scaled_mm and
                       Python-level calls per step; --profile adds cProfile's tables of the
-                      FP8 delayed step.
-  model-cpu-tp [--profile] [--repeats R --steps N] [--hidden H --heads A --kv-heads G
+                      FP8 delayed step, --launches the Triton launches per kernel name.
+  model-cpu-tp [--profile] [--launches] [--repeats R --steps N] [--hidden H --heads A --kv-heads G
                 --ffn F --seq S --batch B]
                       bench_tp's step the same way: its Llama-style TransformerLayer (RMSNorm,
                       swiglu, no bias, GQA, fused QKV, RoPE, sbhd; default hidden 512, 8/2
@@ -65,6 +65,7 @@ Shapes default to T8192 4096->4096 (trace, kernels) and T256 512->512 (model-cpu
 from __future__ import annotations
 
 import argparse
+import collections
 import ctypes
 import importlib
 import sys
@@ -360,10 +361,13 @@ def cmd_launch(args):
 # ---- model-cpu ------------------------------------------------------------------------------
 
 STUB_CALLS = {"launch": 0, "_scaled_mm": 0}  # calls of the stubs below, for counts per step
+STUB_KERNELS: collections.Counter = collections.Counter()  # launches per Triton kernel name
 
 
 def _stub_launch(self, grid, *args, num_warps=4, **constexprs):
     STUB_CALLS["launch"] += 1
+    STUB_KERNELS[getattr(self.kernel, "__name__", None)
+                 or getattr(getattr(self.kernel, "fn", None), "__name__", "?")] += 1
     self._cache = self._cache if self._cache is not None else {}
     self._cache.get(self.key(0, args, num_warps, constexprs))
 
@@ -606,15 +610,17 @@ def _compare_steps(steps: dict, args, title: str) -> None:
                 step()
             times[name].append((time.thread_time() - t0) / args.steps)
     ms = {name: 1e3 * min(t) for name, t in times.items()}  # what load adds is never less
-    counts = {}
+    counts, kernels = {}, {}
     for name, step in steps.items():  # what load cannot change: calls per step
         STUB_CALLS.update(launch=0, _scaled_mm=0)
+        STUB_KERNELS.clear()
         prof = cProfile.Profile()
         prof.enable()
         step()
         prof.disable()
         counts[name] = (STUB_CALLS["launch"], STUB_CALLS["_scaled_mm"],
                         pstats.Stats(prof).total_calls)
+        kernels[name] = dict(STUB_KERNELS)
     base = next(iter(ms.values()))
     print(f"{title}, CPU, GPU calls stubbed, thread CPU time, best of {args.repeats} x "
           f"{args.steps} steps; calls per step:")
@@ -622,6 +628,11 @@ def _compare_steps(steps: dict, args, title: str) -> None:
         launches, mms, calls = counts[name]
         print(f"  {name:<12} {value:7.2f} ms/step  ({value / base:.2f}x bf16)  Triton "
               f"launches {launches:4d}, _scaled_mm {mms:3d}, Python-level calls {calls:6d}")
+    if getattr(args, "launches", False):
+        print("Triton launches per step, by kernel:")
+        for name in sorted({k for per in kernels.values() for k in per}):
+            print(f"  {name:<32}" + "".join(f"  {case} {kernels[case].get(name, 0):3d}"
+                                            for case in steps))
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
@@ -798,12 +809,14 @@ def main(argv=None):
     p = sub.add_parser("model-cpu-graphs",
                        help="bench_graphs' eager step's host path on a CPU, GPU calls stubbed")
     p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
+    p.add_argument("--launches", action="store_true", help="Triton launches per kernel")
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     p.set_defaults(func=cmd_model_cpu_graphs)
     p = sub.add_parser("model-cpu-tp",
                        help="bench_tp's TP=2 + SP step's host path on a CPU, GPU calls stubbed")
     p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
+    p.add_argument("--launches", action="store_true", help="Triton launches per kernel")
     p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
     p.add_argument("--steps", type=int, default=10, help="steps per round")
     for name, default in (("hidden", 512), ("heads", 8), ("kv-heads", 2), ("ffn", 1024),
