@@ -67,9 +67,9 @@ def _exact(kind: str, mode: str, label: str) -> bool:
 
 
 # --------------------------------------------------------------------------- worker side
-def _build(kind, tp: dict):
+def _build(kind, tp: dict, device="cpu"):
     import tritium as te
-    common = dict(device="cpu", **tp)
+    common = dict(device=device, **tp)
     if kind == "linear-col":
         return te.Linear(H, F, parallel_mode="column", **common), H, F
     if kind == "linear-row":
@@ -108,9 +108,10 @@ def _perturb_norm(mod, seed):
         return
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        mod.layer_norm_weight.add_(torch.randn(mod.layer_norm_weight.shape, generator=g))
-        if mod.layer_norm_bias is not None:
-            mod.layer_norm_bias.add_(torch.randn(mod.layer_norm_bias.shape, generator=g))
+        w, b = mod.layer_norm_weight, mod.layer_norm_bias
+        w.add_(torch.randn(w.shape, generator=g).to(w.device))
+        if b is not None:
+            b.add_(torch.randn(b.shape, generator=g).to(b.device))
 
 
 def _run(mod, x, dy, rcp, fused=True):

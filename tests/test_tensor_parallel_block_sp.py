@@ -73,22 +73,23 @@ def _run_counted(mod, x, dy, rcp, fp8_gather: bool):
     return (y.detach(), leaf.grad, grads), fwd, bwd
 
 
-def _build_sp(kind, tp: dict):
+def _build_sp(kind, tp: dict, device="cpu"):
     """_build's modules, a TransformerLayer (LayerNorm QKV, gelu MLP; set_parallel_mode) and a
     LayerNormMLP(checkpoint=True) (fc1 and its input gather recomputed in backward)."""
     import tritium as te
     if kind == "layer":
         return te.TransformerLayer(H, F, 4, hidden_dropout=0.0, attention_dropout=0.0,
-                                   set_parallel_mode=True, device="cpu", **tp), H, H
+                                   set_parallel_mode=True, device=device, **tp), H, H
     if kind == "lnmlp-ckpt":
-        return te.LayerNormMLP(H, F, set_parallel_mode=True, checkpoint=True, device="cpu",
+        return te.LayerNormMLP(H, F, set_parallel_mode=True, checkpoint=True, device=device,
                                **tp), H, H
-    return _build(kind, tp)
+    return _build(kind, tp, device)
 
 
-def _module_case(name, group, world, rank, spy):
+def _module_case(name, group, world, rank, spy, device="cpu"):
     """The SP module (its own init on each rank) and the unsharded one loaded with the gathered
-    state dict, on the same full data: FP8 gather, high-precision gather, unsharded."""
+    state dict, on the same full data: FP8 gather, high-precision gather, unsharded (on the CPU
+    only: elsewhere the first two)."""
     from tritium.distributed import tensor_parallel as T
     kind, how = name.split("/")
     s = {"mx": S_MX, "fallback": S_FALLBACK}.get(how, S_FP8)
@@ -96,12 +97,12 @@ def _module_case(name, group, world, rank, spy):
     extra = {"params_dtype": dtype} if how == "bf16" else {}
     torch.manual_seed(_seed(name) + rank)
     tp_mod, k_in, n_out = _build_sp(kind, dict(tp_group=group, sequence_parallel=True,
-                                               **extra))
+                                               **extra), device)
     _perturb_norm(tp_mod, _seed(name))
     col = kind in ("linear-col", "lnlinear")
     g = torch.Generator().manual_seed(_seed(name) + 1)   # the same data on every rank
-    x = torch.randn(s, B, k_in, generator=g).to(dtype)
-    dy = torch.randn(s, B, n_out, generator=g).to(dtype)
+    x = torch.randn(s, B, k_in, generator=g).to(device, dtype)
+    dy = torch.randn(s, B, n_out, generator=g).to(device, dtype)
     x_loc = x.chunk(world, -1 if kind == "linear-row" else 0)[rank]
     out_blocks = (n_out // 2, n_out // 2) if kind == "lnlinear" else (n_out,)
     dy_loc = T.shard_tensor(dy, -1, out_blocks, world, rank) if col else dy.chunk(world)[rank]
@@ -116,7 +117,7 @@ def _module_case(name, group, world, rank, spy):
     res = {"same": same, "bytes": {"fp8": (fwd8, bwd8), "hp": (fwd_hp, bwd_hp)},
            "calls": calls, "hp_calls": hp_calls, "tokens": s * B // world,
            "elt": x.element_size()}
-    if name in SAME_ONLY:
+    if name in SAME_ONLY or device != "cpu":
         return res
     ref, _, _ = _build(kind, extra)
     ref.load_state_dict(T.gather_full_state_dict(tp_mod))
