@@ -4,7 +4,8 @@ emulation written independently of tritium (from DESIGN.md section 4, not from i
 The emulation quantizes each GEMM operand with a given scale (scale in fp32, clamp to +-max,
 round with torch's `.to(fp8 dtype)`), dequantizes with 1/scale and multiplies in fp32. It reads
 nothing from tritium, so comparing a module with it checks the module's casts, scales, GEMM
-layouts and padding. Also `free_port`, for the tests that start process groups.
+layouts and padding. Also, for the tests that start process groups: `free_port`, `gloo_group`
+(a spawned rank's group) and `spawn` / `spawn_results` (torch.multiprocessing).
 """
 from __future__ import annotations
 
