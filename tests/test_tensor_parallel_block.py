@@ -42,7 +42,7 @@ import pytest
 import torch
 
 from test_tensor_parallel import _gather, _seed
-from testlib import assert_bits, FP32_TOL, FP8_TOL, free_port, gloo_group, spawn
+from testlib import assert_bits, FP32_TOL, FP8_TOL, gloo_group, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -389,7 +389,7 @@ def _opt_case(name, group, world, rank):
             "changed": [r[1] for r in every]}
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, port, out_dir, world):
     import torch.distributed as dist
     with gloo_group(rank, world, port):
         group, spy = dist.group.WORLD, _Spy()
@@ -408,9 +408,7 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tpblock")
-    spawn(_worker, 2, 2, free_port(), str(out))
-    return torch.load(out / "results.pt", weights_only=False)
+    return spawn_results(_worker, 2, tmp_path_factory.mktemp("tpblock"), 2)
 
 
 # --------------------------------------------------------------------------- checks

@@ -33,7 +33,7 @@ import torch
 
 from test_tensor_parallel import _gather, _seed
 from test_tensor_parallel_block import B, F, H, _build, _check, _exact, _perturb_norm, _recipe, _Spy
-from testlib import all_gather_sizes, assert_bits, FP32_TOL, free_port, gloo_group, spawn
+from testlib import all_gather_sizes, assert_bits, FP32_TOL, gloo_group, spawn_results
 
 pytestmark = pytest.mark.cpu
 
@@ -165,7 +165,7 @@ def _gather_unit_case(group, world, rank):
     return out
 
 
-def _worker(rank, world, port, out_dir):
+def _worker(rank, port, out_dir, world):
     import torch.distributed as dist
     with gloo_group(rank, world, port):
         group, spy = dist.group.WORLD, _Spy()
@@ -177,9 +177,7 @@ def _worker(rank, world, port, out_dir):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    out = tmp_path_factory.mktemp("tpblocksp")
-    spawn(_worker, 2, 2, free_port(), str(out))
-    return torch.load(out / "results.pt", weights_only=False)
+    return spawn_results(_worker, 2, tmp_path_factory.mktemp("tpblocksp"), 2)
 
 
 # --------------------------------------------------------------------------- checks
