@@ -17,14 +17,16 @@ collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S /
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py          # 2 GPUs, NCCL; JSON via harness
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --tiny   # CPU dry run on gloo (tiny
     python benchmarks/bench_tp.py --tiny                        # shapes; prints, writes nothing)
-    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + each variant's kernels
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + kernels, host cProfile
 Without torchrun it spawns the 2 processes itself.
 """
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
 import os
+import pstats
 import socket
 import statistics
 import sys
@@ -152,8 +154,9 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False,
 def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
     """`iters` steps of a variant under torch.profiler (both ranks run them; rank 0 prints):
     wall per step, compute-busy time, NCCL kernel time, each rank's host time per step and the
-    top kernels. host >= wall: the step is bound by the host, and the collectives absorb the
-    ranks' host jitter (long NCCL kernels are then waits, not transfers)."""
+    top kernels, then cProfile's table of one more step's host work. host >= wall: the step is
+    bound by the host, and the collectives absorb the ranks' host jitter (long NCCL kernels are
+    then waits, not transfers)."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -172,6 +175,14 @@ def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
     host = (time.perf_counter() - t0) * 1e3
     waited = held.query()
     torch.cuda.synchronize()
+    # where that host time goes: one more held step under cProfile (every rank runs it, for
+    # its collectives); its table counts the C calls too (launches, _scaled_mm, NCCL, cuDNN)
+    torch.cuda._sleep(int(2e7 * wall))
+    calls = cProfile.Profile()
+    calls.enable()
+    step()
+    calls.disable()
+    torch.cuda.synchronize()
     hosts = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, (round(host, 2), waited))
     if rank != 0:
@@ -182,6 +193,8 @@ def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
           f"device: a sync) {hosts}", flush=True)
     for k, ms in ranked:
         print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
+    print(f"{name}: the host's step under cProfile, rank 0, by own time:", flush=True)
+    pstats.Stats(calls, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
 def _spawned(rank: int, world: int, port: int, tiny: bool, profile: bool,
