@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
 #        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [tests:EXPR]
-#        [block:REGEX] [model:V1,V2] [mtests] [tp] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG] [pack]
+#        [block:REGEX] [model:V1,V2] [mtests] [tp] [tp:ARG+ARG] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG]
+#        [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
 # tests:EXPR runs the gpu tier with pytest -k EXPR (+ for a space: tests:fp8_attention+or+scaling); block:REGEX the block bench's variants
 # matching REGEX (bench_block.py --only); model:V1,V2 bench_model.py --only V1 V2 (each with its
 # baseline, a compiled variant with its eager self). Multi-GPU stages use the GPUs that
-# CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs),
+# CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs;
+# tp:--profile adds its kernels and host cProfile),
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
 # arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
 # results also copied beside it (a caller that fetches a few files gets them all; JSON files of
@@ -52,6 +54,7 @@ for s in $stages; do
     model:*) v=${s#model:}; python3 benchmarks/bench_model.py --only ${v//,/ } 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
     mtests) python3 -m pytest -q -m multigpu tests/gpu 2>&1 | tee "$OUT/gpu_mtests.log" | tail -25 ;;
     tp)     torchrun --standalone --nproc_per_node=2 benchmarks/bench_tp.py 2>&1 | tee "$OUT/bench_tp.log" | grep -v "^{" ;;
+    tp:*)   a=${s#tp:}; torchrun --standalone --nproc_per_node=2 benchmarks/bench_tp.py ${a//+/ } 2>&1 | tee "$OUT/bench_tp.log" | grep -v "^{" ;;
     fsdp)   torchrun --standalone --nproc-per-node="$ngpu" benchmarks/bench_fsdp.py 2>&1 | tee "$OUT/bench_fsdp_$ngpu.log" | grep -v "^{" ;;
     fsdp:*) a=${s#fsdp:}; torchrun --standalone --nproc-per-node="$ngpu" benchmarks/bench_fsdp.py ${a//+/ } 2>&1 | tee "$OUT/bench_fsdp_$ngpu.log" | grep -v "^{" ;;
     pack)   t=$(mktemp -d); (cd "$OUT" && tar czf "$t/out.tgz" . && find . -name "*.json" \
