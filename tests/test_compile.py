@@ -12,7 +12,9 @@ in high precision and under DelayedScaling and Float8CurrentScaling:
   * nothing compiles again after the first step (a counting backend);
   * a module whose FP8 state does not exist yet breaks the graph where the state is created, on
     its first call only (`te.prepare_fp8` before compiling avoids it: the other tests use it, as
-    docs/compile.md tells users to).
+    docs/compile.md tells users to);
+  * Float8BlockScaling and MXFP8BlockScaling (Linear, LayerNormMLP, TransformerLayer): fullgraph
+    compiled == eager over 3 steps.
 The compiled runs use the "aot_eager" backend (AOTAutograd's graphs, run op by op), which keeps
 eager's bits; one test runs Inductor (which may fuse fp32 math differently: fp32 tolerance).
 """
@@ -229,3 +231,23 @@ def test_fp8_params_compiled_equals_eager(kind):
         eager_module = _build(kind)
     xs, dys = _inputs(3, _out_features(kind))
     _assert_all_equal(*_eager_and_compiled(eager_module, fp8_recipe, False, xs, dys))
+
+
+@pytest.mark.parametrize("recipe_name", ["block", "mxfp8"])
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "TransformerLayer"])
+def test_block_recipes_compiled_equals_eager(kind, recipe_name):
+    """Float8BlockScaling and MXFP8BlockScaling (emulated) traced whole (fullgraph) and equal
+    to eager bit for bit over 3 steps: outputs, input and parameter gradients (block scales are
+    current: no state to compare). Dims of whole 128-blocks (256 tokens, hidden 256)."""
+    fp8_recipe = (recipe.Float8BlockScaling() if recipe_name == "block"
+                  else recipe.MXFP8BlockScaling())
+    kw = dict(device="cpu", params_dtype=torch.float32)
+    module = {"Linear": lambda: te.Linear(256, 384, **kw),
+              "LayerNormMLP": lambda: te.LayerNormMLP(256, 512, **kw),
+              "TransformerLayer": lambda: te.TransformerLayer(
+                  256, 512, 4, hidden_dropout=0.0, attention_dropout=0.0,
+                  normalization="RMSNorm", activation="swiglu", **kw)}[kind]()
+    out = 384 if kind == "Linear" else 256
+    xs = [torch.randn(128, 2, 256) for _ in range(3)]
+    dys = [torch.randn(128, 2, out) for _ in range(3)]
+    _assert_all_equal(*_eager_and_compiled(module, fp8_recipe, True, xs, dys))
