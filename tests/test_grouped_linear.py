@@ -252,3 +252,37 @@ def test_fused_adam_masters_keep_one_weight_buffer_and_checkpoint(randn, tmp_pat
     assert torch.equal(fresh.weight2, layer.weight2)
     with te.fp8_autocast(fp8_recipe=rcp):
         assert torch.equal(fresh(x, SPLITS), layer(x, SPLITS))
+
+
+def test_ref_twins_take_the_row_counts_from_the_host(randn):
+    """With m_splits given, the grouped ref twins read nothing back from the offsets tensor (on
+    a GPU that would be a sync per call, under torch.compile a graph break): offsets holding
+    wrong values give the same bits as the right ones."""
+    from tritium.ref import grouped_gemm as ref
+    x = randn(sum(SPLITS), K, scale=3.0)
+    right = ref.make_offsets(SPLITS, "cpu")
+    wrong = torch.zeros_like(right)
+    amax_right, amax_wrong = torch.zeros(len(SPLITS)), torch.zeros(len(SPLITS))
+    ref.grouped_amax_into(x, right, amax_right)
+    ref.grouped_amax_into(x, wrong, amax_wrong, m_splits=SPLITS)
+    assert torch.equal(amax_right, amax_wrong) and amax_right.max() > 0
+    scale = torch.rand(len(SPLITS)) + 0.5
+    cast = [ref.grouped_cast_transpose(x, o, scale, None, E4M3, write_transpose=True, m_splits=s)
+            for o, s in ((right, None), (wrong, SPLITS))]
+    (x8, x8_t, x_si), (y8, y8_t, y_si) = cast
+    assert torch.equal(x8.view(torch.uint8), y8.view(torch.uint8)) and torch.equal(x_si, y_si)
+    _, padded = right.tolist()
+    for g in range(len(SPLITS)):   # each group's transposed rows (the padding is not written)
+        p0, p1, rows = padded[g], padded[g + 1], SPLITS[g]
+        blocks = [t[K * p0:K * p1].view(K, p1 - p0)[:, :rows].view(torch.uint8)
+                  for t in (x8_t, y8_t)]
+        assert torch.equal(*blocks)
+    w8 = (randn(len(SPLITS), N, K) * 8).to(E4M3)
+    w_si = torch.rand(len(SPLITS)) + 0.5
+    fprop = [ref.grouped_fp8_gemm_tn(x8, w8, x_si, w_si, o, torch.float32, m_splits=s)
+             for o, s in ((right, None), (wrong, SPLITS))]
+    assert torch.equal(*fprop) and fprop[0].abs().max() > 0
+    # x8^T with itself as both operands (any fp8 [K * padded M] pair will do)
+    wgrad = [ref.grouped_fp8_gemm_wgrad(x8_t, x8_t, x_si, x_si, o, K, K, torch.float32,
+                                        m_splits=s) for o, s in ((right, None), (wrong, SPLITS))]
+    assert torch.equal(*wgrad) and wgrad[0].abs().max() > 0

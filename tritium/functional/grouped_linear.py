@@ -76,7 +76,7 @@ def _cast(plan: FP8Plan, x2d, offsets, m_splits, state, slots: slice, fp8_dtype,
     impl = _cast_impl(x2d)
     if isinstance(plan.recipe, Float8CurrentScaling):
         amax = torch.zeros(offsets.shape[1] - 1, dtype=torch.float32, device=x2d.device)
-        impl.grouped_amax_into(x2d, offsets, amax)
+        impl.grouped_amax_into(x2d, offsets, amax, m_splits=m_splits)
         return impl.grouped_cast_transpose(
             x2d, offsets, None, amax, fp8_dtype, write_data=write_data,
             write_transpose=write_transpose, m_splits=m_splits,
@@ -154,10 +154,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
             ws = [w.dequantize() if isinstance(w, Float8Tensor) else w for w in weights]
             if plan is not None and plan.fwd.amax_slot(0) is not None:  # calibration
                 impl = _cast_impl(x2d)
-                impl.grouped_amax_into(x2d, offsets, plan.fwd.amax_history[0, 0::2])
+                impl.grouped_amax_into(x2d, offsets, plan.fwd.amax_history[0, 0::2],
+                                       m_splits=m_splits)
                 for i, w in enumerate(ws):
                     impl.grouped_amax_into(w.detach(), ref_grouped.make_offsets(
-                        [w.shape[0]], w.device), plan.fwd.amax_history[0, 2 * i + 1:2 * i + 2])
+                        [w.shape[0]], w.device), plan.fwd.amax_history[0, 2 * i + 1:2 * i + 2],
+                        m_splits=[w.shape[0]])
             xs = x2d.split(list(m_splits))
             out = torch.cat([F.linear(xs[i], ws[i], None if bias is None else bias[i])
                              for i in range(g)])
@@ -192,7 +194,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
             n, k = dy2d.shape[1], ctx.shape[-1]
             if need_wgrad:
                 dws = _gemm_impl(dy8_t).grouped_fp8_gemm_wgrad(dy8_t, x8_t, dy_si, x_si,
-                                                                offsets, n, k, wgrad_dtype)
+                                                                offsets, n, k, wgrad_dtype,
+                                                                m_splits=m_splits)
             del dy8_t, x8_t
             if need_dgrad:
                 dx = _gemm_impl(dy8).grouped_fp8_gemm_tn(dy8, w8_t, dy_si, w_si, offsets,
@@ -201,7 +204,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
         else:
             x2d, *ws = ctx.saved_tensors
             if plan is not None:
-                _cast_impl(dy2d).grouped_amax_into(dy2d, offsets, plan.bwd.amax_history[0])
+                _cast_impl(dy2d).grouped_amax_into(dy2d, offsets, plan.bwd.amax_history[0],
+                                                   m_splits=m_splits)
             dys, xs = dy2d.split(list(m_splits)), x2d.split(list(m_splits))
             if need_dgrad:
                 dx = torch.cat([dys[i] @ ws[i] for i in range(g)])

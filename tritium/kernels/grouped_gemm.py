@@ -359,7 +359,8 @@ def _programs(tiles: int, t: torch.Tensor) -> int:
     return max(min(tiles, num_sms(t.get_device())) if t.is_cuda else tiles, 1)
 
 
-def grouped_amax_into(x: torch.Tensor, offsets: torch.Tensor, amax: torch.Tensor) -> None:
+def grouped_amax_into(x: torch.Tensor, offsets: torch.Tensor, amax: torch.Tensor, *,
+                      m_splits=None) -> None:
     """See `tritium.ref.grouped_gemm.grouped_amax_into`."""
     _cast(x, offsets, amax, amax, None, False, False, True, None, None, None)
 
@@ -458,9 +459,10 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
 
 def grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, a_scale_inv: torch.Tensor,
                            b_scale_inv: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
-                           out_dtype: torch.dtype, *,
+                           out_dtype: torch.dtype, *, m_splits=None,
                            config: Optional[tuple] = None) -> torch.Tensor:
-    """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_wgrad`."""
+    """See `tritium.ref.grouped_gemm.grouped_fp8_gemm_wgrad` (m_splits: unused, the kernel reads
+    the offsets on the device)."""
     g = offsets.shape[1] - 1
     out = torch.empty(g, n, k, dtype=out_dtype, device=a_t.device)
     bm, bn, bk, group_m, warps, stages, variant = _config(

@@ -23,13 +23,18 @@ import torch
 from .cast import amax_into, cast_transpose, current_scale
 
 
-def make_offsets(m_splits: Sequence[int], device) -> torch.Tensor:
-    """The int32 [2, G+1] offsets of `m_splits` (real and padded to 16), see the docstring."""
+def _host_offsets(m_splits: Sequence[int]) -> tuple:
+    """The offsets of `m_splits` as Python lists: (real, padded to 16), G+1 each."""
     real, padded = [0], [0]
     for m in m_splits:
         real.append(real[-1] + m)
         padded.append(padded[-1] + -(-m // 16) * 16)
-    host = torch.tensor([real, padded], dtype=torch.int32)
+    return real, padded
+
+
+def make_offsets(m_splits: Sequence[int], device) -> torch.Tensor:
+    """The int32 [2, G+1] offsets of `m_splits` (real and padded to 16), see the docstring."""
+    host = torch.tensor(list(_host_offsets(m_splits)), dtype=torch.int32)
     if torch.device(device).type != "cuda":
         return host.to(device)
     # from pinned memory without blocking: a plain copy from pageable memory would wait for
@@ -37,14 +42,19 @@ def make_offsets(m_splits: Sequence[int], device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _splits(offsets: torch.Tensor):
-    o = offsets.tolist()
+def _splits(offsets: torch.Tensor, m_splits=None):
+    """(row start, row end, padded start, padded end) of every group: from `m_splits` when the
+    caller has the row counts on the host, else read back from `offsets` (on a GPU a sync,
+    under torch.compile a graph break)."""
+    o = _host_offsets(m_splits) if m_splits is not None else offsets.tolist()
     return [(o[0][g], o[0][g + 1], o[1][g], o[1][g + 1]) for g in range(len(o[0]) - 1)]
 
 
-def grouped_amax_into(x: torch.Tensor, offsets: torch.Tensor, amax: torch.Tensor) -> None:
-    """amax[g] = max(amax[g], max|x[rows of g]|) for every group (amax: [G], any stride)."""
-    for g, (r0, r1, _, _) in enumerate(_splits(offsets)):
+def grouped_amax_into(x: torch.Tensor, offsets: torch.Tensor, amax: torch.Tensor, *,
+                      m_splits=None) -> None:
+    """amax[g] = max(amax[g], max|x[rows of g]|) for every group (amax: [G], any stride);
+    m_splits as in grouped_cast_transpose."""
+    for g, (r0, r1, _, _) in enumerate(_splits(offsets, m_splits)):
         amax_into(x[r0:r1], amax[g:g + 1])
 
 
@@ -57,12 +67,12 @@ def grouped_cast_transpose(x: torch.Tensor, offsets: torch.Tensor, scale: Option
     scale / amax: [G] fp32 (any stride: e.g. every other slot of a forward scaling state); amax
     None records nothing. current=(amax_epsilon, power_2_scale): scale is None and amax must
     already hold each group's max|x| (see grouped_amax_into); it is not updated.
-    m_splits: the groups' row counts when the caller has them on the host (the kernel then
-    reads nothing back from the device; accepted and unused here).
+    m_splits: the groups' row counts when the caller has them on the host (then nothing is read
+    back from the device).
     Returns (data [M, K] or None, data_t flat [K * padded M] or None, scale_inv [G] fp32).
     """
     m, k = x.shape
-    splits = _splits(offsets)
+    splits = _splits(offsets, m_splits)
     data = torch.empty(m, k, dtype=fp8_dtype, device=x.device) if write_data else None
     data_t = (torch.empty(k * splits[-1][3] if splits else 0, dtype=fp8_dtype, device=x.device)
               if write_transpose else None)
@@ -98,7 +108,7 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
     m = a.shape[0]
     n = b.shape[1]
     out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    for g, (r0, r1, _, _) in enumerate(_splits(offsets)):
+    for g, (r0, r1, _, _) in enumerate(_splits(offsets, m_splits)):
         if r1 == r0:
             continue
         res = (a[r0:r1].float() @ b[g].float().t()) * (a_scale_inv[g] * b_scale_inv[g])
@@ -110,11 +120,12 @@ def grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Ten
 
 def grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor, a_scale_inv: torch.Tensor,
                            b_scale_inv: torch.Tensor, offsets: torch.Tensor, n: int, k: int,
-                           out_dtype: torch.dtype) -> torch.Tensor:
+                           out_dtype: torch.dtype, *, m_splits=None) -> torch.Tensor:
     """out[g] = (A_g @ B_g.T) * a_scale_inv[g] * b_scale_inv[g] with A_g [N, m_g] and B_g
     [K, m_g] the groups' transposed blocks of a_t and b_t (flat, see the docstring): the
-    reduction runs over each group's rows. Returns [G, N, K] (an empty group gives zeros)."""
-    splits = _splits(offsets)
+    reduction runs over each group's rows. Returns [G, N, K] (an empty group gives zeros);
+    m_splits as in grouped_cast_transpose."""
+    splits = _splits(offsets, m_splits)
     out = torch.empty(len(splits), n, k, dtype=out_dtype, device=a_t.device)
     for g, (r0, r1, p0, p1) in enumerate(splits):
         ag = a_t[n * p0:n * p1].view(n, p1 - p0)[:, :r1 - r0].float()
