@@ -13,8 +13,8 @@ in high precision and under DelayedScaling and Float8CurrentScaling:
   * a module whose FP8 state does not exist yet breaks the graph where the state is created, on
     its first call only (`te.prepare_fp8` before compiling avoids it: the other tests use it, as
     docs/compile.md tells users to);
-  * Float8BlockScaling and MXFP8BlockScaling (Linear, LayerNormMLP, TransformerLayer): fullgraph
-    compiled == eager over 3 steps.
+  * Float8BlockScaling and MXFP8BlockScaling (Linear, LayerNormMLP, TransformerLayer), and
+    GroupedLinear (bf16, delayed, current, block): fullgraph compiled == eager over 3 steps.
 The compiled runs use the "aot_eager" backend (AOTAutograd's graphs, run op by op), which keeps
 eager's bits; one test runs Inductor (which may fuse fp32 math differently: fp32 tolerance).
 """
@@ -251,3 +251,25 @@ def test_block_recipes_compiled_equals_eager(kind, recipe_name):
     xs = [torch.randn(128, 2, 256) for _ in range(3)]
     dys = [torch.randn(128, 2, out) for _ in range(3)]
     _assert_all_equal(*_eager_and_compiled(module, fp8_recipe, True, xs, dys))
+
+
+@pytest.mark.parametrize("recipe_name", ["bf16", "delayed", "current", "block"])
+def test_grouped_linear_compiled_equals_eager(recipe_name):
+    """GroupedLinear (4 experts, one of them empty) traced whole and equal to eager bit for bit
+    over 3 steps: outputs, input and weight gradients, scales and amax histories (its backward
+    scales update in the compiled backward, as the Linear's)."""
+    make = {**RECIPES, "block": lambda: recipe.Float8BlockScaling()}[recipe_name]
+    fp8_recipe = make and make()
+    eager_module = te.GroupedLinear(4, 256, 256, device="cpu", params_dtype=torch.float32)
+    compiled_module = copy.deepcopy(eager_module)
+    if fp8_recipe is not None:
+        te.prepare_fp8(compiled_module, fp8_recipe)
+    kw = [{"m_splits": [64, 0, 128, 64]}] * 3
+    xs = [torch.randn(256, 256) for _ in range(3)]
+    dys = [torch.randn(256, 256) for _ in range(3)]
+    torch._dynamo.reset()
+    eager = _run(eager_module, _step_fn(eager_module, fp8_recipe, True), fp8_recipe, True, xs,
+                 dys, kw)
+    compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, True), backend="aot_eager",
+                                fullgraph=True)
+    _assert_all_equal(eager, _run(compiled_module, compiled_fn, fp8_recipe, True, xs, dys, kw))

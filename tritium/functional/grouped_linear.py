@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from .. import _device
 from ..fp8.recipe import Float8CurrentScaling
+from ..fp8.scaling import update_states
 from ..fp8.tensor import Float8Tensor
 from ..ref import grouped_gemm as ref_grouped
 from ._apply import fast_apply
@@ -56,7 +57,10 @@ def _gemm_impl(t: torch.Tensor):
 
 def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """The G [N, K] weights as one [G, N, K] tensor: a view when they sit back to back in one
-    buffer (no copy), else a stacked copy."""
+    buffer (no copy), else a stacked copy (always under torch.compile, which cannot trace
+    pointer arithmetic; the values are the same)."""
+    if torch.compiler.is_compiling():
+        return torch.stack([w.detach() for w in weights])
     w0 = weights[0].detach()
     n, k = w0.shape
     step = n * k * w0.element_size()
@@ -112,8 +116,10 @@ def _weight_operands(plan: FP8Plan, weights, need_transpose: bool):
         return cache.entry
     keep = cache is not None and plan.is_first_microbatch is not None
     stack = stacked_weights(weights)
-    w8, w8_t, w_si = _cast(plan, stack.view(g * n, k), _equal_offsets(g, n, stack.device),
-                           [n] * g, plan.fwd, slice(1, None, 2), fp8_dtype,
+    offsets = (ref_grouped.make_offsets([n] * g, stack.device) if torch.compiler.is_compiling()
+               else _equal_offsets(g, n, stack.device))   # dynamo does not trace lru_cache
+    w8, w8_t, w_si = _cast(plan, stack.view(g * n, k), offsets, [n] * g, plan.fwd,
+                           slice(1, None, 2), fp8_dtype,
                            write_transpose=need_transpose or keep)
     entry = (w8.view(g, n, k), None if w8_t is None else w8_t.view(g, k, n), w_si)
     if keep:
@@ -224,6 +230,8 @@ class _GroupedLinearFunction(torch.autograd.Function):
                 wgrads = [dws[i] for i in range(g)]
         if plan is not None and plan.region is not None:
             plan.region.backward_done()
+        if plan is not None and plan.update_bwd:   # under torch.compile, as the Linear's
+            update_states([plan.bwd], plan.amax_group, plan.recipe.reduce_amax)
         if dx is not None:
             dx = dx.view(ctx.shape)
         return (dx, None, None, None, db, *wgrads)
