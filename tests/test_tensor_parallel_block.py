@@ -114,6 +114,30 @@ def _perturb_norm(mod, seed):
             b.add_(torch.randn(b.shape, generator=g).to(b.device))
 
 
+def _unsharded_pairs(tp_mod, got, want, group, world, in_dim, out_dim, out_blocks) -> list:
+    """[(label, TP result gathered to the unsharded shape, unsharded result)] for y, dx and
+    every parameter gradient. got / want: _run's (y, dx, {param: grad}); in_dim / out_dim: the
+    dim x / y are split along across the ranks (-1: features, 0: sequence, None: whole);
+    out_blocks: the column output's feature blocks, each sharded on its own."""
+    from tritium.distributed import tensor_parallel as T
+    y_tp, gx, grads = got
+    if out_dim == -1:
+        y_tp = T.unshard_tensor(_gather(y_tp, -1, group).chunk(world, -1), -1, out_blocks, world)
+    elif out_dim is not None:
+        y_tp = _gather(y_tp, out_dim, group)
+    if in_dim is not None:
+        gx = _gather(gx, in_dim, group)
+    pairs = [("y", y_tp, want[0]), ("dx", gx, want[1])]
+    sharded = T._sharded_params(tp_mod)
+    for pname, grad in grads.items():
+        if pname in sharded:
+            dim, blocks, _ = sharded[pname]
+            grad = T.unshard_tensor(_gather(grad, dim, group).chunk(world, dim), dim, blocks,
+                                    world)
+        pairs.append((f"d{pname}", grad, want[2][pname]))
+    return pairs
+
+
 def _run(mod, x, dy, rcp, fused=True):
     """y, dx and {param: grad} of one fwd+bwd under fp8_autocast(rcp)."""
     import tritium as te
@@ -194,21 +218,7 @@ def _block_case(name, group, world, rank, spy, form=None):
     fused_bits = [(lbl, a, b) for lbl, a, b in
                   [("y", got[0], plain[0]), ("dx", got[1], plain[1])]
                   + [(f"d{n}", got[2][n], plain[2][n]) for n in got[2]]]
-    y_tp, gx, grads = got
-    if out_dim == -1:
-        y_tp = T.unshard_tensor(_gather(y_tp, -1, group).chunk(world, -1), -1, out_blocks, world)
-    elif out_dim is not None:
-        y_tp = _gather(y_tp, out_dim, group)
-    if in_dim is not None:
-        gx = _gather(gx, in_dim, group)
-    pairs = [("y", y_tp, want[0]), ("dx", gx, want[1])]
-    sharded = T._sharded_params(tp_mod)
-    for pname, grad in grads.items():
-        if pname in sharded:
-            dim, blocks, _ = sharded[pname]
-            grad = T.unshard_tensor(_gather(grad, dim, group).chunk(world, dim), dim, blocks,
-                                    world)
-        pairs.append((f"d{pname}", grad, want[2][pname]))
+    pairs = _unsharded_pairs(tp_mod, got, want, group, world, in_dim, out_dim, out_blocks)
     res = {"pairs": pairs, "fused_bits": fused_bits, "calls": calls,
            "unfused_calls": unfused_calls}
     if form is not None:

@@ -31,8 +31,9 @@ import os
 import pytest
 import torch
 
-from test_tensor_parallel import _gather, _seed
-from test_tensor_parallel_block import B, F, H, _build, _check, _exact, _perturb_norm, _recipe, _Spy
+from test_tensor_parallel import _seed
+from test_tensor_parallel_block import (B, F, H, _build, _check, _exact, _perturb_norm, _recipe,
+                                        _Spy, _unsharded_pairs)
 from testlib import all_gather_sizes, assert_bits, FP32_TOL, gloo_group, spawn_results
 
 pytestmark = pytest.mark.cpu
@@ -122,21 +123,9 @@ def _module_case(name, group, world, rank, spy, device="cpu"):
     ref, _, _ = _build(kind, extra)
     ref.load_state_dict(T.gather_full_state_dict(tp_mod))
     want, _, _ = _run_counted(ref, x, dy, rcp, True)
-    y_tp, gx, grads = got
-    if col:
-        y_tp = T.unshard_tensor(_gather(y_tp, -1, group).chunk(world, -1), -1, out_blocks, world)
-    else:
-        y_tp = _gather(y_tp, 0, group)
-    gx = _gather(gx, -1 if kind == "linear-row" else 0, group)
-    pairs = [("y", y_tp, want[0]), ("dx", gx, want[1])]
-    sharded = T._sharded_params(tp_mod)
-    for pname, grad in grads.items():
-        if pname in sharded:
-            dim, blocks, _ = sharded[pname]
-            grad = T.unshard_tensor(_gather(grad, dim, group).chunk(world, dim), dim, blocks,
-                                    world)
-        pairs.append((f"d{pname}", grad, want[2][pname]))
-    res["pairs"] = pairs
+    res["pairs"] = _unsharded_pairs(tp_mod, got, want, group, world,
+                                    -1 if kind == "linear-row" else 0, -1 if col else 0,
+                                    out_blocks)
     return res
 
 

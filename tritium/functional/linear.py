@@ -665,8 +665,9 @@ def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
         out = _linear(inp, weight, None, fp8, main_grad, tp=tp)
     else:
         out = _linear(inp, weight, None, fp8, main_grad)
-        if tp.sequence_parallel and fp8 is not None and fp8.compute_in_fp8:
-            # block recipes: the grad gathered in fp8 blocks where exact (block_sp.py)
+        if tp.sequence_parallel and fp8 is not None and fp8.compute_in_fp8 \
+                and is_block_recipe(fp8.recipe):
+            # the grad gathered in fp8 blocks where exact (block_sp.py)
             out = block_sp.scatter_output(out, inp, fp8, weight, main_grad, tp)
         else:
             out = (reduce_scatter_to_sequence_parallel_region(out, group)
