@@ -1,7 +1,10 @@
-"""The model-cpu* commands of scripts/profile_host.py: a step's host path timed on any CPU, with
-the CUDA path's GPU calls stubbed (tritium takes its GPU branches, Triton launches compute their
-cache key and return, torch._scaled_mm and the cuDNN attention ops only allocate). What they
-measure and how to read it: profile_host.py's usage text and docs/performance.md.
+"""Usage: python scripts/profile_host.py {model-cpu,model-cpu-llama,model-cpu-graphs,model-cpu-tp}
+       [args]   (this file holds those commands; run them through profile_host.py)
+
+The model-cpu* commands: a step's host path timed on any CPU, with the CUDA path's GPU calls
+stubbed (tritium takes its GPU branches, Triton launches compute their cache key and return,
+torch._scaled_mm and the cuDNN attention ops only allocate). What they measure and how to read
+it: profile_host.py's usage text and docs/performance.md.
 
 `fp8_linear_step` is the FP8 Linear step both files time (here on the CPU, there on the GPU).
 """
