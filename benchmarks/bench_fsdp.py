@@ -166,9 +166,11 @@ def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> N
         wall = (time.perf_counter() - t0) * 1e3 / steps
     if dist.get_rank() != 0:
         return
-    busy, nccl, ranked = kernel_summary(prof, steps, top)
+    ks = kernel_summary(prof, steps, top)
+    ranked = ks.ranked
     print(f"{name}: wall {wall:.1f} ms/step (profiled); compute kernels busy "
-          f"{busy:.1f} ms/step; NCCL kernels {nccl:.1f} ms/step")
+          f"{ks.busy:.1f} ms/step; NCCL kernels {ks.nccl:.1f} ms/step, {ks.nccl_exposed:.1f} "
+          "of it beside no compute")
     for k, ms in ranked:
         print(f"  {ms:8.2f} ms  {k[:120]}")
     if args.profile_stacks:

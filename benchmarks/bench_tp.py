@@ -18,6 +18,7 @@ collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S /
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --tiny   # CPU dry run on gloo (tiny
     python benchmarks/bench_tp.py --tiny                        # shapes; prints, writes nothing)
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + kernels, host cProfile
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --trace [DIR]  # + Chrome traces ($OUT)
 Without torchrun it spawns the 2 processes itself.
 """
 from __future__ import annotations
@@ -68,9 +69,10 @@ def _step_times(step, cfg, cuda: bool) -> list[float]:
     return times
 
 
-def run(rank: int, world: int, tiny: bool, profile: bool = False,
-        graphed_variants: bool = True) -> None:
+def run(rank: int, world: int, opts: argparse.Namespace) -> None:
+    """opts: main()'s parsed arguments (tiny, profile, trace, graphed)."""
     import tritium as te
+    tiny = opts.tiny
     from tritium import recipe
     cfg = TINY if tiny else FULL
     cuda = not tiny
@@ -100,7 +102,7 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False,
     variants = [("bf16 tp2 sp", None, False), ("fp8 delayed tp2 sp", delayed, False),
                 ("fp8 current tp2 sp", recipe.Float8CurrentScaling(), False),
                 ("bf16 tp2 sp graphed", None, True), ("fp8 delayed tp2 sp graphed", delayed, True)]
-    variants = [v for v in variants if graphed_variants or not v[2]]
+    variants = [v for v in variants if opts.graphed or not v[2]]
     case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp"
     rows = []
     for name, rcp, graphed in variants:
@@ -133,8 +135,8 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False,
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-        if profile and cuda:
-            _profile(name, step, cfg, rank)
+        if (opts.profile or opts.trace) and cuda:
+            _profile(name, step, cfg, rank, opts.trace)
     if rank == 0:
         if tiny:  # finish() would write a result file: the dry run only prints
             base = rows[0].get("ms")
@@ -151,7 +153,7 @@ def run(rank: int, world: int, tiny: bool, profile: bool = False,
     dist.barrier(group=group)
 
 
-def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
+def _profile(name: str, step, cfg, rank: int, trace_dir=None, top: int = 20) -> None:
     """`iters` steps of a variant under torch.profiler (both ranks run them; rank 0 prints):
     wall per step, compute-busy time, NCCL kernel time, each rank's host time per step and the
     top kernels, then cProfile's table of one more step's host work. host >= wall: the step is
@@ -187,27 +189,30 @@ def _profile(name: str, step, cfg, rank: int, top: int = 20) -> None:
     dist.all_gather_object(hosts, (round(host, 2), waited))
     if rank != 0:
         return
-    busy, nccl, ranked = kernel_summary(prof, cfg["iters"], top)
-    print(f"{name}: wall {wall:.2f} ms/step (profiled); compute kernels busy {busy:.2f} "
-          f"ms/step; NCCL kernels {nccl:.2f} ms/step; host ms/step by rank (waited for the "
-          f"device: a sync) {hosts}", flush=True)
-    for k, ms in ranked:
+    ks = kernel_summary(prof, cfg["iters"], top)
+    print(f"{name}: wall {wall:.2f} ms/step (profiled); compute kernels busy {ks.busy:.2f} "
+          f"ms/step; NCCL kernels {ks.nccl:.2f} ms/step, {ks.nccl_exposed:.2f} of it beside no "
+          f"compute; host ms/step by rank (waited for the device: a sync) {hosts}", flush=True)
+    if trace_dir:
+        os.makedirs(trace_dir, exist_ok=True)
+        path = os.path.join(trace_dir, f"trace-tp-{name.replace(' ', '-')}.json")
+        prof.export_chrome_trace(path)
+        print(f"{name}: kernel trace of rank 0 -> {path}", flush=True)
+    for k, ms in ks.ranked:
         print(f"  {ms:8.3f} ms  {k[:110]}", flush=True)
     print(f"{name}: the host's step under cProfile, rank 0, by own time:", flush=True)
     pstats.Stats(calls, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
-def _spawned(rank: int, world: int, port: int, tiny: bool, profile: bool,
-             graphed_variants: bool) -> None:
+def _spawned(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    _main_in_group(rank, world, tiny, profile, graphed_variants)
+    _main_in_group(rank, world, opts)
 
 
-def _main_in_group(rank: int, world: int, tiny: bool, profile: bool = False,
-                   graphed_variants: bool = True) -> None:
-    dist.init_process_group("gloo" if tiny else "nccl", rank=rank, world_size=world)
+def _main_in_group(rank: int, world: int, opts: argparse.Namespace) -> None:
+    dist.init_process_group("gloo" if opts.tiny else "nccl", rank=rank, world_size=world)
     try:
-        run(rank, world, tiny, profile, graphed_variants)
+        run(rank, world, opts)
     finally:
         dist.destroy_process_group()
 
@@ -218,6 +223,9 @@ def main() -> None:
                     help="tiny shapes on CPU over gloo: checks the script, times nothing real")
     ap.add_argument("--profile", action="store_true",
                     help="after timing each variant, profile it (rank 0 prints its kernels)")
+    ap.add_argument("--trace", metavar="DIR", nargs="?", const=os.environ.get("OUT", "."),
+                    help="with --profile's output, rank 0's kernel trace of each variant as a "
+                    "Chrome trace JSON file in DIR (default $OUT, else .)")
     ap.add_argument("--no-graphed", dest="graphed", action="store_false",
                     help="the eager variants only")
     args = ap.parse_args()
@@ -225,11 +233,9 @@ def main() -> None:
         print("bench_tp needs 2 GPUs (or --tiny for a CPU dry run)")
         return
     if "RANK" in os.environ:  # under torchrun
-        _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args.tiny,
-                       args.profile, args.graphed)
+        _main_in_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
         return
-    mp.spawn(_spawned, args=(2, _free_port(), args.tiny, args.profile, args.graphed), nprocs=2,
-             join=True)
+    mp.spawn(_spawned, args=(2, _free_port(), args), nprocs=2, join=True)
 
 
 if __name__ == "__main__":

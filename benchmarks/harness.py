@@ -23,6 +23,7 @@ import os
 import pathlib
 import platform
 import subprocess
+from typing import NamedTuple
 
 import torch
 
@@ -100,25 +101,59 @@ def cuda_profile(fn, iters: int):
     return prof
 
 
-def kernel_summary(prof, steps: int, top: int = 25):
-    """From a torch.profiler run over `steps` steps -> (compute_busy_ms, nccl_ms, [(kernel,
-    ms)] the `top` kernels), all per step. compute_busy is the union of the non-NCCL kernels'
-    intervals: the rest of the wall is exposed communication or host time."""
+def _merged(spans):
+    """Sorted, disjoint intervals covering `spans` ((start, end) pairs)."""
+    out = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _length_outside(spans, cover):
+    """Total length of the merged `spans` not inside the merged `cover` (both sorted)."""
+    total, j = 0.0, 0
+    for a, b in spans:
+        inside = 0.0
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            inside += min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
+        total += (b - a) - inside
+    return total
+
+
+class KernelSummary(NamedTuple):
+    """Per step, in ms: `busy` the union of the non-NCCL kernels' intervals, `nccl` the NCCL
+    kernels' summed time, `nccl_exposed` the part of the NCCL kernels' union that no compute
+    kernel overlaps; `ranked` the top (kernel, ms) pairs."""
+
+    busy: float
+    nccl: float
+    nccl_exposed: float
+    ranked: list
+
+
+def kernel_summary(prof, steps: int, top: int = 25) -> KernelSummary:
+    """From a torch.profiler run over `steps` steps. The rest of the wall beyond busy +
+    nccl_exposed is the GPU idle (waiting for the host)."""
     events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
               and not getattr(ev, "is_user_annotation", False)]
-    kernels, spans = {}, []
+    kernels, compute, comm = {}, [], []
     for ev in events:
         kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
-        if "nccl" not in ev.name.lower():
-            spans.append((ev.time_range.start, ev.time_range.end))
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+        (comm if "nccl" in ev.name.lower() else compute).append(
+            (ev.time_range.start, ev.time_range.end))
+    compute, comm = _merged(compute), _merged(comm)
+    busy = sum(b - a for a, b in compute)
     nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
-    return busy / 1e3 / steps, nccl, ranked
+    return KernelSummary(busy / 1e3 / steps, nccl, _length_outside(comm, compute) / 1e3 / steps,
+                         ranked)
 
 
 def gpu_ms(fn, iters: int = 20) -> float:

@@ -9,7 +9,7 @@
 # matching REGEX (bench_block.py --only); model:V1,V2 bench_model.py --only V1 V2 (each with its
 # baseline, a compiled variant with its eager self). Multi-GPU stages use the GPUs that
 # CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs;
-# tp:--profile adds its kernels and host cProfile),
+# tp:--profile adds its kernels and host cProfile, tp:--trace also Chrome traces in $OUT),
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
 # arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
 # results also copied beside it (a caller that fetches a few files gets them all; JSON files of
