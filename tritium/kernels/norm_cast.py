@@ -4,7 +4,8 @@ Twins: `layernorm_fwd_fp8` / `rmsnorm_fwd_fp8` in `tritium.ref.norm` (the plain 
 `ref.cast.cast_transpose`). Delayed scaling only: the scale is read from device memory before
 the cast (Float8CurrentScaling needs the amax first and keeps the unfused path).
 
-One kernel per call: each program owns BLOCK_M rows (32 on the GPU). It walks them in steps of
+One kernel per call: each program owns BLOCK_M rows (32 on the GPU when it writes the transpose,
+else 4 forward tiles). It walks them in steps of
 the plain forward's tile (`kernels.norm._norm_fwd_tile`, BLOCK_ROWS whole rows, same BLOCK_N and
 num_warps as `kernels.norm._tile` picks), so the row reductions are the plain kernel's, bit for
 bit: fused == norm kernel + cast kernel. Per step it rounds y to x.dtype (the unfused path casts
@@ -37,6 +38,7 @@ from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8
 from .norm import _norm_fwd_tile, _rows_contiguous, _tile
 
 _BLOCK_M = 32     # rows per program on the GPU (>= the largest BLOCK_ROWS, 16)
+_TILES_WITHOUT_T = 4   # forward tiles per program when no transpose is written
 _BLOCK_TN = 128   # columns per transposed tile
 
 
@@ -98,7 +100,11 @@ def _fwd_fp8(x, weight, bias, eps, zero_centered_gamma, is_rms, scale, amax, fp8
     rstd = torch.empty(rows, dtype=torch.float32, device=dev)
     interpret = not x.is_cuda
     block_rows, block_n, warps = _tile(n, interpret)
-    block_m = max(8 if interpret else _BLOCK_M, block_rows)
+    # the transpose wants _BLOCK_M rows per program (full sectors); without it a few tiles
+    # per program keep enough programs in flight (32 rows of 4096 made 128 programs for a
+    # sequence-parallel rank's 4096 rows: under one per SM)
+    block_m = (max(8 if interpret else _BLOCK_M, block_rows) if write_transpose
+               else block_rows * _TILES_WITHOUT_T)
     block_tn = 16 if interpret else _BLOCK_TN
     grid = (max(-(-rows_p // block_m), 1),)
     _launch(grid, x, weight, bias if bias is not None else weight,
