@@ -19,6 +19,7 @@ collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S /
     python benchmarks/bench_tp.py --tiny                        # shapes; prints, writes nothing)
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + kernels, host cProfile
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --trace [DIR]  # + Chrome traces ($OUT)
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --comm-host  # host us per collective
 Without torchrun it spawns the 2 processes itself.
 """
 from __future__ import annotations
@@ -76,8 +77,6 @@ def run(rank: int, world: int, opts: argparse.Namespace) -> None:
     from tritium import recipe
     cfg = TINY if tiny else FULL
     cuda = not tiny
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dev = "cuda" if cuda else "cpu"
     dtype = torch.bfloat16 if cuda else torch.float32
     group = dist.group.WORLD
@@ -204,15 +203,63 @@ def _profile(name: str, step, cfg, rank: int, trace_dir=None, top: int = 20) -> 
     pstats.Stats(calls, stream=sys.stdout).sort_stats("tottime").print_stats(top)
 
 
+def comm_host(rank: int, world: int, cfg, cuda: bool) -> None:
+    """--comm-host: the host time of one call of each collective the layer's step issues, at
+    its sizes (us, median of 50 calls each enqueued while the GPU is held busy, so no call
+    waits for the device): the eager step's collectives cost this much host time apiece.
+    Environment variables of torch's NCCL process group (TORCH_NCCL_*) apply as set."""
+    from tritium.distributed.tensor_parallel import (all_gather_dim0, all_reduce,
+                                                     start_reduce_scatter_dim0)
+    dev = "cuda" if cuda else "cpu"
+    group = dist.group.WORLD
+    rows = cfg["S"] // world * cfg["B"]
+    x16 = torch.randn(rows, cfg["H"], device=dev).to(torch.bfloat16 if cuda else torch.float32)
+    x8 = x16.to(torch.float8_e4m3fn)
+    full16 = torch.randn(rows * world, cfg["H"], device=dev).to(x16.dtype)
+    amaxes = torch.rand(64, device=dev)
+    calls = [("all_gather fp8 (SP input)", lambda: all_gather_dim0(x8, group)),
+             ("all_gather bf16 (SP input)", lambda: all_gather_dim0(x16, group)),
+             ("reduce_scatter bf16 async (row output / dgrad)",
+              lambda: start_reduce_scatter_dim0(full16, group)()),
+             ("all_reduce 64 fp32 (amaxes)", lambda: all_reduce(amaxes, group)),
+             ("all_reduce 4096 bf16 (a norm weight's grad)",
+              lambda: all_reduce(x16[0].clone(), group))]
+    lines = []
+    for name, call in calls:
+        for _ in range(5):
+            call()
+        times = []
+        for _ in range(50):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda._sleep(int(2e6))   # ~1 ms of GPU held busy: the call only enqueues
+            dist.barrier(group=group, device_ids=[torch.cuda.current_device()] if cuda else None)
+            t0 = time.perf_counter()
+            call()
+            times.append((time.perf_counter() - t0) * 1e6)
+        lines.append(f"  {statistics.median(times):8.1f} us  {name}")
+    if cuda:
+        torch.cuda.synchronize()
+    if rank == 0:
+        knobs = {k: v for k, v in os.environ.items() if k.startswith(("TORCH_NCCL", "NCCL_"))}
+        print(f"host time per collective call (rank 0; env {knobs or 'default'}):", flush=True)
+        print("\n".join(lines), flush=True)
+
+
 def _spawned(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _main_in_group(rank, world, opts)
 
 
 def _main_in_group(rank: int, world: int, opts: argparse.Namespace) -> None:
+    if not opts.tiny:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
     dist.init_process_group("gloo" if opts.tiny else "nccl", rank=rank, world_size=world)
     try:
-        run(rank, world, opts)
+        if opts.comm_host:
+            comm_host(rank, world, TINY if opts.tiny else FULL, not opts.tiny)
+        else:
+            run(rank, world, opts)
     finally:
         dist.destroy_process_group()
 
@@ -226,6 +273,8 @@ def main() -> None:
     ap.add_argument("--trace", metavar="DIR", nargs="?", const=os.environ.get("OUT", "."),
                     help="with --profile's output, rank 0's kernel trace of each variant as a "
                     "Chrome trace JSON file in DIR (default $OUT, else .)")
+    ap.add_argument("--comm-host", action="store_true",
+                    help="only the host time of one call of each of the step's collectives")
     ap.add_argument("--no-graphed", dest="graphed", action="store_false",
                     help="the eager variants only")
     args = ap.parse_args()
