@@ -130,6 +130,29 @@ def test_sbhd_layout(backend):
         assert_fused_close(g.transpose(0, 1), w, lo, name)
 
 
+@pytest.mark.parametrize("backend", ["cudnn", "flash", "triton"])
+def test_sbhd_slices_of_a_fused_qkv(backend):
+    """q, k, v as TransformerLayer makes them: views into one [s, b, (h + 2 hk) d] projection
+    (GQA), no copies; grads land in the fused tensor's slices."""
+    b, s, h, hk, d = 2, 256, 8, 2, 64
+    q, k, v, dout = data(b, s, s, h, hk, d, torch.bfloat16, seed=9)
+    fused = torch.cat([x.transpose(0, 1).reshape(s, b, -1) for x in (q, k, v)], -1)
+    fused.requires_grad_(True)
+    widths = [h * d, hk * d, hk * d]
+    ql, kl, vl = (x.view(s, b, -1, d) for x in fused.split(widths, -1))
+    _skip_if_rejected(backend, ql, kl, vl, qkv_format="sbhd", attn_mask_type="causal")
+    out = A.dot_product_attention(ql, kl, vl, qkv_format="sbhd", attn_mask_type="causal",
+                                  backend=backend)
+    out.backward(dout.transpose(0, 1).reshape(s, b, h * d))
+    allow = allowed("causal", s, s, s, s, None, "cuda")
+    o64, _, g64 = reference(q, k, v, allow, 1 / math.sqrt(d), dout, low=False)
+    o16, _, g16 = reference(q, k, v, allow, 1 / math.sqrt(d), dout, low=True)
+    assert_fused_close(out.view(s, b, h, d).transpose(0, 1), o64, o16, f"{backend} out")
+    grads = [g.view(s, b, -1, d).transpose(0, 1) for g in fused.grad.split(widths, -1)]
+    for name, g, w, lo in zip(("dq", "dk", "dv"), grads, g64, g16):
+        assert_fused_close(g, w, lo, f"{backend} {name}")
+
+
 @pytest.mark.parametrize("window", [(64, 0), (32, 16), (-1, -1)], ids=str)
 @pytest.mark.parametrize("mask_type", ["no_mask", "causal", "causal_bottom_right"])
 @pytest.mark.parametrize("sq,sk", [(256, 256), (192, 320)], ids=["square", "rect"])

@@ -13,7 +13,9 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
              mask (square only), no window, no padding, head dims <= 128, fp16/bf16, sm80+;
              thd as one dense call per sequence (the reference takes what cuDNN refuses).
              GQA natively where this torch's op takes it (probed once per device), else K/V heads
-             are repeated and their gradients summed.
+             are repeated and their gradients summed. q/k/v go in as they lie (sbhd views,
+             slices of a fused QKV) where the op takes strided operands (probed once per
+             device), so neither they nor sbhd's output are copied.
   flash      torch.ops.aten._flash_attention_forward/_backward (FlashAttention-2 in torch): dense
              and varlen thd (cu_seqlens), GQA, sliding windows, bottom-right alignment (so
              top-left causal only where s_q == s_kv per sequence), fp16/bf16, d % 8 == 0, d <= 256.
@@ -37,11 +39,11 @@ checks.
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
 (the choice is made once, at trace time, and guarded like any other Python branch); what they
 need from the device and the torch build (compute capability, cuDNN version, which ATen ops
-exist; the cuDNN GQA probe) comes from `device_facts` and `cudnn_native_gqa`, which Dynamo runs
-eagerly and treats as constants (`torch.compiler.assume_constant_result`). Under compile the
-per-signature cache and the debug log are skipped (a dict write and a logger call inside a
-traced region are graph breaks); `explain()` gives the same choice and reasons outside the
-compiled region.
+exist; the cuDNN probes) comes from `device_facts`, `cudnn_native_gqa` and `cudnn_strided`,
+which Dynamo runs eagerly and treats as constants (`torch.compiler.assume_constant_result`).
+Under compile the per-signature cache and the debug log are skipped (a dict write and a logger
+call inside a traced region are graph breaks); `explain()` gives the same choice and reasons
+outside the compiled region.
 """
 from __future__ import annotations
 
@@ -276,6 +278,21 @@ def _bshd_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.is_contiguous() else x.contiguous()
 
 
+def _cudnn_strided_ok(x: torch.Tensor) -> bool:
+    """Can cuDNN read x as it lies (the ATen op passes its strides to the cuDNN graph)?
+    Head dim contiguous, every other stride and the base 16-byte aligned."""
+    size = x.element_size()
+    return x.stride(-1) == 1 and all(st * size % 16 == 0 for st in x.stride()[:-1]) \
+        and x.data_ptr() % 16 == 0
+
+
+def _cudnn_operand(x: torch.Tensor, strided: bool) -> torch.Tensor:
+    """x for the cuDNN op: as it lies where this torch's cuDNN path takes strided operands
+    (sbhd views, q/k/v slices of a fused projection: no copy in, and the output comes back in
+    q's memory order, so sbhd's [s, b, h*d] is a view too), else a contiguous bshd copy."""
+    return x if strided and _cudnn_strided_ok(x) else _bshd_contiguous(x)
+
+
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=2) if groups > 1 else x
 
@@ -314,6 +331,42 @@ def _cudnn_native_gqa(device_index: int) -> bool:
               and torch.allclose(r[0].float(), rr[0].float(), atol=2e-2, rtol=2e-2))
     except Exception as exc:  # the op refuses GQA: repeat heads instead
         logger.debug("attention: cuDNN GQA probe failed (%s); K/V heads will be repeated", exc)
+        return False
+    return bool(ok)
+
+
+@torch.compiler.assume_constant_result
+def cudnn_strided(device: torch.device) -> bool:
+    """`_cudnn_strided` of a CUDA device (a constant for Dynamo, like `device_facts`)."""
+    return _cudnn_strided(device.index)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_strided(device_index: int) -> bool:
+    """Does this torch's cuDNN op take q/k/v as strided views (sbhd memory, slices of one fused
+    QKV tensor) and give the same forward and gradients as contiguous bshd copies? Probed once
+    per device on a tiny problem; False keeps the copies."""
+    try:
+        dev = torch.device("cuda", device_index)
+        g = torch.Generator(device=dev).manual_seed(0)
+        s, b, h, d = 128, 2, 4, 64
+        fused = torch.randn(s, b, 3 * h * d, device=dev, generator=g, dtype=torch.bfloat16)
+        dout = torch.randn(b, h, s, d, device=dev, generator=g, dtype=torch.bfloat16)
+        qkv = [fused[..., i * h * d:(i + 1) * h * d].view(s, b, h, d).permute(1, 2, 0, 3)
+               for i in range(3)]
+        op = torch.ops.aten._scaled_dot_product_cudnn_attention
+        results = []
+        for q, k, v in (qkv, [x.contiguous() for x in qkv]):
+            r = op(q, k, v, None, True, 0.0, True, False, scale=0.125)
+            grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+                dout, q, k, v, r[0], r[1], r[6], r[7], None, None, None, s, s, 0.0, True,
+                scale=0.125)
+            results.append((r[0], *grads[:3]))
+        ok = all(a.shape == c.shape and torch.allclose(a.float(), c.float(), atol=2e-2,
+                                                       rtol=2e-2)
+                 for a, c in zip(*results))
+    except Exception as exc:  # the op refuses these strides: copy to contiguous bshd instead
+        logger.debug("attention: cuDNN strided-operand probe failed (%s); q/k/v are copied", exc)
         return False
     return bool(ok)
 
@@ -357,7 +410,8 @@ class CudnnBackend(_Backend):
         groups = a.heads // a.kv_heads
         if groups > 1 and cudnn_native_gqa(q.device):
             groups = 1
-        q, k, v = (_bshd_contiguous(x) for x in (q, k, v))
+        strided = cudnn_strided(q.device)
+        q, k, v = (_cudnn_operand(x, strided) for x in (q, k, v))
         return q, _repeat_kv(k, groups), _repeat_kv(v, groups), groups
 
     def fwd(self, q, k, v, a):
@@ -375,7 +429,8 @@ class CudnnBackend(_Backend):
             return self._thd_bwd(dout, q, k, v, out, lse, aux, a)
         seed, offset, lse_dim = aux
         q, k, v, groups = self._inputs(q, k, v, a)
-        out, dout = _bshd_contiguous(out), _bshd_contiguous(dout)
+        strided = cudnn_strided(q.device)  # the op lays dout out like out where they differ
+        out, dout = _cudnn_operand(out, strided), _cudnn_operand(dout, strided)
         lse = lse.reshape((a.batch, a.heads, a.sq) + ((1,) if lse_dim == 4 else ())).contiguous()
         dq, dk, dv = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
