@@ -91,14 +91,16 @@ def cmd_model_cpu(args, steps=500):
 
 def _stub_attention():
     """The cuDNN SDPA path with its ATen ops returning empty outputs of the real shapes and
-    layouts (the output keeps q's bshd memory order, as cuDNN's does)."""
+    layouts (the output keeps q's memory order, as cuDNN's does; q/k/v go in as they lie)."""
     backends = importlib.import_module("tritium.attention.backends")
     backends.choose = lambda q, k, v, a, backend="auto": (backends.BACKENDS["cudnn"], {})
     backends._cudnn_native_gqa = lambda index: True
+    backends._cudnn_strided = lambda index: True
 
     def fwd(q, k, v, bias, lse, dropout, causal, debug, *, scale=None):
         b, h, s, _ = q.shape
-        out = torch.empty(b, s, h, v.shape[-1], dtype=q.dtype).transpose(1, 2)
+        order = sorted(range(4), key=lambda i: -q.stride(i))  # q's dims, outermost first
+        out = torch.empty_permuted((b, h, s, v.shape[-1]), order, dtype=q.dtype)
         return (out, torch.empty(b, h, s, 1), None, None, s, k.shape[2], torch.empty(2),
                 torch.empty(()), None)
 
