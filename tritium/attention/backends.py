@@ -280,10 +280,11 @@ def _bshd_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _cudnn_strided_ok(x: torch.Tensor) -> bool:
     """Can cuDNN read x as it lies (the ATen op passes its strides to the cuDNN graph)?
-    Head dim contiguous, every other stride and the base 16-byte aligned."""
+    Head dim contiguous, every other stride and the offset into its storage 16-byte aligned
+    (storages are; the offset, unlike data_ptr(), is known under torch.compile too)."""
     size = x.element_size()
     return x.stride(-1) == 1 and all(st * size % 16 == 0 for st in x.stride()[:-1]) \
-        and x.data_ptr() % 16 == 0
+        and x.storage_offset() * size % 16 == 0
 
 
 def _cudnn_operand(x: torch.Tensor, strided: bool) -> torch.Tensor:
