@@ -20,6 +20,7 @@ collectives), CUDA events per step, median, the max over ranks; tokens/s = B*S /
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --profile  # + kernels, host cProfile
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --trace [DIR]  # + Chrome traces ($OUT)
     torchrun --nproc_per_node=2 benchmarks/bench_tp.py --comm-host  # host us per collective
+    torchrun --nproc_per_node=2 benchmarks/bench_tp.py --sm-carveout 16  # GEMMs leave 16 SMs
 Without torchrun it spawns the 2 processes itself.
 """
 from __future__ import annotations
@@ -102,7 +103,7 @@ def run(rank: int, world: int, opts: argparse.Namespace) -> None:
                 ("fp8 current tp2 sp", recipe.Float8CurrentScaling(), False),
                 ("bf16 tp2 sp graphed", None, True), ("fp8 delayed tp2 sp graphed", delayed, True)]
     variants = [v for v in variants if opts.graphed or not v[2]]
-    case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp"
+    case = f"B{b} S{s} H{h} ffn{cfg['FFN']} tp{world} sp{_knobs(opts)}"
     rows = []
     for name, rcp, graphed in variants:
         run = layer
@@ -246,6 +247,19 @@ def comm_host(rank: int, world: int, cfg, cuda: bool) -> None:
         print("\n".join(lines), flush=True)
 
 
+def _knobs(opts: argparse.Namespace) -> str:
+    """The run's settings that change how compute and communication share the GPU, as a
+    suffix of the case name (none: ""), so that result files say what they measured."""
+    knobs = []
+    if opts.sm_carveout:
+        knobs.append(f"cublas-sm-carveout {opts.sm_carveout}")
+    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
+        knobs.append(f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}")
+    if os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") == "0":
+        knobs.append("nccl flight recorder off")
+    return "".join(f" | {k}" for k in knobs)
+
+
 def _spawned(rank: int, world: int, port: int, opts: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     _main_in_group(rank, world, opts)
@@ -254,6 +268,8 @@ def _spawned(rank: int, world: int, port: int, opts: argparse.Namespace) -> None
 def _main_in_group(rank: int, world: int, opts: argparse.Namespace) -> None:
     if not opts.tiny:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        if opts.sm_carveout:  # cuBLAS(Lt) GEMMs leave that many SMs to concurrent NCCL kernels
+            torch._C._set_sm_carveout_experimental(opts.sm_carveout)
     dist.init_process_group("gloo" if opts.tiny else "nccl", rank=rank, world_size=world)
     try:
         if opts.comm_host:
@@ -273,6 +289,10 @@ def main() -> None:
     ap.add_argument("--trace", metavar="DIR", nargs="?", const=os.environ.get("OUT", "."),
                     help="with --profile's output, rank 0's kernel trace of each variant as a "
                     "Chrome trace JSON file in DIR (default $OUT, else .)")
+    ap.add_argument("--sm-carveout", type=int, default=0, metavar="N",
+                    help="cuBLAS GEMMs (bf16, and FP8 dgrad/wgrad) use N SMs fewer, so that a "
+                    "reduce-scatter started before wgrad runs beside it (torch's experimental "
+                    "carveout; also try CUDA_DEVICE_MAX_CONNECTIONS=1); the case name says so")
     ap.add_argument("--comm-host", action="store_true",
                     help="only the host time of one call of each of the step's collectives")
     ap.add_argument("--no-graphed", dest="graphed", action="store_false",
