@@ -353,3 +353,22 @@ def test_forward_backward_blocks_merge_like_a_ring(dtype, randn):
     close(dq.to(dtype), gq, dtype, "dq")
     close(torch.cat(dks, 1), gk, dtype, "dk")
     close(torch.cat(dvs, 1), gv, dtype, "dv")
+
+
+def test_cudnn_takes_aligned_views_as_they_lie():
+    """Which operands the cuDNN backend passes with their strides (no copy): sbhd views and
+    slices of a fused QKV projection; not broadcast dims, a strided head dim or an offset that
+    breaks 16-byte alignment (those get contiguous bshd copies)."""
+    s, b, h, d = 16, 2, 4, 64
+    fused = torch.randn(s, b, 3 * h * d, dtype=torch.bfloat16)
+    q, k, v = (x.view(s, b, h, d).transpose(0, 1) for x in fused.split(h * d, -1))
+    assert all(B._cudnn_strided_ok(x) for x in (q, k, v))
+    assert B._cudnn_strided_ok(q.contiguous())
+    assert not B._cudnn_strided_ok(torch.randn(b, 1, h, d, dtype=torch.bfloat16).expand(b, s, h, d))
+    assert not B._cudnn_strided_ok(q.transpose(-1, -2))
+    flat = torch.randn(b * s * h * d + 1, dtype=torch.bfloat16)
+    assert not B._cudnn_strided_ok(flat[1:].view(b, s, h, d))
+    copied = B._cudnn_operand(flat[1:].view(b, s, h, d), strided=True)
+    assert copied.is_contiguous() and torch.equal(copied, flat[1:].view(b, s, h, d))
+    assert B._cudnn_operand(q, strided=True) is q
+    assert B._cudnn_operand(q, strided=False).is_contiguous()

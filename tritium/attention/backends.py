@@ -280,11 +280,12 @@ def _bshd_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _cudnn_strided_ok(x: torch.Tensor) -> bool:
     """Can cuDNN read x as it lies (the ATen op passes its strides to the cuDNN graph)?
-    Head dim contiguous, every other stride and the offset into its storage 16-byte aligned
-    (storages are; the offset, unlike data_ptr(), is known under torch.compile too)."""
+    Head dim contiguous, no broadcast (0-stride) dims, every other stride and the offset into
+    its storage 16-byte aligned (storages are; the offset, unlike data_ptr(), is known under
+    torch.compile too)."""
     size = x.element_size()
-    return x.stride(-1) == 1 and all(st * size % 16 == 0 for st in x.stride()[:-1]) \
-        and x.storage_offset() * size % 16 == 0
+    return x.stride(-1) == 1 and x.storage_offset() * size % 16 == 0 and all(
+        st * size % 16 == 0 and (st > 0 or n == 1) for st, n in zip(x.stride()[:-1], x.shape))
 
 
 def _cudnn_operand(x: torch.Tensor, strided: bool) -> torch.Tensor:
