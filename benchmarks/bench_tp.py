@@ -74,8 +74,8 @@ def _step_times(step, cfg, cuda: bool) -> list[float]:
 def run(rank: int, world: int, opts: argparse.Namespace) -> None:
     """opts: main()'s parsed arguments (tiny, profile, trace, graphed)."""
     import tritium as te
-    tiny = opts.tiny
     from tritium import recipe
+    tiny = opts.tiny
     cfg = TINY if tiny else FULL
     cuda = not tiny
     dev = "cuda" if cuda else "cpu"
