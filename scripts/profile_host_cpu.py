@@ -383,6 +383,16 @@ def cmd_model_cpu_tp(args):
                    f"B{args.batch}, TP=2 + SP on the fake backend, fwd + bwd)")
 
 
+def _compared_steps_parser(sub, name: str, summary: str):
+    """A sub-command timing bf16 / FP8 delayed / FP8 current steps (`_compare_steps`)."""
+    p = sub.add_parser(name, help=summary)
+    p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
+    p.add_argument("--launches", action="store_true", help="Triton launches per kernel")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
+    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    return p
+
+
 def add_commands(sub, shape) -> None:
     """The model-cpu* sub-commands on profile_host.py's argparse `sub` (shape(p): the T K N
     positional arguments)."""
@@ -400,19 +410,11 @@ def add_commands(sub, shape) -> None:
                           ("vocab", 1024), ("batch", 1), ("seq", 128)):
         p.add_argument("--" + name, type=int, default=default, help=f"default {default}")
     p.set_defaults(func=cmd_model_cpu_llama)
-    p = sub.add_parser("model-cpu-graphs",
-                       help="bench_graphs' eager step's host path on a CPU, GPU calls stubbed")
-    p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
-    p.add_argument("--launches", action="store_true", help="Triton launches per kernel")
-    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p = _compared_steps_parser(
+        sub, "model-cpu-graphs", "bench_graphs' eager step's host path on a CPU, GPU calls stubbed")
     p.set_defaults(func=cmd_model_cpu_graphs)
-    p = sub.add_parser("model-cpu-tp",
-                       help="bench_tp's TP=2 + SP step's host path on a CPU, GPU calls stubbed")
-    p.add_argument("--profile", action="store_true", help="cProfile's tables of the FP8 step")
-    p.add_argument("--launches", action="store_true", help="Triton launches per kernel")
-    p.add_argument("--repeats", type=int, default=10, help="interleaved rounds, best kept")
-    p.add_argument("--steps", type=int, default=10, help="steps per round")
+    p = _compared_steps_parser(
+        sub, "model-cpu-tp", "bench_tp's TP=2 + SP step's host path on a CPU, GPU calls stubbed")
     for name, default in (("hidden", 512), ("heads", 8), ("kv-heads", 2), ("ffn", 1024),
                           ("seq", 256), ("batch", 2)):
         p.add_argument("--" + name, type=int, default=default, help=f"default {default}")
