@@ -291,8 +291,12 @@ def _cudnn_strided_ok(x: torch.Tensor) -> bool:
 def _cudnn_operand(x: torch.Tensor, strided: bool) -> torch.Tensor:
     """x for the cuDNN op: as it lies where this torch's cuDNN path takes strided operands
     (sbhd views, q/k/v slices of a fused projection: no copy in, and the output comes back in
-    q's memory order, so sbhd's [s, b, h*d] is a view too), else a contiguous bshd copy."""
-    return x if strided and _cudnn_strided_ok(x) else _bshd_contiguous(x)
+    q's memory order, so sbhd's [s, b, h*d] is a view too), else a contiguous bshd copy.
+    Under torch.compile always the copy: Dynamo cannot trace storage_offset() inside an
+    autograd.Function, and Inductor chooses the layouts there anyway."""
+    if strided and not torch.compiler.is_compiling() and _cudnn_strided_ok(x):
+        return x
+    return _bshd_contiguous(x)
 
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
