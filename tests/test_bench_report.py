@@ -171,3 +171,26 @@ def test_compile_targets_read_the_ratio_to_another_variant(tmp_path):
     assert "| 11.40 ms (1.89x, 719k tok/s; 1.12x eager, 1.13x torchao compiled) |" in table
     assert f"{br.BLOCK_COMPILED} >= 1.1x its eager self: **met**" in table  # 1.116
     assert f"{br.BLOCK_COMPILED} >= 1.15x torchao compiled: **not met**" in table  # 1.134
+
+
+def test_target_versus_another_variant_of_the_same_case(tmp_path):
+    """A target with `versus` compares the named variant's ms with another variant's ms of the
+    same case and run (bench_tp: graphed FP8 against graphed bf16), not with the baseline."""
+    case, base = "B2 S4096 H4096 ffn14336 tp2 sp", "bf16 tp2 sp"
+    times = ((base, 11.26), ("fp8 delayed tp2 sp", 9.74), ("bf16 tp2 sp graphed", 10.87),
+             ("fp8 delayed tp2 sp graphed", 7.75))
+    rows = [{"case": case, "variant": v, "ms": ms, f"speedup_vs_{base}": round(11.26 / ms, 3)}
+            for v, ms in times]
+    _write(tmp_path, "t.json", _bench("tp", "2026-11-27", "NVIDIA H200", rows, baseline=base))
+    table = br.bench_table("tp", br.latest(br.load_runs(tmp_path))["tp"])
+    assert ">= 1.4x bf16 TP=2: **not met**" in table  # 11.26 / 9.74 = 1.16
+    assert "fp8 delayed tp2 sp graphed >= 1.4x bf16 TP=2 graphed: **met**" in table  # 1.403
+    slower = [dict(r, ms=8.0) if r["variant"].startswith("fp8 delayed tp2 sp graphed") else r
+              for r in rows]
+    _write(tmp_path, "t.json", _bench("tp", "2026-11-27", "NVIDIA H200", slower, baseline=base))
+    table = br.bench_table("tp", br.latest(br.load_runs(tmp_path))["tp"])
+    assert "graphed >= 1.4x bf16 TP=2 graphed: **not met**" in table  # 10.87 / 8.0 = 1.36
+    missing = [r for r in rows if r["variant"] != "bf16 tp2 sp graphed"]
+    _write(tmp_path, "t.json", _bench("tp", "2026-11-27", "NVIDIA H200", missing, baseline=base))
+    table = br.bench_table("tp", br.latest(br.load_runs(tmp_path))["tp"])
+    assert "graphed >= 1.4x bf16 TP=2 graphed: n/a" in table

@@ -41,9 +41,14 @@ class Target:
     field: str = "speedup"
     at_least: Optional[float] = None
     at_most: Optional[float] = None
+    versus: Optional[str] = None   # compare ms with this variant's row of the same case instead
 
-    def check(self, row: dict) -> Optional[bool]:
+    def check(self, row: dict, versus: Optional[dict] = None) -> Optional[bool]:
         value = row.get(self.field)
+        if self.versus is not None:
+            mine, theirs = row.get("ms"), (versus or {}).get("ms")
+            value = theirs / mine if isinstance(mine, (int, float)) and mine > 0 and \
+                isinstance(theirs, (int, float)) else None
         if not isinstance(value, (int, float)):
             return None
         return ((self.at_least is None or value >= self.at_least)
@@ -185,8 +190,10 @@ SPECS = {
     "tp": Spec(
         "One Llama-3-8B TransformerLayer, tensor-parallel over 2 GPUs with sequence parallelism "
         "(fwd+bwd; benchmarks/bench_tp.py)",
-        tritium=("fp8 delayed tp2 sp", "fp8 current tp2 sp"),
-        targets=(Target("", "fp8 delayed tp2 sp", ">= 1.4x bf16 TP=2", at_least=1.4),)),
+        tritium=("fp8 delayed tp2 sp", "fp8 current tp2 sp", "fp8 delayed tp2 sp graphed"),
+        targets=(Target("", "fp8 delayed tp2 sp", ">= 1.4x bf16 TP=2", at_least=1.4),
+                 Target("", "fp8 delayed tp2 sp graphed", ">= 1.4x bf16 TP=2 graphed",
+                        at_least=1.4, versus="bf16 tp2 sp graphed"))),
     "moe": Spec(
         "Mixtral-8x7B-shaped MoE (8 experts, top-2, hidden 4096, ffn 14336, 8192 tokens), "
         "fwd+bwd",
@@ -346,7 +353,8 @@ def _targets(spec: Spec, run: dict, case: str) -> str:
     out = []
     for t in spec.targets:
         if re.search(t.case, case):
-            ok = t.check(_row(run, case, t.variant) or {})
+            ok = t.check(_row(run, case, t.variant) or {},
+                         t.versus and _row(run, case, t.versus))
             verdict = "n/a" if ok is None else "**met**" if ok else "**not met**"
             out.append(f"{t.variant} {t.label}: {verdict}" if t.variant != _main(spec, run)
                        else f"{t.label}: {verdict}")
