@@ -9,8 +9,9 @@ casts it again from the Parameter with the forward's scale. Checked here:
     the block recipes. The path that keeps w8^T is a weight cache's first micro-batch
     (is_first_microbatch=True): the same casts, with the transpose written in forward and kept;
   * what the graph keeps for backward (every saved tensor and every tensor on a Function's
-    context, parameters and input left out, counted once per storage) drops by the fp8
-    transpose's bytes per GEMM, less the 4-byte scale (or amax) kept to cast it again;
+    context, the operands its FP8 plan carries included, parameters and input left out,
+    counted once per storage) drops by the fp8 transpose's bytes per GEMM, less the 4-byte
+    scale (or amax) kept to cast it again; a LayerNormMLP's pair-cast w8 is not kept either;
   * a cache (is_first_microbatch True / False), FP8 params and parameters_split's concatenated
     weight keep w8^T and never cast again;
   * a weight changed in place between forward and backward raises, naming the fix;
@@ -95,6 +96,8 @@ def _tensors(obj):
     elif hasattr(type(obj), "__slots__") and not isinstance(obj, type):
         for name in type(obj).__slots__:
             yield from _tensors(getattr(obj, name, None))
+    elif isinstance(obj, fl.FP8Plan):  # what a plan carries for one call (its weight_ready)
+        yield from _tensors(obj.weight_ready)
 
 
 def _kept_bytes(out, exclude) -> int:

@@ -497,6 +497,10 @@ class _LinearFunction(torch.autograd.Function):
                 amax_into(weight, plan.fwd.amax_slot(plan.weight_slot))
             out = F.linear(x2d, weight, bias)
             ctx.save_for_backward(x2d if need_wgrad else None, weight if need_dgrad else None)
+        if plan is not None and plan.weight_ready is not None:
+            # the pair cast's w8 was for this GEMM only: the plan kept for backward must not
+            # hold it (w8^T is in the operands above, or cast again in backward)
+            plan = plan.with_weight_ready(None)
         ctx.fp8, ctx.plan, ctx.main_grad = fp8, plan, main_grad
         ctx.shape, ctx.in_shape, ctx.need = shape, carrier_shape, (need_dgrad, need_wgrad)
         ctx.weight_dtype, ctx.has_bias = weight.dtype, bias is not None
