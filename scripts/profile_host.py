@@ -29,8 +29,8 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
                       launches compute their cache key and return; torch._scaled_mm only
                       allocates): host-side changes measured without a GPU. --profile adds
                       cProfile's table.
-  model-cpu-llama [--profile] [--layers N --hidden H --heads A --kv-heads G --vocab V
-                   --batch B --seq S] [--repeats R --steps N]
+  model-cpu-llama [--profile | --kept] [--layers N --hidden H --heads A --kv-heads G
+                   --vocab V --batch B --seq S] [--repeats R --steps N]
                       the same for a whole model: a tiny HF LlamaForCausalLM (default 4 layers,
                       hidden 256, 4/2 heads, ffn 4x, vocab 1024, B1 x S128) converted by
                       convert_llama, forward with labels + backward under fp8_autocast
@@ -40,6 +40,9 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
                       rounds interleaved, medians); --profile adds cProfile's tables of the
                       forward (tottime and cumulative). CPU ops that are not stubbed (residual
                       adds, reshapes that copy, the loss) really run, on one thread.
+                      --kept: no timing; the tensor storages one forward keeps alive for its
+                      backward (reachable after it, not before; parameters left out), bf16 and
+                      FP8 delayed, by shape and dtype, and bytes per token per layer.
   model-cpu-graphs [--profile] [--launches] [--repeats R --steps N]
                       bench_graphs' eager step (4 TransformerLayers, hidden 512, 8 heads, S128
                       B2, fwd + bwd + FusedAdam) the same way, bf16, FP8 delayed and FP8

@@ -123,8 +123,51 @@ def _tiny_llama(layers, hidden, heads, kv_heads, ffn, vocab):
     return convert_llama(model)
 
 
+def _storages() -> dict:
+    """{(data_ptr, nbytes): (shape, dtype)} of every tensor storage Python can reach, parameters
+    left out (theirs are alive anyway)."""
+    import gc
+    gc.collect()
+    found = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and not isinstance(obj, torch.nn.Parameter):
+            try:
+                st = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # no storage (fake, meta)
+                continue
+            found.setdefault((st.data_ptr(), st.nbytes()), (tuple(obj.shape), obj.dtype))
+    return found
+
+
+def _print_kept(model, ids, rec) -> None:
+    """--kept: what a forward leaves alive for its backward, bf16 and FP8 delayed: every
+    storage reachable after the forward that was not before, by shape and dtype (a storage is
+    listed under the shape of one tensor that views it), and bytes per token per layer."""
+    n, tokens = len(model.model.layers), ids.numel()
+    for name, fp8 in (("bf16", False), ("fp8 delayed", True)):
+        for _ in range(2):  # FP8 state and first-call allocations made before counting
+            with te.fp8_autocast(enabled=fp8, fp8_recipe=rec):
+                model(input_ids=ids, labels=ids).loss.backward()
+            model.zero_grad(set_to_none=True)
+        before = _storages()
+        with te.fp8_autocast(enabled=fp8, fp8_recipe=rec):
+            loss = model(input_ids=ids, labels=ids).loss
+        kept = {k: v for k, v in _storages().items() if k not in before}
+        by_kind = collections.Counter()
+        for (_, nbytes), (shape, dtype) in kept.items():
+            by_kind[shape, str(dtype).replace("torch.", "")] += nbytes
+        total = sum(by_kind.values())
+        print(f"{name}: {total / 2**20:.1f} MiB kept by the forward ({n} layers, {tokens} "
+              f"tokens: {total / n / tokens:.0f} bytes per token per layer, embedding and loss "
+              "included)")
+        for (shape, dtype), nbytes in by_kind.most_common(12):
+            print(f"  {nbytes / 2**20:9.2f} MiB  {dtype:14s} {shape}")
+        del loss
+
+
 def cmd_model_cpu_llama(args):
-    """Host us per decoder-layer forward and backward of a converted HF Llama under FP8."""
+    """Host us per decoder-layer forward and backward of a converted HF Llama under FP8
+    (--kept: the bytes its forward keeps for backward instead)."""
     import cProfile
     import pstats
     _stub_gpu_calls()
@@ -132,6 +175,10 @@ def cmd_model_cpu_llama(args):
     torch.set_num_threads(1)  # the host path is one thread; CPU ops' thread pools add noise
     model = _tiny_llama(args.layers, args.hidden, args.heads, args.kv_heads, 4 * args.hidden,
                         args.vocab)
+    if args.kept:
+        _print_kept(model, torch.randint(0, args.vocab, (args.batch, args.seq)),
+                    recipe.DelayedScaling(amax_history_len=16))
+        return
     inner = model.model
     all_layers, no_layers = inner.layers, torch.nn.ModuleList()
     ids = torch.randint(0, args.vocab, (args.batch, args.seq))
@@ -404,6 +451,8 @@ def add_commands(sub, shape) -> None:
     p = sub.add_parser("model-cpu-llama",
                        help="a converted HF Llama's host path on a CPU, GPU calls stubbed")
     p.add_argument("--profile", action="store_true", help="print cProfile's tables (forward)")
+    p.add_argument("--kept", action="store_true",
+                   help="no timing: the storages a forward keeps for backward, bf16 and FP8")
     p.add_argument("--repeats", type=int, default=5, help="interleaved rounds, median kept")
     p.add_argument("--steps", type=int, default=20, help="steps per round (median kept)")
     for name, default in (("layers", 4), ("hidden", 256), ("heads", 4), ("kv-heads", 2),

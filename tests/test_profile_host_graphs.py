@@ -1,6 +1,7 @@
 """cpu tier: `scripts/profile_host.py model-cpu-graphs` runs bench_graphs' eager step, and
 `model-cpu-tp` bench_tp's TP=2 + SP TransformerLayer step (fake process group), on the CPU with
-their GPU calls stubbed and print the three variants with their per-step counts. In a
+their GPU calls stubbed and print the three variants with their per-step counts;
+`model-cpu-llama --kept` lists what a converted Llama's forward keeps for backward. In a
 subprocess: the tool replaces ATen CPU kernels for its whole process."""
 from __future__ import annotations
 
@@ -45,3 +46,23 @@ def test_model_cpu_tp_prints_ratios_and_counts():
     assert rows["bf16"][1] == 0 and rows["fp8 delayed"][1] == rows["fp8 current"][1] == 8
     assert rows["bf16"][0] < rows["fp8 delayed"][0] < rows["fp8 current"][0]
     assert rows["bf16"][2] < rows["fp8 delayed"][2]
+
+
+def test_model_cpu_llama_kept_lists_no_fp8_weight():
+    """`model-cpu-llama --kept`: what a converted Llama's forward keeps for backward, bf16 and
+    FP8. FP8 keeps less, and no fp8 copy of a GEMM weight (backward casts w8^T again; a
+    LayerNormMLP's pair cast once left fc1's and fc2's w8 on the plan kept for backward)."""
+    pytest.importorskip("transformers")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "profile_host.py"),
+                          "model-cpu-llama", "--kept", "--layers", "2"],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    totals = dict(re.findall(r"^(bf16|fp8 delayed): ([\d.]+) MiB kept", out, re.M))
+    assert list(totals) == ["bf16", "fp8 delayed"], out
+    assert 0 < float(totals["fp8 delayed"]) < float(totals["bf16"])
+    fp8_shapes = re.findall(r"float8_e4m3fn\s+(\(.*\))$", out, re.M)
+    assert fp8_shapes, out  # the activations' fp8 transposes for wgrad
+    # hidden 256, 4/2 heads of 64, ffn 1024 (swiglu: fc1 [2048, 256]), 128 tokens
+    weights = {"(512, 256)", "(256, 256)", "(2048, 256)", "(256, 1024)"}
+    assert not weights & set(fp8_shapes), out
