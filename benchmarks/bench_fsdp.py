@@ -41,15 +41,19 @@ and torchao-float8 are the 1D peers: with N > 1 they give a row with an error.
 --diagnose VARIANTS: per rank, wall vs host ms per step, device syncs, allocator retries and
 the collectives of a step (diagnose_variant; docs/distributed.md says how to read it). --layers N
 builds N decoder layers of the 8B shape (fewer GPUs, quicker runs).
-Reported per variant: ms per step and tokens/s (all GPUs, after --warmup steps), peak memory per
-GPU, bytes all-gathered per step per GPU, and the loss curve (first / last, and the mean of the
-last 10 steps relative to bf16's). Rows go through benchmarks/harness.py finish().
+Reported per variant: ms per step and tokens/s (all GPUs and per GPU, after --warmup steps),
+peak memory per GPU, bytes all-gathered per step per GPU, the loss curve (first / last, and the
+mean of the last 10 steps relative to bf16's) and, on GPUs, the NCCL time per step that no
+compute kernel hides, per collective (all_gather_exposed_ms, reduce_scatter_exposed_ms, ...:
+rank 0, two more profiled steps after the timed ones; --no-comm-profile skips them). Rows go
+through benchmarks/harness.py finish().
 """
 from __future__ import annotations
 
 import argparse
 import gc
 import os
+import re
 import sys
 import traceback
 
@@ -138,11 +142,33 @@ def run_variant(name: str, args, device) -> dict:
            "losses": [round(s["loss"], 5) for s in steps]}
     if row["ms"] is None:
         del row["ms"]
+    else:
+        row["tokens_per_s_per_gpu"] = round(tps / world, 1)
+    if device.type == "cuda" and args.comm_profile:
+        row.update(_exposed_comm(model, opt, rcp, after, args, device))
     del model, opt
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row
+
+
+def _exposed_comm(model, opt, rcp, after, args, device, steps: int = 2) -> dict:
+    """NCCL time per step that no compute kernel hides, in all and per collective (ms, this
+    rank): `steps` more steps after the timed ones, under torch.profiler (CUDA kernels only).
+    Keys: nccl_ms, nccl_exposed_ms, all_gather_exposed_ms, reduce_scatter_exposed_ms, ..."""
+    from torch.profiler import ProfilerActivity, profile
+    data = T.batches(args.seq_len, args.batch, steps, device, seed=args.seed + 1, mesh=args.mesh)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        T.train(model, opt, data, rcp=rcp, after_step=after, log=None, warmup=0,
+                dp=dist.get_world_size() // args.tp)
+        torch.cuda.synchronize()
+    ks = kernel_summary(prof, steps)
+    out = {"nccl_ms": round(ks.nccl, 1), "nccl_exposed_ms": round(ks.nccl_exposed, 1)}
+    for kind, ms in ks.exposed_by_kind.items():   # AllGather -> all_gather_exposed_ms
+        out[re.sub(r"(?<!^)([A-Z])", r"_\1", kind).lower() + "_exposed_ms"] = round(ms, 1)
+    return out
 
 
 def profile_variant(name: str, args, device, steps: int = 2, top: int = 25) -> None:
@@ -313,6 +339,9 @@ def main(argv=None) -> int:
                         "2026-11-27 used none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-recompute", dest="recompute", action="store_false")
+    p.add_argument("--no-comm-profile", dest="comm_profile", action="store_false",
+                   help="skip the 2 profiled steps after each variant's timed ones (CUDA) that "
+                        "measure the all-gather / reduce-scatter time no compute hides")
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--device", choices=["auto", "cpu"], default="auto")
     p.add_argument("--verbose", action="store_true", help="one progress line per step")

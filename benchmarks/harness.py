@@ -22,6 +22,7 @@ import json
 import os
 import pathlib
 import platform
+import re
 import subprocess
 from typing import NamedTuple
 
@@ -130,12 +131,25 @@ def _length_outside(spans, cover):
 class KernelSummary(NamedTuple):
     """Per step, in ms: `busy` the union of the non-NCCL kernels' intervals, `nccl` the NCCL
     kernels' summed time, `nccl_exposed` the part of the NCCL kernels' union that no compute
-    kernel overlaps; `ranked` the top (kernel, ms) pairs."""
+    kernel overlaps, `exposed_by_kind` the same per collective kind ({"AllGather": ms,
+    "ReduceScatter": ms, ...}, from the NCCL kernels' names); `ranked` the top (kernel, ms)
+    pairs."""
 
     busy: float
     nccl: float
     nccl_exposed: float
     ranked: list
+    exposed_by_kind: dict
+
+
+_NCCL_KIND = re.compile(r"(AllGather|ReduceScatter|AllReduce|Broadcast|Reduce|SendRecv|Send|Recv)")
+
+
+def nccl_kind(kernel: str) -> str:
+    """The collective of an NCCL kernel's name ("ncclDevKernel_AllGather_RING_LL" ->
+    "AllGather"), "other" where the name says none."""
+    found = _NCCL_KIND.search(kernel)
+    return found.group(1) if found else "other"
 
 
 def kernel_summary(prof, steps: int, top: int = 25) -> KernelSummary:
@@ -143,17 +157,23 @@ def kernel_summary(prof, steps: int, top: int = 25) -> KernelSummary:
     nccl_exposed is the GPU idle (waiting for the host)."""
     events = [ev for ev in prof.events() if ev.device_type == torch.autograd.DeviceType.CUDA
               and not getattr(ev, "is_user_annotation", False)]
-    kernels, compute, comm = {}, [], []
+    kernels, compute, comm, by_kind = {}, [], [], {}
     for ev in events:
         kernels[ev.name] = kernels.get(ev.name, 0.0) + ev.device_time / 1e3 / steps
-        (comm if "nccl" in ev.name.lower() else compute).append(
-            (ev.time_range.start, ev.time_range.end))
+        span = (ev.time_range.start, ev.time_range.end)
+        if "nccl" in ev.name.lower():
+            comm.append(span)
+            by_kind.setdefault(nccl_kind(ev.name), []).append(span)
+        else:
+            compute.append(span)
     compute, comm = _merged(compute), _merged(comm)
     busy = sum(b - a for a, b in compute)
     nccl = sum(ms for k, ms in kernels.items() if "nccl" in k.lower())
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1])[:top]
+    exposed = {kind: _length_outside(_merged(spans), compute) / 1e3 / steps
+               for kind, spans in sorted(by_kind.items())}
     return KernelSummary(busy / 1e3 / steps, nccl, _length_outside(comm, compute) / 1e3 / steps,
-                         ranked)
+                         ranked, exposed)
 
 
 def gpu_ms(fn, iters: int = 20) -> float:

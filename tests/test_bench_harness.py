@@ -41,3 +41,39 @@ def test_exposed_length_matches_a_grid_count(seed):
     assert sum(b - a for a, b in merged_comm) == len(in_comm)
     assert all(merged_comm[i][1] < merged_comm[i + 1][0] for i in range(len(merged_comm) - 1))
     assert h._length_outside(merged_comm, merged_compute) == len(in_comm - in_compute)
+
+
+def test_nccl_kernel_kinds():
+    h = _harness()
+    assert h.nccl_kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == \
+        "AllGather"
+    assert h.nccl_kind("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL") == "ReduceScatter"
+    assert h.nccl_kind("ncclDevKernel_AllReduce_Sum_bf16_RING_LL") == "AllReduce"
+    assert h.nccl_kind("ncclDevKernel_Reduce_Sum_f32_RING_LL") == "Reduce"
+    assert h.nccl_kind("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)") == "SendRecv"
+    assert h.nccl_kind("ncclKernel_Generic") == "other"
+
+
+def test_kernel_summary_splits_exposed_nccl_time_by_collective():
+    """A made-up profile: compute [0, 10) and [20, 30) us, an all-gather [5, 25) (10 us beside
+    no compute), a reduce-scatter [28, 40) (10 us beside no compute), over 2 steps."""
+    h = _harness()
+
+    class Ev:
+        device_type = h.torch.autograd.DeviceType.CUDA
+
+        def __init__(self, name, a, b):
+            self.name, self.device_time = name, b - a
+            self.time_range = type("R", (), {"start": a, "end": b})
+
+    class Prof:
+        def events(self):
+            return [Ev("gemm", 0, 10), Ev("gemm", 20, 30),
+                    Ev("ncclDevKernel_AllGather_RING_LL", 5, 25),
+                    Ev("ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 28, 40)]
+    ks = h.kernel_summary(Prof(), steps=2)
+    assert ks.busy == pytest.approx(20 / 1e3 / 2)
+    assert ks.nccl == pytest.approx(32 / 1e3 / 2)
+    assert ks.nccl_exposed == pytest.approx(20 / 1e3 / 2)
+    assert ks.exposed_by_kind == pytest.approx({"AllGather": 10 / 1e3 / 2,
+                                                "ReduceScatter": 10 / 1e3 / 2})

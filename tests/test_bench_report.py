@@ -194,3 +194,20 @@ def test_target_versus_another_variant_of_the_same_case(tmp_path):
     _write(tmp_path, "t.json", _bench("tp", "2026-11-27", "NVIDIA H200", missing, baseline=base))
     table = br.bench_table("tp", br.latest(br.load_runs(tmp_path))["tp"])
     assert "graphed >= 1.4x bf16 TP=2 graphed: n/a" in table
+
+
+def test_fsdp_cells_show_exposed_communication_where_measured(tmp_path):
+    """bench_fsdp's rows with the profiled exposed all-gather / reduce-scatter ms get them in the
+    cell; rows written before those fields existed keep the shorter cell."""
+    base = {"case": "llama3-8b-s4096-b4x4", "peak_gib_per_gpu": 38.2,
+            "all_gather_gib_per_step": 28.0}
+    rows = [dict(base, variant="bf16", ms=1856.2, tokens_per_s=35308.0, speedup_vs_bf16=1.0,
+                 tokens_per_s_per_gpu=8827.0, all_gather_exposed_ms=41.4,
+                 reduce_scatter_exposed_ms=12.6),
+            dict(base, variant="tritium-fp8-delayed-ag", ms=1275.7, tokens_per_s=51372.0,
+                 speedup_vs_bf16=1.455, all_gather_gib_per_step=15.0)]
+    _write(tmp_path, "f.json", _bench("fsdp", "2026-11-27", "NVIDIA H200", rows, gpus=4))
+    table = br.bench_table("fsdp", br.latest(br.load_runs(tmp_path))["fsdp"])
+    assert ("| 35,308 tok/s (1.00x, 8,827 per GPU, 38.2 GiB, AG 28.0 GiB; exposed AG 41 + RS "
+            "13 ms) |") in table
+    assert "| 51,372 tok/s (1.46x, 38.2 GiB, AG 15.0 GiB) |" in table
