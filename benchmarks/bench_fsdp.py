@@ -145,7 +145,10 @@ def run_variant(name: str, args, device) -> dict:
     else:
         row["tokens_per_s_per_gpu"] = round(tps / world, 1)
     if device.type == "cuda" and args.comm_profile:
-        row.update(_exposed_comm(model, opt, rcp, after, args, device))
+        try:   # a diagnostic: its failure must not cost the timed row
+            row.update(_exposed_comm(model, opt, rcp, after, args, device))
+        except Exception as exc:
+            row["comm_profile_error"] = repr(exc)[:300]
     del model, opt
     gc.collect()
     if device.type == "cuda":
