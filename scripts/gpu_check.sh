@@ -13,7 +13,8 @@
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
 # arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
 # results also copied beside it (a caller that fetches a few files gets them all; JSON files of
-# the same name in two folders: the tarball keeps both).
+# the same name in two folders: the tarball keeps both). Several of these side by side on one
+# machine's GPUs: scripts/gpu_parallel.sh.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
