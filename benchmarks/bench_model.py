@@ -34,6 +34,10 @@ leak into the next one; --only picks some):
                  distinct layer is allowed) and any recompile after the warm-up steps: an error
                  row, never an eager fallback. Choosing one also runs its eager self;
                  vs_eager = the eager self's ms / ms.
+  tritium_fp8_delayed_compile_cudagraphs   the same with mode="reduce-overhead": each layer's
+                 forward and backward replayed as CUDA graphs (inductor's cudagraph trees;
+                 torch.compiler.cudagraph_mark_step_begin() at each step), so the layers cost
+                 no host time per op; the embedding, final norm, loss and optimizer stay eager.
 Reported per variant: ms per step and tokens_per_s (mean over the steps after the first
 WARMUP, which compile and autotune), peak_gib (torch.cuda.max_memory_allocated over the whole
 run: weights, grads, optimizer state, activations), loss_50 (the last step's loss) and
@@ -76,12 +80,14 @@ LR, BETAS = 3e-4, (0.9, 0.95)
 BASELINE = "hf_eager"
 VARIANTS = ["hf_eager", "hf_liger", "hf_compile", "hf_torchao", "tritium_bf16",
             "tritium_fp8_delayed", "tritium_fp8_current", "tritium_fp8_delayed_fp8head",
-            "tritium_fp8_delayed_fusedadam", "tritium_bf16_compile", "tritium_fp8_delayed_compile"]
+            "tritium_fp8_delayed_fusedadam", "tritium_bf16_compile", "tritium_fp8_delayed_compile",
+            "tritium_fp8_delayed_compile_cudagraphs"]
 CPU_VARIANTS = ["hf_eager", "tritium_bf16", "tritium_fp8_delayed", "tritium_fp8_current",
                 "tritium_fp8_delayed_fusedadam", "tritium_bf16_compile",
-                "tritium_fp8_delayed_compile"]
+                "tritium_fp8_delayed_compile", "tritium_fp8_delayed_compile_cudagraphs"]
 EAGER_SELF = {"tritium_bf16_compile": "tritium_bf16",
-              "tritium_fp8_delayed_compile": "tritium_fp8_delayed"}
+              "tritium_fp8_delayed_compile": "tritium_fp8_delayed",
+              "tritium_fp8_delayed_compile_cudagraphs": "tritium_fp8_delayed"}
 
 
 def batches(n: int, batch: int, seq: int, seed: int = 0):
@@ -131,8 +137,9 @@ def build(variant: str, cfg: dict, device: torch.device):
             torch._dynamo.reset()  # the CPU smoke test runs variants in one process
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             torch._dynamo.config.fail_on_recompile_limit_hit = True
+            mode = "reduce-overhead" if variant.endswith("cudagraphs") else None
             for layer in model.model.layers:
-                layer.compile(fullgraph=True)
+                layer.compile(fullgraph=True, mode=mode)
         if "fp8" in variant:
             rcp = recipe.Float8CurrentScaling() if "current" in variant else \
                 recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
@@ -165,8 +172,12 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats()
     losses, marks = [], []
 
+    cudagraphs = variant.endswith("cudagraphs")
+
     def step(ids):
         opt.zero_grad(set_to_none=True)
+        if cudagraphs:  # a new step: the graphs may overwrite the last step's outputs
+            torch.compiler.cudagraph_mark_step_begin()
         with ctx():
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
