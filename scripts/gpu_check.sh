@@ -13,8 +13,14 @@
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
 # arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
 # results also copied beside it (a caller that fetches a few files gets them all; JSON files of
-# the same name in two folders: the tarball keeps both). Several of these side by side on one
-# machine's GPUs: scripts/gpu_parallel.sh.
+# the same name in two folders: the tarball keeps both).
+#        scripts/gpu_check.sh parallel 'GPUS:STAGE ...' ['GPUS:STAGE ...' ...]
+# Several of the above side by side, each on its own GPUs (CUDA_VISIBLE_DEVICES=GPUS), its
+# stages in order, its logs and results in $OUT/g<GPUS>/ (commas become dashes), e.g.
+#   scripts/gpu_check.sh parallel '0:tests:attention graphs' '1:model:tritium_fp8_delayed' \
+#     '2,3:CUDA_DEVICE_MAX_CONNECTIONS=1 tp'       (VAR=value words: that job's environment)
+# then each job's log tail, and everything under $OUT packed into $OUT/out.tgz. Jobs beside
+# each other share the host's CPUs: compare timings within one job, or rerun a baseline alone.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
@@ -23,6 +29,20 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # once per machine (para
   [ -d /tmp/peers/torchao ] || python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/peers .whl/*.whl
   export PYTHONPATH=$PWD:/tmp/peers
+fi
+if [ "${1:-}" = parallel ]; then
+  shift
+  for job in "$@"; do
+    gpus=${job%%:*}; dir="$OUT/g${gpus//,/-}"; mkdir -p "$dir"; envs=(); args=()
+    for word in ${job#*:}; do
+      if [[ $word == *=* && $word != *:* ]]; then envs+=("$word"); else args+=("$word"); fi
+    done
+    CUDA_VISIBLE_DEVICES=$gpus OUT=$dir env "${envs[@]}" "$0" "${args[@]}" > "$dir/job.log" 2>&1 &
+  done
+  wait
+  for log in "$OUT"/g*/job.log; do echo "=== ${log#"$OUT"/}"; tail -15 "$log"; done
+  t=$(mktemp -d); (cd "$OUT" && tar czf "$t/out.tgz" . && rm -rf ./* && mv "$t/out.tgz" .)
+  ls -la "$OUT"; exit 0
 fi
 ngpu=$(python3 -c "import torch; print(torch.cuda.device_count())")
 stages=${*:-tests cast linear norm act mlp attn rope adam block}
