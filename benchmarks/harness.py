@@ -66,7 +66,22 @@ def env_info() -> dict:
             info[peer] = getattr(mod, "__version__", "installed")
         except Exception:
             info[peer] = None
+    launch = launch_env()
+    if launch:
+        info["launch_env"] = launch
     return info
+
+
+# Launch settings that change how compute and communication share the GPU or what the host pays
+# per collective (docs/tensor_parallel.md, docs/distributed.md): recorded with every result.
+LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_TRACE_BUFFER_SIZE", "NCCL_ALGO",
+              "NCCL_PROTO", "NCCL_NVLS_ENABLE", "TRITIUM_FP8_GEMM", "TRITIUM_ATTN_BACKEND",
+              "TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8")
+
+
+def launch_env() -> dict:
+    """The LAUNCH_ENV variables this process was started with (only those set)."""
+    return {k: os.environ[k] for k in LAUNCH_ENV if os.environ.get(k)}
 
 
 def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:

@@ -77,3 +77,20 @@ def test_kernel_summary_splits_exposed_nccl_time_by_collective():
     assert ks.nccl_exposed == pytest.approx(20 / 1e3 / 2)
     assert ks.exposed_by_kind == pytest.approx({"AllGather": 10 / 1e3 / 2,
                                                 "ReduceScatter": 10 / 1e3 / 2})
+
+
+def test_launch_env_is_recorded_and_shown(monkeypatch):
+    """Result files say which launch settings were set (harness.env_info), and the report's run
+    line shows them."""
+    from tritium import bench_report as br
+    h = _harness()
+    for name in h.LAUNCH_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert "launch_env" not in h.env_info()
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    monkeypatch.setenv("NOT_A_LAUNCH_SETTING", "x")
+    env = h.env_info()
+    assert env["launch_env"] == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    line = br.describe({"kind": "2 x NVIDIA H200", "file": "f.json",
+                        "env": {"date": "2026-11-27", "commit": "abc1234", **env}})
+    assert "launched with `CUDA_DEVICE_MAX_CONNECTIONS=1`" in line

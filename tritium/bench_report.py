@@ -380,7 +380,9 @@ def describe(run: dict) -> str:
              if commit else "commit unknown"]
     versions = ", ".join(f"{k} {env[k]}" for k in ("torch", "triton", "torchao", "liger_kernel")
                          if env.get(k) and env[k] != "installed")
-    return ", ".join(parts) + (f"; {versions}" if versions else "") + f" (`results/{run['file']}`)"
+    launch = ", ".join(f"`{k}={v}`" for k, v in (env.get("launch_env") or {}).items())
+    return (", ".join(parts) + (f"; {versions}" if versions else "")
+            + (f"; launched with {launch}" if launch else "") + f" (`results/{run['file']}`)")
 
 
 def bench_table(bench: str, runs: list) -> str:
