@@ -6,7 +6,8 @@
         --batch 1 --fp8 current --fp8-all-gather --recompute
     torchrun --nproc-per-node=2 examples/train_fsdp.py --device cpu --steps 5    # gloo
     torchrun --nproc-per-node=2 examples/train_fsdp.py --fp8 delayed --fp8-params # FP8 params
-    torchrun --nproc-per-node=8 examples/train_fsdp.py --tp 2 ...                # FSDP2 x TP
+    CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nproc-per-node=8 examples/train_fsdp.py --tp 2 ...
+                                                                  # FSDP2 x TP (see below)
 
 How the model is made (docs/distributed.md, DESIGN.md section 11): the HF model is built on the
 meta device, converted (its decoder layers become tritium TransformerLayers), optionally given
@@ -17,6 +18,9 @@ rotary buffers are re-made here), so no device ever holds the whole model.
 FSDP2 x tensor parallelism (`--tp N`, docs/distributed.md): a 2D DeviceMesh (world / N, N) with
 dims ("dp", "tp"); the decoder layers are converted with tp_group=mesh["tp"] and sequence
 parallelism (each rank holds its TP shards), and fully_shard shards everything over mesh["dp"].
+Launch TP jobs with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue per process, so a
+collective issued before a GEMM starts first; Megatron-LM's setting; measured in
+docs/tensor_parallel.md); rank 0 says so when it is missing.
 Initialization: HF's modules (replicated over TP) draw from one seed per dp rank, so the TP
 ranks of a dp group hold the same values; each TP-sharded tritium module draws from a stream of
 its own per (dp rank, TP rank, module), so the TP shards differ.
@@ -410,6 +414,10 @@ def main(argv=None) -> int:
                      recompute=args.recompute, mesh=mesh,
                      fp8_params=rcp if args.fp8_params else None)
     opt = te.optimizers.FusedAdam(model.parameters(), lr=args.lr, master_weights=True)
+    if dist.get_rank() == 0 and args.tp > 1 and device.type == "cuda" and \
+            os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1":
+        print("note: tensor-parallel jobs run faster launched with CUDA_DEVICE_MAX_CONNECTIONS=1 "
+              "(docs/tensor_parallel.md)", flush=True)
     if dist.get_rank() == 0:
         n = sum(p.numel() for p in model.parameters())
         print(f"{args.config}: {n / 1e6:,.1f}M params on {dist.get_world_size()} x {device.type}; "
