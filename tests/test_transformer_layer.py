@@ -228,3 +228,44 @@ def test_errors():
                                  input_layernorm=torch.ones(64), gate_proj=torch.zeros(96, 64),
                                  up_proj=torch.zeros(96, 64), down_proj=torch.zeros(64, 96),
                                  post_attention_layernorm=torch.ones(64))
+
+
+def _kept_storages(out) -> dict:
+    """{data_ptr: nbytes} of every tensor the autograd graph behind `out` keeps for backward:
+    saved tensors, and tensors (in lists / tuples) on a custom Function's context."""
+    found, seen, stack = {}, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(f for f, _ in node.next_functions)
+        items = [getattr(node, n) for n in dir(node) if n.startswith("_saved_")]
+        items += list(getattr(node, "saved_tensors", ()) or ())
+        items += list(getattr(node, "__dict__", {}).values())
+        for item in items:
+            for t in item if isinstance(item, (list, tuple)) else (item,):
+                if isinstance(t, torch.Tensor):
+                    found[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return found
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_rope_layer_does_not_keep_the_fused_qkv_output(randn, interleaved, fp8):
+    """With RoPE, q and k are new tensors and v was a view of the fused QKV projection's output:
+    attention's backward then kept that whole buffer alive for v alone. v is copied instead, so
+    nothing the graph keeps is as large as the fused output (values unchanged: test above)."""
+    hidden, heads, groups, b, s = 64, 4, 2, 2, 16
+    block = _llama_block(hidden, 96, heads, groups, interleaved=interleaved)
+    x = randn(b, s, hidden, requires_grad=True)
+    rope = te.RotaryPositionEmbedding(hidden // heads)(s)
+    with te.fp8_autocast(enabled=fp8):
+        out = block(x, rotary_pos_emb=rope)
+    fused = b * s * (heads + 2 * groups) * (hidden // heads) * x.element_size()
+    kept = _kept_storages(out)
+    for t in [x, *block.parameters()]:  # alive anyway (a recast in backward keeps the weight)
+        kept.pop(t.untyped_storage().data_ptr(), None)
+    assert kept and fused not in kept.values()
+    v = b * s * groups * (hidden // heads) * x.element_size()
+    assert v in kept.values()  # v's own copy, kept for attention's backward

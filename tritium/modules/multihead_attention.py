@@ -229,6 +229,11 @@ class MultiheadAttention(torch.nn.Module):
                                      **cp)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_kv,
                                      **cp)
+            if self.attention_type == "self":
+                # q and k are new tensors now; v, a view, would keep the whole fused QKV
+                # output alive for attention's backward: its own copy frees the rest (q and k's
+                # part of it, over 80% of the buffer for Llama-3's GQA) when the forward moves on
+                v = v.clone()
         attn_kwargs = dict(attention_mask=attention_mask, qkv_format=self.qkv_format,
                            cu_seqlens_q=cu_seqlens_q, cu_seqlens_kv=cu_seqlens_kv,
                            max_seqlen_q=max_seqlen_q, max_seqlen_kv=max_seqlen_kv,
