@@ -229,7 +229,7 @@ class MultiheadAttention(torch.nn.Module):
                                      **cp)
             k = apply_rotary_pos_emb(k, k_freqs, tensor_format=fmt, cu_seqlens=cu_seqlens_kv,
                                      **cp)
-            if self.attention_type == "self":
+            if self.attention_type == "self" and torch.is_grad_enabled():
                 # q and k are new tensors now; v, a view, would keep the whole fused QKV
                 # output alive for attention's backward: its own copy frees the rest (q and k's
                 # part of it, over 80% of the buffer for Llama-3's GQA) when the forward moves on
