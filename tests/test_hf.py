@@ -70,6 +70,7 @@ def test_fp32_logits_and_grads_match(kw):
     hf, conv = _pair(**kw)
     assert not any(isinstance(m, transformers.models.llama.modeling_llama.LlamaAttention)
                    for m in conv.modules())  # HF's q/k/v/o modules are gone
+    assert isinstance(conv.model.norm, te.RMSNorm)  # the final norm too (same weight, eps)
     ids = torch.randint(0, VOCAB, (3, 17))
     with torch.no_grad():
         torch.testing.assert_close(conv(input_ids=ids).logits, hf(input_ids=ids).logits,

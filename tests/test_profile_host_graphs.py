@@ -66,3 +66,5 @@ def test_model_cpu_llama_kept_lists_no_fp8_weight():
     # hidden 256, 4/2 heads of 64, ffn 1024 (swiglu: fc1 [2048, 256]), 128 tokens
     weights = {"(512, 256)", "(256, 256)", "(2048, 256)", "(256, 1024)"}
     assert not weights & set(fp8_shapes), out
+    # the final norm is te.RMSNorm (HF's kept an fp32 copy of the last hidden states)
+    assert not re.search(r"float32\s+\(1, 128, 256\)$", out, re.M), out

@@ -4,9 +4,12 @@ convert_llama(model) replaces, in place, every decoder layer `model.model.layers
 transformers `LlamaForCausalLM` (or `LlamaModel`) by a `TritiumLlamaDecoderLayer`: a thin
 wrapper around one te.TransformerLayer (RMSNorm, swiglu, bias=False, GQA, fuse_qkv_params=True,
 qkv_weight_interleaved=False, bshd, the config's rms_norm_eps and head_dim) filled by
-`integrations/llama.py:load_llama_decoder_layer`. Everything else (embeddings, final norm,
-rotary embedding, lm_head, loss, generation plumbing) stays HF's, so the model keeps HF's
-forward signature (input_ids, attention_mask, labels, ...) and outputs.
+`integrations/llama.py:load_llama_decoder_layer`, and the final norm `model.model.norm` by a
+te.RMSNorm with the same weight and eps (one fused kernel each way, where HF's runs ~10 eager
+ops and keeps an fp32 copy of the last hidden states for backward; the state-dict key is
+unchanged). Everything else (embeddings, rotary embedding, lm_head, loss, generation plumbing)
+stays HF's, so the model keeps HF's forward signature (input_ids, attention_mask, labels, ...)
+and outputs.
 
 Weights. "Sharing" means the TransformerLayer's parameters ARE the model's parameters from now
 on: q/k/v are copied once into the fused QKV weight and gate/up into fc1, and the HF q/k/v/o,
@@ -343,10 +346,25 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
     for i, wrapper in enumerate(inner.layers):
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
+    inner.norm = _final_norm(inner.norm, config)
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         fuse_cross_entropy(model, fp8_lm_head=fp8_lm_head)
     return model
+
+
+def _final_norm(norm, config):
+    """A te.RMSNorm holding HF's final norm's weight (the module itself if it is one already).
+    Its input is the whole sequence (the last layer gathers it under sequence parallelism)."""
+    from tritium.modules.norm import RMSNorm
+    if isinstance(norm, RMSNorm):
+        return norm
+    weight = norm.weight
+    new = RMSNorm(weight.shape[0], eps=getattr(norm, "variance_epsilon", config.rms_norm_eps),
+                  params_dtype=weight.dtype, device=weight.device)
+    with torch.no_grad():
+        new.weight.copy_(weight)
+    return new.train(norm.training)
 
 
 def fuse_cross_entropy(model, *, fp8_lm_head: bool = False):
