@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, kernel_summary, print_table  # noqa: E402
+from harness import finish, kernel_summary, launch_env, print_table  # noqa: E402
 
 FULL = dict(B=2, S=4096, H=4096, HEADS=32, GROUPS=8, FFN=14336, warmup=3, iters=10)
 TINY = dict(B=2, S=32, H=64, HEADS=4, GROUPS=2, FFN=128, warmup=1, iters=2)
@@ -250,12 +250,12 @@ def comm_host(rank: int, world: int, cfg, cuda: bool) -> None:
 def _knobs(opts: argparse.Namespace) -> str:
     """The run's settings that change how compute and communication share the GPU, as a
     suffix of the case name (none: ""), so that result files say what they measured."""
-    knobs = []
+    knobs, env = [], launch_env()
     if opts.sm_carveout:
         knobs.append(f"cublas-sm-carveout {opts.sm_carveout}")
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"):
-        knobs.append(f"CUDA_DEVICE_MAX_CONNECTIONS={os.environ['CUDA_DEVICE_MAX_CONNECTIONS']}")
-    if os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE") == "0":
+    if "CUDA_DEVICE_MAX_CONNECTIONS" in env:
+        knobs.append(f"CUDA_DEVICE_MAX_CONNECTIONS={env['CUDA_DEVICE_MAX_CONNECTIONS']}")
+    if env.get("TORCH_NCCL_TRACE_BUFFER_SIZE") == "0":
         knobs.append("nccl flight recorder off")
     return "".join(f" | {k}" for k in knobs)
 

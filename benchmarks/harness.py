@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 
+from tritium import _env
+
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 
 
@@ -73,10 +75,10 @@ def env_info() -> dict:
 
 
 # Launch settings that change how compute and communication share the GPU or what the host pays
-# per collective (docs/tensor_parallel.md, docs/distributed.md): recorded with every result.
+# per collective (docs/tensor_parallel.md, docs/distributed.md), and tritium's switches of which
+# code runs (tritium/_env.py): recorded with every result.
 LAUNCH_ENV = ("CUDA_DEVICE_MAX_CONNECTIONS", "TORCH_NCCL_TRACE_BUFFER_SIZE", "NCCL_ALGO",
-              "NCCL_PROTO", "NCCL_NVLS_ENABLE", "TRITIUM_FP8_GEMM", "TRITIUM_ATTN_BACKEND",
-              "TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8")
+              "NCCL_PROTO", "NCCL_NVLS_ENABLE") + _env.SWITCHES
 
 
 def launch_env() -> dict:

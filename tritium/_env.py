@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import os
 
+# The variables above that change which code runs (benchmark results record them when set).
+SWITCHES = ("TRITIUM_FORCE_REF", "TRITIUM_EMULATE_FP8", "TRITIUM_ATTN_BACKEND", "TRITIUM_FP8_GEMM")
+
 _flags: dict[str, bool] = {}
 _values: dict[str, str] = {}
 
