@@ -9,7 +9,8 @@ Per GEMM (fc1, fc2): the grouped casts (input e4m3 + transpose, weight e4m3 + tr
 grad_output e5m2 + transpose; GB/s of bf16 read + fp8 data + fp8 transpose, and % of a bf16
 device copy's GB/s measured here; fc1's weight cast also in other tiles; the 6 casts of an
 experts step summed, against their floor at the copy's GB/s), fprop / dgrad / wgrad through
-tritium's Triton kernels, through torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32
+tritium's Triton kernels, through one cuBLASLt `_scaled_mm` per group (tritium.ops.grouped_gemm),
+through torch._scaled_grouped_mm (CUTLASS, e4m3 only, rowwise fp32
 scales: a group's tensorwise scale written to each of its rows) and through bf16
 torch._grouped_mm. Timing: do_bench medians.
 Then torch.profiler's kernel table of one FP8 experts step (where the step's time goes).
@@ -24,6 +25,7 @@ from harness import time_ms
 
 from tritium.functional.activation import activation
 from tritium.kernels import grouped_gemm as kg
+from tritium.ops import grouped_gemm as og
 from tritium.ref.grouped_gemm import make_offsets
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -144,6 +146,17 @@ def _gemm_stages(tag, m_splits, k, n, sweep, gemm_check=True):
                            "max_abs_diff": err, "ref_max": ref.abs().max().item()}, flush=True)
                 except Exception as exc:
                     print({"stage": f"{tag} check {name} {variant}", "error": repr(exc)[:300]})
+
+    # the same GEMMs as one cuBLASLt call per group (tritium.ops.grouped_gemm: the default for
+    # dgrad and wgrad)
+    for name, fn in {
+            "fprop (fast accum)": lambda: og.cublas_grouped_fp8_gemm_tn(
+                x8, w8, x_si, w_si, offsets, torch.bfloat16, None, True, m_splits=m_splits),
+            "dgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_tn(
+                dy8, w8_t, dy_si, w_si, offsets, torch.bfloat16, None, False, m_splits=m_splits),
+            "wgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_wgrad(
+                dy8_t, x8_t, dy_si, x_si, offsets, n, k, torch.bfloat16, m_splits=m_splits)}.items():
+        _try(f"{tag} cublas per group {name}", fn, gemm_flops)
 
     # bf16 torch._grouped_mm counterparts
     gmm = getattr(torch, "_grouped_mm", None)

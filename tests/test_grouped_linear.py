@@ -286,3 +286,24 @@ def test_ref_twins_take_the_row_counts_from_the_host(randn):
     wgrad = [ref.grouped_fp8_gemm_wgrad(x8_t, x8_t, x_si, x_si, o, K, K, torch.float32,
                                         m_splits=s) for o, s in ((right, None), (wrong, SPLITS))]
     assert torch.equal(*wgrad) and wgrad[0].abs().max() > 0
+
+
+@pytest.mark.parametrize("choice, fprop, precise", [("auto", "kernels", "cublas"),
+                                                    ("triton", "kernels", "kernels"),
+                                                    ("cublas", "cublas", "cublas")])
+def test_grouped_gemm_choice_follows_linears_rule(monkeypatch, setenv, choice, fprop, precise):
+    """TRITIUM_FP8_GEMM picks the grouped GEMMs as it picks Linear's: by default fprop (fast
+    accumulation) on the grouped Triton kernel, dgrad and wgrad on cuBLASLt per group; the
+    twins where there are no FP8 tensor cores."""
+    from tritium import _device
+    from tritium.ops import grouped_gemm as og
+    from tritium.ref import grouped_gemm as rg
+    t = torch.empty(1)
+    assert og.impl(t, True) is rg and og.impl(t, False) is rg  # this CPU: the twins
+    setenv("TRITIUM_FP8_GEMM", choice)
+    monkeypatch.setattr(_device, "use_triton", lambda t: True)
+    monkeypatch.setattr(_device, "fp8_tensor_cores", lambda t: True)
+    for fast_accum, want in {True: fprop, False: precise}.items():
+        got = og.impl(t, fast_accum)
+        assert (got is og._Cublas) == (want == "cublas")
+        assert hasattr(got, "grouped_fp8_gemm_wgrad") and got is not rg

@@ -1,7 +1,8 @@
 """gpu tier: the grouped FP8 kernels, GroupedLinear and te.MoE on a Hopper GPU.
 
 The grouped GEMMs in precise accumulation on integer-valued operands give their twins' bits
-(every partial sum exact); with a bias and an fp32 output the compiled epilogue is one FMA, so
+(every partial sum exact), the cuBLASLt per-group loops (the default for dgrad and wgrad) the
+same values up to one rounding of the scales' product; with a bias and an fp32 output the compiled epilogue is one FMA, so
 there the oracle is the fp64 value rounded once (as tests/gpu/test_gpu_gemm.py explains); fast
 accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
 its twin's bits. GroupedLinear under FP8 (kernels) agrees with the same module on the twins
@@ -107,6 +108,43 @@ def test_grouped_wgrad_equals_twin(splits, variant):
                                         config=(*kg.CONFIGS["wgrad"][:6], variant))
         want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, dtype)
         assert torch.equal(_bits(got), _bits(want))
+
+
+def _zero_padding(flat, rows_per_group, splits):
+    """The grouped cast's contract: the 16-padded columns of each transposed block are 0."""
+    o = rg.make_offsets(splits, "cpu").tolist()
+    for e, rows in enumerate(splits):
+        p0, p1 = o[1][e], o[1][e + 1]
+        flat[rows_per_group * p0:rows_per_group * p1].view(rows_per_group, p1 - p0)[:, rows:] = 0
+    return flat
+
+
+@pytest.mark.parametrize("splits", SPLITS)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cublas_per_group_gemms_equal_twin(splits, out_dtype):
+    """The cuBLASLt loops (precise dgrad and wgrad by default) on exact integer products: the
+    twin's values up to the order of the two scale multiplications (one rounding: 1 ulp)."""
+    from tritium.ops import grouped_gemm as og
+    g = torch.Generator(device="cuda").manual_seed(len(splits))
+    n, k = 784, 528
+    offsets = rg.make_offsets(splits, "cuda")
+    sa = torch.rand(len(splits), device="cuda", generator=g) + 0.1
+    sb = torch.rand(len(splits), device="cuda", generator=g) * 3 + 0.01
+    tol = dict(rtol=2 ** -22 if out_dtype == torch.float32 else 2 ** -7, atol=0)
+    a = _int_fp8((sum(splits), k), E5M2, g)
+    b = _int_fp8((len(splits), n, k), E4M3, g)
+    got = og.cublas_grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype, m_splits=splits)
+    torch.testing.assert_close(got, rg.grouped_fp8_gemm_tn(a, b, sa, sb, offsets, out_dtype),
+                               **tol)
+    padded = sum(-(-r // 16) * 16 for r in splits)
+    a_t = _zero_padding(_int_fp8((n * padded,), E5M2, g).view(torch.uint8), n, splits)
+    b_t = _zero_padding(_int_fp8((k * padded,), E4M3, g).view(torch.uint8), k, splits)
+    a_t, b_t = a_t.view(E5M2), b_t.view(E4M3)
+    got = og.cublas_grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, out_dtype,
+                                           m_splits=splits)
+    want = rg.grouped_fp8_gemm_wgrad(a_t, b_t, sa, sb, offsets, n, k, out_dtype)
+    torch.testing.assert_close(got, want, **tol)
+    assert got.abs().amax() > 100  # real products, not zeros
 
 
 @pytest.mark.parametrize("current", [False, True])

@@ -29,14 +29,14 @@ def _run(module, x, dy, fp8, **kw):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_moe_kernels_match_twins(fp8, monkeypatch, gen):
-    monkeypatch.setattr(fgl, "_gemm_impl", lambda t: fgl._kernels())  # the GEMM kernels too
+    monkeypatch.setattr(fgl, "_gemm_impl", lambda t, fast_accum: fgl._kernels())  # the GEMM kernels too
     moe = te.MoE(32, 16, te.MoEConfig(num_experts=4, topk=2), normalization="RMSNorm",
                  device="cpu")
     twin = copy.deepcopy(moe)
     x, dy = torch.randn(10, 32, generator=gen), torch.randn(10, 32, generator=gen)
     got = _run(moe, x, dy, fp8)
     monkeypatch.setenv("TRITIUM_FORCE_REF", "1")
-    monkeypatch.setattr(fgl, "_gemm_impl", lambda t: fgl.ref_grouped)
+    monkeypatch.setattr(fgl, "_gemm_impl", lambda t, fast_accum: fgl.ref_grouped)
     _env.reload()
     want = _run(twin, x, dy, fp8)
     for g, w in zip(got, want):

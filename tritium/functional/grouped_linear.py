@@ -10,6 +10,8 @@ Backward:
     dy --grouped cast--> dy8, dy8^T blocks
     dW = grouped_wgrad(dy8^T, x8^T)           reduction over each group's rows
     dx = grouped_gemm(dy8, w8^T)              precise accumulation
+(dW and dx: one cuBLASLt GEMM per group by default, TRITIUM_FP8_GEMM's rule for Linear:
+`tritium.ops.grouped_gemm`.)
 The weights are one [G, N, K] operand without a copy when the module's parameters are views of
 one buffer (how `tritium.GroupedLinear` allocates them); otherwise they are stacked per call.
 The weight's fp8 operands can be cached across micro-batches (`is_first_microbatch`, as in
@@ -35,6 +37,7 @@ from .. import _device
 from ..fp8.recipe import Float8CurrentScaling
 from ..fp8.scaling import update_states
 from ..fp8.tensor import Float8Tensor
+from ..ops.grouped_gemm import impl as grouped_gemm_impl
 from ..ref import grouped_gemm as ref_grouped
 from ._apply import fast_apply
 from .block_linear import is_block_recipe
@@ -51,8 +54,10 @@ def _cast_impl(t: torch.Tensor):
     return _kernels() if _device.use_triton(t) else ref_grouped
 
 
-def _gemm_impl(t: torch.Tensor):
-    return _kernels() if _device.fp8_tensor_cores(t) and _device.use_triton(t) else ref_grouped
+def _gemm_impl(t: torch.Tensor, fast_accum: bool):
+    """The grouped GEMMs' implementation: Triton, cuBLASLt per group or the twin
+    (`tritium.ops.grouped_gemm`: fprop Triton, dgrad and wgrad cuBLASLt by default)."""
+    return grouped_gemm_impl(t, fast_accum)
 
 
 def stacked_weights(weights: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -153,8 +158,9 @@ class _GroupedLinearFunction(torch.autograd.Function):
             w8, w8_t, w_si = _weight_operands(plan, weights, need_dgrad)
             x8, x8_t, x_si = _cast(plan, x2d, offsets, m_splits, plan.fwd, slice(0, None, 2),
                                    fwd_dtype, write_transpose=need_wgrad)
-            out = _gemm_impl(x8).grouped_fp8_gemm_tn(x8, w8, x_si, w_si, offsets, inp.dtype,
-                                                     bias, True, m_splits=m_splits)
+            out = _gemm_impl(x8, True).grouped_fp8_gemm_tn(x8, w8, x_si, w_si, offsets,
+                                                           inp.dtype, bias, True,
+                                                           m_splits=m_splits)
             ctx.fp8_operands = [x8_t, x_si, w8_t, w_si]
         else:
             ws = [w.dequantize() if isinstance(w, Float8Tensor) else w for w in weights]
@@ -199,14 +205,12 @@ class _GroupedLinearFunction(torch.autograd.Function):
                                       write_transpose=need_wgrad)
             n, k = dy2d.shape[1], ctx.shape[-1]
             if need_wgrad:
-                dws = _gemm_impl(dy8_t).grouped_fp8_gemm_wgrad(dy8_t, x8_t, dy_si, x_si,
-                                                                offsets, n, k, wgrad_dtype,
-                                                                m_splits=m_splits)
+                dws = _gemm_impl(dy8_t, False).grouped_fp8_gemm_wgrad(
+                    dy8_t, x8_t, dy_si, x_si, offsets, n, k, wgrad_dtype, m_splits=m_splits)
             del dy8_t, x8_t
             if need_dgrad:
-                dx = _gemm_impl(dy8).grouped_fp8_gemm_tn(dy8, w8_t, dy_si, w_si, offsets,
-                                                         dy2d.dtype, None, False,
-                                                         m_splits=m_splits)
+                dx = _gemm_impl(dy8, False).grouped_fp8_gemm_tn(
+                    dy8, w8_t, dy_si, w_si, offsets, dy2d.dtype, None, False, m_splits=m_splits)
         else:
             x2d, *ws = ctx.saved_tensors
             if plan is not None:
