@@ -32,6 +32,13 @@ def _splits(offsets, m_splits):
     return ref_grouped._splits(offsets, m_splits)
 
 
+def _aligned_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """The [G] scale_invs as a [G, 4] copy: row g's first element (`[g, :1]`) starts 16 bytes
+    after row g-1's. cuBLASLt rejects a scale pointer that is not 16-byte aligned
+    (CUBLAS_STATUS_NOT_SUPPORTED), and `scale_inv[g:g + 1]` sits 4 * g bytes in."""
+    return scale_inv.reshape(-1, 1).expand(-1, 4).contiguous()
+
+
 def cublas_grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                                b_scale_inv: torch.Tensor, offsets: torch.Tensor,
                                out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
@@ -39,21 +46,19 @@ def cublas_grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: to
     """out[rows of g] = a[rows of g] @ b[g].T * a_scale_inv[g] * b_scale_inv[g] (+ bias[g]),
     one `torch._scaled_mm` per non-empty group, written into its rows of one [M, N] result."""
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
+    sa, sb = _aligned_scales(a_scale_inv), _aligned_scales(b_scale_inv)
     for g, (r0, r1, _, _) in enumerate(_splits(offsets, m_splits)):
         if r1 == r0:
             continue
         bg = None if bias is None else bias[g]
-        fuse = bg is not None and out_dtype in _BIAS_FUSABLE and bg.dtype == out_dtype
-        if bg is None or not fuse:
-            torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=a_scale_inv[g:g + 1],
-                             scale_b=b_scale_inv[g:g + 1], out_dtype=out_dtype,
-                             use_fast_accum=fast_accum, out=out[r0:r1])
-            if bg is not None:
-                out[r0:r1] += bg.to(out_dtype)
-        else:
-            out[r0:r1] = torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=a_scale_inv[g:g + 1],
-                                          scale_b=b_scale_inv[g:g + 1], bias=bg,
-                                          out_dtype=out_dtype, use_fast_accum=fast_accum)
+        if bg is not None and out_dtype in _BIAS_FUSABLE and bg.dtype == out_dtype:
+            out[r0:r1] = torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=sa[g, :1], scale_b=sb[g, :1],
+                                          bias=bg, out_dtype=out_dtype, use_fast_accum=fast_accum)
+            continue
+        torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=sa[g, :1], scale_b=sb[g, :1],
+                         out_dtype=out_dtype, use_fast_accum=fast_accum, out=out[r0:r1])
+        if bg is not None:
+            out[r0:r1] += bg.to(out_dtype)
     return out
 
 
@@ -66,14 +71,15 @@ def cublas_grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor,
     empty group zeros."""
     splits = _splits(offsets, m_splits)
     out = torch.empty(len(splits), n, k, dtype=out_dtype, device=a_t.device)
+    sa, sb = _aligned_scales(a_scale_inv), _aligned_scales(b_scale_inv)
     for g, (_, _, p0, p1) in enumerate(splits):
         if p1 == p0:
             out[g].zero_()
             continue
         ag = a_t[n * p0:n * p1].view(n, p1 - p0)
         bg = b_t[k * p0:k * p1].view(k, p1 - p0)
-        torch._scaled_mm(ag, bg.t(), scale_a=a_scale_inv[g:g + 1], scale_b=b_scale_inv[g:g + 1],
-                         out_dtype=out_dtype, use_fast_accum=False, out=out[g])
+        torch._scaled_mm(ag, bg.t(), scale_a=sa[g, :1], scale_b=sb[g, :1], out_dtype=out_dtype,
+                         use_fast_accum=False, out=out[g])
     return out
 
 
