@@ -25,6 +25,9 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; export OUT
 export PYTHONPATH=$PWD
+# a copy of the tree whose .git is not current names its commit in .git_head (written by the
+# caller after committing): the results record it (benchmarks/harness.py, BENCH_COMMIT)
+if [ -z "${BENCH_COMMIT:-}" ] && [ -f .git_head ]; then export BENCH_COMMIT=$(cat .git_head); fi
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # once per machine (parallel calls share it)
   [ -d /tmp/peers/torchao ] || python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target /tmp/peers .whl/*.whl
