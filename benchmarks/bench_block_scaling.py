@@ -100,6 +100,10 @@ def bench_gemms(rows, tiny: bool, dev: str):
         _row(rows, case, "block fp8 (default)", ms, tflops=round(flops / ms / 1e9, 1))
         if tiny:
             continue
+        if block_ops._cublas_block_ok(aq.data, bq.data, aq.scale_inv, bq.scale_inv, w2d):
+            ms = timer(lambda: block_ops.cublas_block_gemm_tn(
+                aq.data, bq.data, aq.scale_inv, bq.scale_inv, torch.bfloat16, b_block_2d=w2d))
+            _row(rows, case, "block fp8 cublas", ms, tflops=round(flops / ms / 1e9, 1))
         for config in SWEEP:
             for persistent in (True, False):
                 label = f"block fp8 {config}{'' if persistent else ' grid'}"

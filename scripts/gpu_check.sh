@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [moe] [moe:ARG+ARG] [tests:EXPR]
+#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
+#        [tests:EXPR]
 #        [block:REGEX] [model:V1,V2] [modelprof:V] [mtests] [tp] [tp:ARG+ARG] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG]
 #        [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
@@ -72,6 +73,7 @@ for s in $stages; do
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
     demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
             mkdir -p "$OUT/demo"; cp /tmp/demo/*.png /tmp/demo/*.csv /tmp/demo/*.md /tmp/demo/*.json "$OUT/demo/" 2>/dev/null ;;
+    blockscale) python3 benchmarks/bench_block_scaling.py 2>&1 | tee "$OUT/bench_block_scaling.log" | grep -v "^{" ;;
     moe)    python3 benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | grep -v "^{" ;;
     moe:*)  a=${s#moe:}; python3 benchmarks/bench_moe.py ${a//+/ } 2>&1 | tee "$OUT/bench_moe_stages.log" | grep -v "^{" ;;
     block)  python3 benchmarks/bench_block.py 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;

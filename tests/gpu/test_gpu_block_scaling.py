@@ -6,7 +6,8 @@ Integer-valued fp8 operands (|v| <= 8) keep every 128-slice sum exact even in th
 reduced-precision adder, and power-of-2 scales keep each promotion exact: there the kernel must
 give the twin's bits. On random operands its error against fp64 of the dequantized operands
 must stay far below FP8's quantization error (each slice is summed by the tensor cores in
-reduced precision, ~1e-4 relative).
+reduced precision, ~1e-4 relative). The same holds for cuBLASLt's block-scaled GEMM
+(`tritium.fp8.block.cublas_block_gemm_tn`, the default where it takes the operands).
 """
 from __future__ import annotations
 
@@ -57,6 +58,27 @@ def test_block_gemm_kernel_equals_twin_on_exact_sums(m, n, k, b_block_2d, a_dtyp
     got = kgemm.block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)
     want = rgemm.block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)
     assert torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 256, 512), (1040, 784, 1024), (512, 14336, 4096),
+                                   (300, 256, 512)])
+@pytest.mark.parametrize("b_block_2d", [False, True])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_cublas_block_gemm_equals_twin_on_exact_sums(m, n, k, b_block_2d, out_dtype):
+    """cuBLASLt's block-scaled GEMM (the default where it takes the operands) on our scale
+    grids, as `block_gemm_tn` hands them over: the twin's values on exact slice sums."""
+    from tritium.fp8 import block as block_ops
+    kb = k // 128
+    a = torch.randint(-8, 9, (m, k), device="cuda").float().to(E4M3)
+    b = torch.randint(-8, 9, (n, k), device="cuda").float().to(E4M3)
+    sa = torch.exp2(torch.randint(-6, 7, (kb, m), device="cuda").float())
+    sb = torch.exp2(torch.randint(-6, 7, (-(-n // 128), kb) if b_block_2d else (kb, n),
+                                  device="cuda").float())
+    assert block_ops._cublas_block_ok(a, b, sa, sb, b_block_2d)
+    got = block_ops.cublas_block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)
+    want = rgemm.block_gemm_tn(a, b, sa, sb, out_dtype, b_block_2d=b_block_2d)
+    assert torch.equal(_bits(got), _bits(want))
+    assert got.abs().amax() > 1  # real products, not zeros
 
 
 def test_block_gemm_against_fp64_on_random_blocks():

@@ -10,7 +10,10 @@ with fc2's 1x128 input casts, its backward with fc1's grad casts) run
 `tritium.kernels.act_block_cast` where `quantize_blocks` would run its kernel, else the twins in
 `tritium.ref.activation`. `norm_fwd_blocks` (LayerNorm / RMSNorm fused with the next GEMM's
 1x128 input casts) runs `tritium.kernels.norm_block_cast` there (hidden <= the norm kernels'
-MAX_HIDDEN), else the twins in `tritium.ref.norm`. MXFP8 has no kernel: `quantize_mx` /
+MAX_HIDDEN), else the twins in `tritium.ref.norm`. Where cuBLASLt has a block-scaled GEMM for the operands (PyTorch >= 2.10
+on CUDA >= 12.9, e4m3, K a multiple of 128 (512 with 128x128 weight blocks): `_cublas_block_ok`)
+`block_gemm_tn` runs it through `torch._scaled_mm`, unless TRITIUM_FP8_GEMM=triton; the Triton
+kernel otherwise (measurements: docs/block_scaling.md). MXFP8 has no kernel: `quantize_mx` /
 `mx_gemm_tn` are the emulation on every device.
 """
 from __future__ import annotations
@@ -109,15 +112,54 @@ def _gemm_on_kernel(a: torch.Tensor, b: torch.Tensor) -> bool:
                for t in (a, b))
 
 
+@functools.lru_cache(maxsize=None)
+def _cublas_blockwise() -> bool:
+    """torch._scaled_mm takes DeepSeek-style block scales (1x128 / 128x128) on Hopper from
+    PyTorch 2.10 built with CUDA >= 12.9 (cuBLASLt's VEC128 / BLK128x128 scale modes)."""
+    major_minor = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    cuda = tuple(int(v) for v in (torch.version.cuda or "0.0").split(".")[:2])
+    return major_minor >= (2, 10) and cuda >= (12, 9)
+
+
+def _cublas_block_ok(a, b, a_scale_inv, b_scale_inv, b_block_2d: bool) -> bool:
+    """cuBLASLt's block-scaled GEMM takes these operands: e4m3 both (it has no e5m2 form), K
+    whole 128-slices, and, with 128x128 weight blocks, a K-block count that is a multiple of 4
+    (its scale layout pads the K blocks to 4: ours would need a padded copy). Scale layouts:
+    `cublas_block_gemm_tn`."""
+    kb = a.shape[1] // 128
+    return (a.dtype == b.dtype == torch.float8_e4m3fn and a.shape[1] % 128 == 0
+            and (not b_block_2d or kb % 4 == 0) and _cublas_blockwise()
+            and a_scale_inv.is_contiguous() and b_scale_inv.is_contiguous())
+
+
+def cublas_block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
+                         b_block_2d: bool = False) -> torch.Tensor:
+    """`block_gemm_tn` through cuBLASLt (`torch._scaled_mm` with block scales). Our scale
+    grids are already in its layouts, transposed: a's 1x128 `[Kb, M]` is its `[M, Kb]` with
+    strides (1, M); b's 1x128 `[Kb, N]` its `[N, Kb]` with strides (1, N) (wgrad, 1x128 x
+    1x128); b's 128x128 `[Nb, Kb]` its `[Kb, Nb]` with strides (1, Kb) (fprop / dgrad, 1x128 x
+    128x128). A bias is added to the rounded result (one more rounding than the twin, as
+    `tritium.ops.gemm` does where cuBLASLt cannot fuse a bias)."""
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.t(), scale_b=b_scale_inv.t(),
+                           out_dtype=out_dtype)
+    return out if bias is None else out.add_(bias.to(out_dtype))
+
+
 def block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
                   b_block_2d: bool = False) -> torch.Tensor:
-    impl = _kernels()[1] if _gemm_on_kernel(a, b) else ref_gemm
-    return impl.block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
-                              b_block_2d=b_block_2d)
+    if not _gemm_on_kernel(a, b):
+        return ref_gemm.block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                                      b_block_2d=b_block_2d)
+    if a.is_cuda and _env.fp8_gemm() != "triton" and _cublas_block_ok(
+            a, b, a_scale_inv, b_scale_inv, b_block_2d):
+        return cublas_block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                                    b_block_2d=b_block_2d)
+    return _kernels()[1].block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
+                                       b_block_2d=b_block_2d)
 
 
 quantize_mx = ref_cast.quantize_mx
 mx_gemm_tn = ref_gemm.mx_gemm_tn
 
 __all__ = ["quantize_blocks", "activation_fwd_blocks", "activation_bwd_blocks", "norm_fwd_blocks",
-           "block_gemm_tn", "quantize_mx", "mx_gemm_tn"]
+           "block_gemm_tn", "cublas_block_gemm_tn", "quantize_mx", "mx_gemm_tn"]
