@@ -134,13 +134,15 @@ def _cublas_block_ok(a, b, a_scale_inv, b_scale_inv, b_block_2d: bool) -> bool:
 
 def cublas_block_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias=None, *,
                          b_block_2d: bool = False) -> torch.Tensor:
-    """`block_gemm_tn` through cuBLASLt (`torch._scaled_mm` with block scales). Our scale
-    grids are already in its layouts, transposed: a's 1x128 `[Kb, M]` is its `[M, Kb]` with
-    strides (1, M); b's 1x128 `[Kb, N]` its `[N, Kb]` with strides (1, N) (wgrad, 1x128 x
-    1x128); b's 128x128 `[Nb, Kb]` its `[Kb, Nb]` with strides (1, Kb) (fprop / dgrad, 1x128 x
-    128x128). A bias is added to the rounded result (one more rounding than the twin, as
-    `tritium.ops.gemm` does where cuBLASLt cannot fuse a bias)."""
-    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.t(), scale_b=b_scale_inv.t(),
+    """`block_gemm_tn` through cuBLASLt (`torch._scaled_mm` with block scales; mat2 = b.t(),
+    [K, N]). Our scale grids are already in its layouts: a's 1x128 `[Kb, M]` transposed is its
+    `[M, Kb]` "outer-dim-major" (strides (1, M)); b's 1x128 `[Kb, N]` is its `[Kb, N]` as it is
+    (N-major: wgrad, 1x128 x 1x128); b's 128x128 `[Nb, Kb]` transposed is its `[Kb, Nb]`
+    "near-inner-dim-major" (strides (1, Kb), 16-byte aligned when Kb % 4 == 0: fprop / dgrad,
+    1x128 x 128x128). A bias is added to the rounded result (one more rounding than the twin,
+    as `tritium.ops.gemm` does where cuBLASLt cannot fuse a bias)."""
+    out = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv.t(),
+                           scale_b=b_scale_inv.t() if b_block_2d else b_scale_inv,
                            out_dtype=out_dtype)
     return out if bias is None else out.add_(bias.to(out_dtype))
 
