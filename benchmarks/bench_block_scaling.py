@@ -43,6 +43,7 @@ TENSORWISE = "tensorwise fp8 (fast accum)"  # the GEMM rows' baseline
 # spills for sm_90a (ptxas), in both weight-scale layouts.
 SWEEP = [(64, 128, 8, 4, 3, 2), (64, 128, 8, 4, 2, 2), (64, 128, 8, 4, 4, 1),
          (128, 128, 8, 8, 3, 1), (64, 256, 8, 8, 3, 1)]
+CAST_SWEEP = [(16, 4), (32, 8), (64, 4), (64, 8), (128, 8), (32, 2)]
 
 
 def _timer(tiny: bool):
@@ -126,6 +127,13 @@ def bench_casts(rows, tiny: bool, dev: str):
         ms = timer(lambda: block_ops.quantize_blocks(x, E4M3, **kwargs))
         moved = m * k * (2 + 2)  # bf16 read, fp8 written twice
         _row(rows, f"{name} {m}x{k}", "tritium", ms, gbps=round(moved / ms / 1e6, 1))
+        if tiny:
+            continue
+        from tritium.kernels import block_cast as kcast
+        for config in CAST_SWEEP:  # (SUB, num_warps) of the cast kernel
+            ms = timer(lambda: kcast.quantize_blocks(x, E4M3, config=config, **kwargs))
+            _row(rows, f"{name} {m}x{k}", f"tritium {config}", ms,
+                 gbps=round(moved / ms / 1e6, 1))
 
 
 def bench_linear(rows, tiny: bool, dev: str):

@@ -210,7 +210,8 @@ SPECS = {
     "block_scaling_gemm": Spec(
         "Block-scaled FP8 GEMM (1x128 x 128x128 scales, split accumulation per 128 of K) vs "
         "tensorwise torch._scaled_mm",
-        tritium=("block fp8 cublas", "block fp8 (default)"), hide_variants=r"^block fp8 \(\d",
+        tritium=("block fp8 cublas", "block fp8 (default)"),
+        hide_variants=r"^(block fp8|tritium) \(\d",
         targets=(Target(r"^gemm fprop", "block fp8 cublas", ">= 0.85x tensorwise",
                         at_least=0.85),)),
     "block_scaling_linear": Spec(

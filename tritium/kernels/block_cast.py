@@ -131,12 +131,16 @@ def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_p
 
 
 _launch = Launcher(_block_cast_kernel)
+# (SUB rows or columns of a strip, num_warps); `bench_block_scaling.py` sweeps the others
+CONFIG = (32, 4)
 
 
 def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool = False,
                     rowwise: bool = True, columnwise: bool = False, power_2_scale: bool = True,
-                    amax_epsilon: float = 0.0, skip=None, out=None) -> BlockQuantized:
-    """See `tritium.ref.block_cast.quantize_blocks`."""
+                    amax_epsilon: float = 0.0, skip=None, out=None,
+                    config=None) -> BlockQuantized:
+    """See `tritium.ref.block_cast.quantize_blocks`. `config`: (SUB, num_warps), benchmarks."""
+    sub, warps = config or CONFIG
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -161,8 +165,8 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool =
                 m, k, x.stride(0), kb, mb, FP8_MAX=fp8_max(fp8_dtype),
                 OUT_DTYPE=_TL_FP8[fp8_dtype], EPS=float(amax_epsilon), POW2=bool(power_2_scale),
                 ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d,
-                HAS_SKIP=skip is not None, BLOCK=BLOCK, SUB=32, num_warps=4)
+                HAS_SKIP=skip is not None, BLOCK=BLOCK, SUB=sub, num_warps=warps)
     return BlockQuantized(data, scale_inv, data_t, scale_inv_t)
 
 
-__all__ = ["quantize_blocks"]
+__all__ = ["quantize_blocks", "CONFIG"]
