@@ -105,6 +105,11 @@ def bench_gemms(rows, tiny: bool, dev: str):
             ms = timer(lambda: block_ops.cublas_block_gemm_tn(
                 aq.data, bq.data, aq.scale_inv, bq.scale_inv, torch.bfloat16, b_block_2d=w2d))
             _row(rows, case, "block fp8 cublas", ms, tflops=round(flops / ms / 1e9, 1))
+            if name == "wgrad":  # the same product with the operands swapped: dW^T = x^T dy
+                ms = timer(lambda: block_ops.cublas_block_gemm_tn(
+                    bq.data, aq.data, bq.scale_inv, aq.scale_inv, torch.bfloat16))
+                _row(rows, case, "block fp8 cublas, operands swapped", ms,
+                     tflops=round(flops / ms / 1e9, 1))
         for config in SWEEP:
             for persistent in (True, False):
                 label = f"block fp8 {config}{'' if persistent else ' grid'}"
