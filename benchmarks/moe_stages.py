@@ -149,13 +149,14 @@ def _gemm_stages(tag, m_splits, k, n, sweep, gemm_check=True):
 
     # the same GEMMs as one cuBLASLt call per group (tritium.ops.grouped_gemm: the default for
     # dgrad and wgrad)
-    for name, fn in {
-            "fprop (fast accum)": lambda: og.cublas_grouped_fp8_gemm_tn(
-                x8, w8, x_si, w_si, offsets, torch.bfloat16, None, True, m_splits=m_splits),
-            "dgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_tn(
-                dy8, w8_t, dy_si, w_si, offsets, torch.bfloat16, None, False, m_splits=m_splits),
-            "wgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_wgrad(
-                dy8_t, x8_t, dy_si, x_si, offsets, n, k, torch.bfloat16, m_splits=m_splits)}.items():
+    loops = {
+        "fprop (fast accum)": lambda: og.cublas_grouped_fp8_gemm_tn(
+            x8, w8, x_si, w_si, offsets, torch.bfloat16, None, True, m_splits=m_splits),
+        "dgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_tn(
+            dy8, w8_t, dy_si, w_si, offsets, torch.bfloat16, None, False, m_splits=m_splits),
+        "wgrad (precise)": lambda: og.cublas_grouped_fp8_gemm_wgrad(
+            dy8_t, x8_t, dy_si, x_si, offsets, n, k, torch.bfloat16, m_splits=m_splits)}
+    for name, fn in loops.items():
         _try(f"{tag} cublas per group {name}", fn, gemm_flops)
 
     # bf16 torch._grouped_mm counterparts

@@ -29,7 +29,8 @@ def _run(module, x, dy, fp8, **kw):
 
 @pytest.mark.parametrize("fp8", [False, True])
 def test_moe_kernels_match_twins(fp8, monkeypatch, gen):
-    monkeypatch.setattr(fgl, "_gemm_impl", lambda t, fast_accum: fgl._kernels())  # the GEMM kernels too
+    # the GEMM kernels too
+    monkeypatch.setattr(fgl, "_gemm_impl", lambda t, fast_accum: fgl._kernels())
     moe = te.MoE(32, 16, te.MoEConfig(num_experts=4, topk=2), normalization="RMSNorm",
                  device="cpu")
     twin = copy.deepcopy(moe)

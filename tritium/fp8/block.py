@@ -10,10 +10,11 @@ with fc2's 1x128 input casts, its backward with fc1's grad casts) run
 `tritium.kernels.act_block_cast` where `quantize_blocks` would run its kernel, else the twins in
 `tritium.ref.activation`. `norm_fwd_blocks` (LayerNorm / RMSNorm fused with the next GEMM's
 1x128 input casts) runs `tritium.kernels.norm_block_cast` there (hidden <= the norm kernels'
-MAX_HIDDEN), else the twins in `tritium.ref.norm`. Where cuBLASLt has a block-scaled GEMM for the operands (PyTorch >= 2.10
-on CUDA >= 12.9, e4m3, K a multiple of 128 (512 with 128x128 weight blocks): `_cublas_block_ok`)
-`block_gemm_tn` runs it through `torch._scaled_mm`, unless TRITIUM_FP8_GEMM=triton; the Triton
-kernel otherwise (measurements: docs/block_scaling.md). MXFP8 has no kernel: `quantize_mx` /
+MAX_HIDDEN), else the twins in `tritium.ref.norm`. Where cuBLASLt has a block-scaled GEMM for
+the operands (PyTorch >= 2.10 on CUDA >= 12.9, e4m3, K a multiple of 128, of 512 with 128x128
+weight blocks: `_cublas_block_ok`) `block_gemm_tn` runs it through `torch._scaled_mm`, unless
+TRITIUM_FP8_GEMM=triton; the Triton kernel otherwise (measurements: docs/block_scaling.md).
+MXFP8 has no kernel: `quantize_mx` /
 `mx_gemm_tn` are the emulation on every device.
 """
 from __future__ import annotations

@@ -158,7 +158,8 @@ _launch = Launcher(_block_cast_kernel)
 # of `bench_block_scaling.py`'s sweep on an H100 (2026-11-27: 1x128 row+col of 8192x4096 0.089
 # ms, 1.51 TB/s moved; 128x128 of 14336x4096 0.093 ms, 2.52 TB/s; (32, 4) took 0.098 / 0.153)
 # A third field True reads 1x128's columnwise strips as they lie and transposes them in
-# registers (COL_NATURAL) instead of reading them transposed.
+# registers (COL_NATURAL) instead of reading them transposed: bit-exact in the interp tier, not
+# yet timed on a GPU, so not the default (bench_block_scaling.py's sweep times it).
 CONFIG = {False: (64, 4), True: (128, 8)}
 
 

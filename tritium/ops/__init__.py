@@ -35,6 +35,6 @@ as eager on CUDA.
 Not supported under compile: the CUDA-graph extras of cast_transpose (`skip=`, `out=`): a clear
 error names them. Not covered yet: the MoE, grouped-GEMM, block-scaling, flash-attention and
 optimizer kernels (their call sites still launch Triton directly; ops/grouped_gemm.py only
-chooses between the grouped Triton GEMMs and cuBLASLt per group). Imports only go down: ops imports _device, _env, ref and (lazily, on first
-use) kernels; fp8/ and functional/ import ops.
+chooses between the grouped Triton GEMMs and cuBLASLt per group). Imports only go down: ops
+imports _device, _env, ref and (lazily, on first use) kernels; fp8/ and functional/ import ops.
 """
