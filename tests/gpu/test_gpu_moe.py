@@ -3,8 +3,8 @@
 The grouped GEMMs in precise accumulation on integer-valued operands give their twins' bits
 (every partial sum exact), the cuBLASLt per-group loops (the default for dgrad and wgrad) the
 same values up to one rounding of the scales' product; with a bias and an fp32 output the
-compiled epilogue is one FMA, so there the oracle is the fp64 value rounded once (as tests/gpu/test_gpu_gemm.py explains); fast
-accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
+compiled epilogue is one FMA, so there the oracle is the fp64 value rounded once (as
+tests/gpu/test_gpu_gemm.py explains); fast accumulation agrees with fp64 to the tensor cores' accumulator precision. The grouped cast gives
 its twin's bits. GroupedLinear under FP8 (kernels) agrees with the same module on the twins
 (TRITIUM_FORCE_REF=1) to bf16 rounding, including an empty expert and odd row counts; the MoE
 layer on the kernels is as close to the unquantized layer as on the twins (see its test on why
