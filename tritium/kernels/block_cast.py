@@ -159,7 +159,9 @@ _launch = Launcher(_block_cast_kernel)
 # ms, 1.51 TB/s moved; 128x128 of 14336x4096 0.093 ms, 2.52 TB/s; (32, 4) took 0.098 / 0.153)
 # A third field True reads 1x128's columnwise strips as they lie and transposes them in
 # registers (COL_NATURAL) instead of reading them transposed: bit-exact in the interp tier, not
-# yet timed on a GPU, so not the default (bench_block_scaling.py's sweep times it).
+# yet timed on a GPU, so not the default (bench_block_scaling.py's sweep times it). ptxas for
+# sm_90 gives every 1x128 form 255 registers a thread; (64, 4, True) also spills 128 bytes of
+# stack, (32, 4, True) does not.
 CONFIG = {False: (64, 4), True: (128, 8)}
 
 
