@@ -28,10 +28,6 @@ from ..ref import grouped_gemm as ref_grouped
 _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
 
 
-def _splits(offsets, m_splits):
-    return ref_grouped._splits(offsets, m_splits)
-
-
 def _aligned_scales(scale_inv: torch.Tensor) -> torch.Tensor:
     """The [G] scale_invs as a [G, 4] copy: row g's first element (`[g, :1]`) starts 16 bytes
     after row g-1's. cuBLASLt rejects a scale pointer that is not 16-byte aligned
@@ -47,7 +43,7 @@ def cublas_grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: to
     one `torch._scaled_mm` per non-empty group, written into its rows of one [M, N] result."""
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     sa, sb = _aligned_scales(a_scale_inv), _aligned_scales(b_scale_inv)
-    for g, (r0, r1, _, _) in enumerate(_splits(offsets, m_splits)):
+    for g, (r0, r1, _, _) in enumerate(ref_grouped._splits(offsets, m_splits)):
         if r1 == r0:
             continue
         bg = None if bias is None else bias[g]
@@ -69,7 +65,7 @@ def cublas_grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor,
     """out[g] = A_g @ B_g.T * a_scale_inv[g] * b_scale_inv[g] over each group's 16-padded
     transposed blocks (zero padding: module docstring), precise accumulation; [G, N, K], an
     empty group zeros."""
-    splits = _splits(offsets, m_splits)
+    splits = ref_grouped._splits(offsets, m_splits)
     out = torch.empty(len(splits), n, k, dtype=out_dtype, device=a_t.device)
     sa, sb = _aligned_scales(a_scale_inv), _aligned_scales(b_scale_inv)
     for g, (_, _, p0, p1) in enumerate(splits):
