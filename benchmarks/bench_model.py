@@ -204,7 +204,8 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
         ms = (marks[-1] - marks[warm]) * 1e3 / max(steps - 1 - warm, 1)
     curve = [round(float(x), 5) for x in torch.stack(losses).float().cpu()]
     row = {"variant": variant, "ms": round(ms, 3), "tokens_per_s": round(b * s / ms * 1e3, 1),
-           "loss_50": curve[-1], "loss_curve": curve, "steps": steps,
+           "loss_50": curve[-1], "loss_last10": round(sum(curve[-10:]) / len(curve[-10:]), 5),
+           "loss_curve": curve, "steps": steps,
            "optimizer": type(opt).__name__ + (" (fp32 masters)" if variant.endswith(
                "fusedadam") else " (bf16 params, no masters)")}
     if cuda:
@@ -359,6 +360,13 @@ def main(argv=None) -> int:
         rows.append({"case": case, **row})
         print({k: x for k, x in rows[-1].items() if k != "loss_curve"}, flush=True)
     add_ratio(rows, "vs_eager", EAGER_SELF.items())
+    # the loss target (issue 19: within 1% of HF bf16's after 50 steps) on the mean of the last
+    # 10 steps: the curve still falls fast at step 50, and one step's loss wobbles by ~1%
+    base = {r["case"]: r["loss_last10"] for r in rows
+            if r["variant"] == BASELINE and "loss_last10" in r}
+    for r in rows:
+        if "loss_last10" in r and base.get(r["case"]):
+            r["loss_last10_vs_hf_eager"] = round(r["loss_last10"] / base[r["case"]], 4)
     finish("model", rows, baseline=BASELINE)
     return 0
 

@@ -29,7 +29,11 @@ def test_tiny_run_writes_rows(tmp_path, monkeypatch):
     for r in rows.values():
         assert "error" not in r, r
         assert len(r["loss_curve"]) == 3 and r["loss_50"] == r["loss_curve"][-1]
+        assert r["loss_last10"] == pytest.approx(sum(r["loss_curve"]) / 3, abs=1e-4)
         assert r["tokens_per_s"] > 0 and "speedup_vs_hf_eager" in r
+    assert rows["hf_eager"]["loss_last10_vs_hf_eager"] == 1.0
+    assert rows["tritium_fp8_delayed"]["loss_last10_vs_hf_eager"] == pytest.approx(
+        rows["tritium_fp8_delayed"]["loss_last10"] / rows["hf_eager"]["loss_last10"], abs=1e-4)
     # same weights and batches: the first step's loss agrees (bf16 model, FP8 blocks)
     first = [r["loss_curve"][0] for r in rows.values()]
     assert abs(first[0] - first[1]) < 0.05 * first[0]
