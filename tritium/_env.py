@@ -9,7 +9,9 @@ TRITON_INTERPRET=1      Triton's own switch: kernels run in its CPU interpreter.
 TRITIUM_ATTN_BACKEND=B  force DotProductAttention's backend: cudnn, flash, efficient or torch (alias math);
                         unset or "auto": chosen per call (`tritium.attention.explain` says why).
 TRITIUM_FP8_GEMM=G      which FP8 GEMM runs on Hopper: "triton" (tritium.kernels.gemm), "cublas"
-                        (torch._scaled_mm) or "auto" (default; ops/gemm.py says how).
+                        (torch._scaled_mm) or "auto" (default; ops/gemm.py says how). The same
+                        choice for GroupedLinear (ops/grouped_gemm.py) and, "triton" or not,
+                        for the block-scaled GEMMs (fp8/block.py).
 TRITIUM_LOG=LEVEL       logging level of the `tritium` logger (default WARNING).
 
 The variables are read once, at import: an FP8 step asks several times per layer, and reading
