@@ -63,7 +63,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from harness import finish, kernel_summary  # noqa: E402
+from harness import finish, kernel_summary, loss_tail  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
 VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
@@ -406,8 +406,7 @@ def _write(rows: list) -> None:
     base = next((r for r in rows if r["variant"] == "bf16" and "losses" in r), None)
     for r in rows:
         if base is not None and "losses" in r and "tokens_per_s" in r and r["tokens_per_s"]:
-            tail = lambda x: sum(x["losses"][-10:]) / len(x["losses"][-10:])  # noqa: E731
-            r["loss_last10_vs_bf16"] = round(tail(r) / tail(base), 4)
+            r["loss_last10_vs_bf16"] = round(loss_tail(r["losses"]) / loss_tail(base["losses"]), 4)
             if base.get("tokens_per_s"):
                 r["tokens_per_s_vs_bf16"] = round(r["tokens_per_s"] / base["tokens_per_s"], 3)
     finish("fsdp", rows, baseline="bf16", gpus=dist.get_world_size())

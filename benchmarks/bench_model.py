@@ -66,7 +66,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import add_ratio, compile_counts, error_fields, finish, no_recompiles  # noqa: E402
+from harness import (add_ratio, compile_counts, error_fields, finish, loss_tail,  # noqa: E402
+                     no_recompiles)
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -204,7 +205,7 @@ def run_variant(variant: str, tiny: bool, steps: int) -> dict:
         ms = (marks[-1] - marks[warm]) * 1e3 / max(steps - 1 - warm, 1)
     curve = [round(float(x), 5) for x in torch.stack(losses).float().cpu()]
     row = {"variant": variant, "ms": round(ms, 3), "tokens_per_s": round(b * s / ms * 1e3, 1),
-           "loss_50": curve[-1], "loss_last10": round(sum(curve[-10:]) / len(curve[-10:]), 5),
+           "loss_50": curve[-1], "loss_last10": round(loss_tail(curve), 5),
            "loss_curve": curve, "steps": steps,
            "optimizer": type(opt).__name__ + (" (fp32 masters)" if variant.endswith(
                "fusedadam") else " (bf16 params, no masters)")}

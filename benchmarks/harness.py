@@ -86,6 +86,13 @@ def launch_env() -> dict:
     return {k: os.environ[k] for k in LAUNCH_ENV if os.environ.get(k)}
 
 
+def loss_tail(curve, n: int = 10) -> float:
+    """The mean of a loss curve's last n steps (the loss a benchmark compares across variants:
+    one step's loss wobbles while the curve still falls)."""
+    tail = list(curve)[-n:]
+    return sum(tail) / len(tail)
+
+
 def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))

@@ -59,16 +59,21 @@ def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Ten
     if _use_triton_gemm(a, b, out, fast_accum):
         return _kernels().fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
                                        fast_accum, out)
+    return cublas_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
+
+
+def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
+                out_dtype: torch.dtype, bias: Optional[Tensor], fast_accum: bool,
+                out: Optional[Tensor]) -> Tensor:
+    """a @ b.T on cuBLASLt (`torch._scaled_mm`, tensorwise scales), into `out` when given; the
+    bias fused where cuBLASLt can (a 16-bit output of the bias's own dtype), else added to the
+    rounded result."""
     fuse_bias = bias is not None and out_dtype in _BIAS_FUSABLE and bias.dtype == out_dtype
-    if out is None:
-        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
-                               bias=bias if fuse_bias else None, out_dtype=out_dtype,
-                               use_fast_accum=fast_accum)
-    else:
-        res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
-                               out_dtype=out_dtype, use_fast_accum=fast_accum, out=out)
+    res = torch._scaled_mm(a, b.t(), scale_a=a_scale_inv, scale_b=b_scale_inv,
+                           bias=bias if fuse_bias else None, out_dtype=out_dtype,
+                           use_fast_accum=fast_accum, out=out)
     if bias is not None and not fuse_bias:
-        res = res + bias.to(out_dtype)
+        res = res.add_(bias.to(out_dtype))
     return res
 
 
@@ -113,4 +118,4 @@ def fp8_gemm_tn(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
     return out
 
 
-__all__ = ["fp8_gemm_tn", "tensor_core_gemm"]
+__all__ = ["cublas_gemm", "fp8_gemm_tn", "tensor_core_gemm"]

@@ -23,9 +23,7 @@ import torch
 
 from .. import _device, _env
 from ..ref import grouped_gemm as ref_grouped
-
-# _scaled_mm fuses a bias only for 16-bit outputs of the bias's own dtype (tritium.ops.gemm)
-_BIAS_FUSABLE = (torch.bfloat16, torch.float16)
+from .gemm import cublas_gemm
 
 
 def _aligned_scales(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -44,17 +42,9 @@ def cublas_grouped_fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: to
     out = torch.empty(a.shape[0], b.shape[1], dtype=out_dtype, device=a.device)
     sa, sb = _aligned_scales(a_scale_inv), _aligned_scales(b_scale_inv)
     for g, (r0, r1, _, _) in enumerate(ref_grouped._splits(offsets, m_splits)):
-        if r1 == r0:
-            continue
-        bg = None if bias is None else bias[g]
-        if bg is not None and out_dtype in _BIAS_FUSABLE and bg.dtype == out_dtype:
-            out[r0:r1] = torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=sa[g, :1], scale_b=sb[g, :1],
-                                          bias=bg, out_dtype=out_dtype, use_fast_accum=fast_accum)
-            continue
-        torch._scaled_mm(a[r0:r1], b[g].t(), scale_a=sa[g, :1], scale_b=sb[g, :1],
-                         out_dtype=out_dtype, use_fast_accum=fast_accum, out=out[r0:r1])
-        if bg is not None:
-            out[r0:r1] += bg.to(out_dtype)
+        if r1 > r0:
+            cublas_gemm(a[r0:r1], b[g], sa[g, :1], sb[g, :1], out_dtype,
+                        None if bias is None else bias[g], fast_accum, out[r0:r1])
     return out
 
 
@@ -72,10 +62,8 @@ def cublas_grouped_fp8_gemm_wgrad(a_t: torch.Tensor, b_t: torch.Tensor,
         if p1 == p0:
             out[g].zero_()
             continue
-        ag = a_t[n * p0:n * p1].view(n, p1 - p0)
-        bg = b_t[k * p0:k * p1].view(k, p1 - p0)
-        torch._scaled_mm(ag, bg.t(), scale_a=sa[g, :1], scale_b=sb[g, :1], out_dtype=out_dtype,
-                         use_fast_accum=False, out=out[g])
+        cublas_gemm(a_t[n * p0:n * p1].view(n, p1 - p0), b_t[k * p0:k * p1].view(k, p1 - p0),
+                    sa[g, :1], sb[g, :1], out_dtype, None, False, out[g])
     return out
 
 
