@@ -102,7 +102,7 @@ KERNELS = {
     ("block_cast", "_block_cast_kernel"): (
         {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "skip_ptr": "*i32"},
         dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, EPS=0.0, POW2=True, ROWWISE=True, COLUMNWISE=True,
-             BLOCK_2D=False, HAS_SKIP=True, BLOCK=128, SUB=64, COL_NATURAL=False),
+             BLOCK_2D=False, HAS_SKIP=True, BLOCK=128, SUB=64),
         dict(num_warps=4)),
     ("block_gemm", "_block_gemm_kernel"): (
         {"a_desc": _desc("fp8e4nv", (64, 128)), "b_desc": _desc("fp8e4nv", (128, 128)),
@@ -306,9 +306,8 @@ VARIANTS = {
              W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
-    ("block_cast", "_block_cast_kernel"): [  # the 128x128 default and the register transpose
-        dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8)),
-        dict(COL_NATURAL=True, SUB=64)],
+    ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
+        dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
     ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

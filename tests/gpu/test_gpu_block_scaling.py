@@ -36,7 +36,7 @@ def _bits(t):
 @pytest.mark.parametrize("m,k", [(256, 512), (1000, 1040), (8192, 4096)])
 @pytest.mark.parametrize("block_2d", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("config", [None, (64, 4, True), (64, 8, False)])
+@pytest.mark.parametrize("config", [None, (32, 4), (64, 8)])
 def test_block_cast_kernel_equals_twin_on_gpu(m, k, block_2d, dtype, config):
     x = (torch.randn(m, k, device="cuda") * 10 ** (torch.rand(m, 1, device="cuda") * 6 - 3))
     x = x.to(dtype)

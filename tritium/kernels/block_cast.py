@@ -42,14 +42,6 @@ def _amax_rows_nan(x):
 
 
 @triton.jit
-def _amax_cols_nan(x):
-    """max|x| of each column of a [R, C] tile, NaN where the column holds a NaN."""
-    m = tl.max(tl.abs(x), axis=0)
-    has_nan = tl.max((x != x).to(tl.int32), axis=0) > 0
-    return tl.where(has_nan, float("nan"), m)
-
-
-@triton.jit
 def _load(x_ptr, rows, cols, M, K, stride_xm, TRANSPOSED: tl.constexpr):
     """x[rows, cols] as fp32 (TRANSPOSED: x[cols, rows]^T, i.e. rows index K), 0 outside."""
     if TRANSPOSED:
@@ -82,7 +74,7 @@ def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_p
                        FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr, EPS: tl.constexpr,
                        POW2: tl.constexpr, ROWWISE: tl.constexpr, COLUMNWISE: tl.constexpr,
                        BLOCK_2D: tl.constexpr, HAS_SKIP: tl.constexpr, BLOCK: tl.constexpr,
-                       SUB: tl.constexpr, COL_NATURAL: tl.constexpr):
+                       SUB: tl.constexpr):
     if HAS_SKIP:
         if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
             return
@@ -126,22 +118,7 @@ def _block_cast_kernel(x_ptr, data_ptr, scale_inv_ptr, data_t_ptr, scale_inv_t_p
                          _scaled_fp8(x, scale[:, None], mask, FP8_MAX, OUT_DTYPE), mask=mask)
                 tl.store(scale_inv_ptr + pid_k * M + rm, tl.math.div_rn(1.0, scale),
                          mask=rm < M)
-        if COLUMNWISE and COL_NATURAL:
-            # [128 rows, SUB columns] strips read as they lie (k contiguous), each column's amax
-            # down the 128 rows, the scaled fp32 strip transposed in registers, then rounded
-            for c in range(0, BLOCK, SUB):
-                rk = (k0 + c + tl.arange(0, SUB)).to(tl.int64)
-                x, mask = _load(x_ptr, rm_all, rk, M, K, stride_xm, False)
-                scale_t = _current_scale(_amax_cols_nan(x), FP8_MAX, EPS, POW2)
-                y = tl.clamp(x * scale_t[None, :], -FP8_MAX, FP8_MAX,
-                             propagate_nan=tl.PropagateNan.ALL)
-                y = tl.where(mask, y, 0.0)
-                tl.store(data_t_ptr + rk[:, None] * M + rm_all[None, :],
-                         tl.trans(y).to(OUT_DTYPE, fp_downcast_rounding="rtne"),
-                         mask=(rk[:, None] < K) & (rm_all[None, :] < M))
-                tl.store(scale_inv_t_ptr + pid_m * K + rk, tl.math.div_rn(1.0, scale_t),
-                         mask=rk < K)
-        elif COLUMNWISE:
+        if COLUMNWISE:
             for c in range(0, BLOCK, SUB):
                 rk = (k0 + c + tl.arange(0, SUB)).to(tl.int64)
                 xt, mask_t = _load(x_ptr, rk, rm_all, M, K, stride_xm, True)
@@ -157,11 +134,8 @@ _launch = Launcher(_block_cast_kernel)
 # (SUB rows or columns of a strip, num_warps) for 1x128 tiles and for 128x128 blocks, the best
 # of `bench_block_scaling.py`'s sweep on an H100 (2026-11-27: 1x128 row+col of 8192x4096 0.089
 # ms, 1.51 TB/s moved; 128x128 of 14336x4096 0.093 ms, 2.52 TB/s; (32, 4) took 0.098 / 0.153)
-# A third field True reads 1x128's columnwise strips as they lie and transposes them in
-# registers (COL_NATURAL) instead of reading them transposed: bit-exact in the interp tier, not
-# yet timed on a GPU, so not the default (bench_block_scaling.py's sweep times it). ptxas for
-# sm_90 gives every 1x128 form 255 registers a thread; (64, 4, True) also spills 128 bytes of
-# stack, (32, 4, True) does not.
+# Reading 1x128's columnwise strips as they lie and transposing them in registers measured no
+# faster (same H100, 2026-11-27: 0.090 ms at (64, 4) either way) and was dropped.
 CONFIG = {False: (64, 4), True: (128, 8)}
 
 
@@ -169,9 +143,9 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool =
                     rowwise: bool = True, columnwise: bool = False, power_2_scale: bool = True,
                     amax_epsilon: float = 0.0, skip=None, out=None,
                     config=None) -> BlockQuantized:
-    """See `tritium.ref.block_cast.quantize_blocks`. `config`: (SUB, num_warps[, col_natural]),
+    """See `tritium.ref.block_cast.quantize_blocks`. `config`: (SUB, num_warps),
     benchmarks."""
-    sub, warps, *natural = config or CONFIG[block_2d]
+    sub, warps = config or CONFIG[block_2d]
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -196,8 +170,7 @@ def quantize_blocks(x: torch.Tensor, fp8_dtype: torch.dtype, *, block_2d: bool =
                 m, k, x.stride(0), kb, mb, FP8_MAX=fp8_max(fp8_dtype),
                 OUT_DTYPE=_TL_FP8[fp8_dtype], EPS=float(amax_epsilon), POW2=bool(power_2_scale),
                 ROWWISE=rowwise, COLUMNWISE=columnwise, BLOCK_2D=block_2d,
-                HAS_SKIP=skip is not None, BLOCK=BLOCK, SUB=sub,
-                COL_NATURAL=bool(natural and natural[0]) and not block_2d, num_warps=warps)
+                HAS_SKIP=skip is not None, BLOCK=BLOCK, SUB=sub, num_warps=warps)
     return BlockQuantized(data, scale_inv, data_t, scale_inv_t)
 
 
