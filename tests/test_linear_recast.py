@@ -15,6 +15,8 @@ casts it again from the Parameter with the forward's scale. Checked here:
   * a cache (is_first_microbatch True / False), FP8 params and parameters_split's concatenated
     weight keep w8^T and never cast again;
   * a weight changed in place between forward and backward raises, naming the fix;
+  * weights of at most `KEEP_TRANSPOSE_MAX_NUMEL` elements keep w8^T (the other tests lower
+    the threshold to 0, so their small modules take the recast path);
   * a forward without grad writes no transpose at all, with the same output bits.
 """
 from __future__ import annotations
@@ -35,6 +37,15 @@ pytestmark = pytest.mark.cpu
 
 fl = importlib.import_module("tritium.functional.linear")
 bl = importlib.import_module("tritium.functional.block_linear")
+recast_rule = importlib.import_module("tritium.functional._recast")
+
+
+@pytest.fixture(autouse=True)
+def _recast_small_weights(monkeypatch, request):
+    """These modules' weights are small enough to keep w8^T: every weight casts again here,
+    except in the test of the threshold itself."""
+    if "threshold" not in request.node.name:
+        monkeypatch.setattr(recast_rule, "KEEP_TRANSPOSE_MAX_NUMEL", 0)
 
 T, H, FFN = 40, 64, 64
 KW = dict(device="cpu", params_dtype=torch.bfloat16)
@@ -264,3 +275,26 @@ def test_weight_changed_between_forward_and_backward_raises():
         lin.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place between forward and backward"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current", "block2d"])
+def test_small_weights_keep_the_transpose_at_the_threshold(monkeypatch, recipe_name):
+    """A weight of at most KEEP_TRANSPOSE_MAX_NUMEL elements keeps w8^T from forward (no recast
+    in backward); one element more casts again. Gradients equal either way."""
+    fp8_recipe = (RECIPES | BLOCK_RECIPES)[recipe_name]()
+    module = te.Linear(256, 144, **KW)
+    calls = _count_recasts(monkeypatch)
+    x = torch.randn(T, 256, dtype=torch.bfloat16)
+    grads, copies = [], (module, copy.deepcopy(module))  # the same scaling state in each
+    for limit, module in zip((module.weight.numel(), module.weight.numel() - 1), copies):
+        monkeypatch.setattr(recast_rule, "KEEP_TRANSPOSE_MAX_NUMEL", limit)
+        xi = x.clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=fp8_recipe):
+            out = module(xi)
+        held = _ops(_nodes(out))
+        assert len(held) == 1
+        assert isinstance(held[0], torch.Tensor) == (limit == module.weight.numel())
+        out.float().sum().backward()
+        grads.append(xi.grad)
+    assert len(calls) == 1
+    assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])

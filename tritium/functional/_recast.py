@@ -9,11 +9,15 @@ dgrad, at the cost of one more weight cast per backward (~3 bytes moved per weig
 The rule, for both Linear Functions (tensorwise: functional/linear.py, blocks:
 functional/block_linear.py), asked only where a plain weight cast happens now (not an FP8 param,
 not a cache reused, not the CUDA-graph flagged cast): cast again when dgrad needs w8^T, no weight
-cache keeps it (`is_first_microbatch` None) and the weight is a Parameter, alive until backward
-anyway. A weight made for the call (parameters_split's concatenation, a dequantized fp8 weight)
-would be kept in high precision instead, more bytes than its fp8 transpose: there w8^T is kept.
-The recast must give the forward's bits (same scale, no amax recorded): the callers keep what
-fixes the scale.
+cache keeps it (`is_first_microbatch` None), the weight is a Parameter, alive until backward
+anyway, and it has more than `KEEP_TRANSPOSE_MAX_NUMEL` elements. A weight made for the call
+(parameters_split's concatenation, a dequantized fp8 weight) would be kept in high precision
+instead, more bytes than its fp8 transpose: there w8^T is kept. So is a small weight's: up to
+4 MiB of fp8 per GEMM (all of a hidden-512 model's, a 1B Llama's attention output projection,
++64 MiB at its peak), what keeping costs is little memory, and what it saves is two launches per
+GEMM and step (the scale's copy or amax in forward, the cast in backward), the host time of a
+step that small GEMMs leave bound by its host. The recast must give the forward's bits (same
+scale, no amax recorded): the callers keep what fixes the scale.
 """
 from __future__ import annotations
 
@@ -24,9 +28,13 @@ from ..fp8.recipe import Float8CurrentScaling
 from ..fp8.recompute import FrozenScales
 
 
+KEEP_TRANSPOSE_MAX_NUMEL = 1 << 22  # weights up to this many elements keep w8^T (see above)
+
+
 def recast_in_backward(weight: torch.Tensor, need_transpose: bool, keep: bool) -> bool:
     """Whether the weight's fp8 transpose is cast again in backward (else kept from forward)."""
-    return need_transpose and not keep and isinstance(weight, torch.nn.Parameter)
+    return (need_transpose and not keep and isinstance(weight, torch.nn.Parameter)
+            and weight.numel() > KEEP_TRANSPOSE_MAX_NUMEL)
 
 
 def weight_version(weight: torch.Tensor):

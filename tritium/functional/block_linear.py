@@ -12,7 +12,7 @@ Backward:
 Every scale is a current scale of its own block (no amax history, nothing to reduce across
 ranks). The fp8 operands the backward needs (x8^T, w8^T and their scales) are kept as Function
 attributes and dropped after use; w8^T's blocks only where they exist anyway (a weight cache, an
-FP8 param) or the weight is no Parameter, else backward quantizes them again from the Parameter
+FP8 param), the weight is no Parameter or a small one, else backward quantizes them again from the Parameter
 just before dgrad (`_WeightRecast`; rule and cost: functional/_recast.py): every block's scale
 comes from the weight alone, so the bits are the forward's. Tokens are padded with zero rows to
 a multiple of 16 (TMA's 16-byte rows for wgrad's K = T); zero rows change no block's amax and no

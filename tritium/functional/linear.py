@@ -18,8 +18,8 @@ recording a new weight amax. Without FP8 (and without calibration or main_grad) 
 plain `F.linear`, so parity with `nn.Linear` is exact.
 
 What the forward keeps for backward: x8^T, and for dgrad the weight's fp8 transpose w8^T only
-where it exists anyway (a weight cache, an FP8 param) or the weight is no Parameter (rule and
-cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps a `WeightRecast`:
+where it exists anyway (a weight cache, an FP8 param), the weight is no Parameter or a small
+one (rule and cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps a `WeightRecast`:
 the Parameter and what fixes its cast's scale (a copy of the delayed scale, which autocast exit
 updates before backward; the measured amax under current scaling), from which backward casts
 w8^T again just before dgrad: the forward's bits, no amax recorded. A weight FSDP2 gathered as
