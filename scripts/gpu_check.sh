@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
+#        [graphs] [cp] [cpacc] [cpscale] [gs] [demo] [demo:ARG+ARG] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
 #        [tests:EXPR]
 #        [block:REGEX] [model:V1,V2] [modelprof:V] [mtests] [tp] [tp:ARG+ARG] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG]
 #        [pack]
@@ -71,7 +71,8 @@ for s in $stages; do
     cpscale) torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/bench_cp_scale.py 2>&1 | tee "$OUT/bench_cp_scale.log" | grep -v "^{" ;;
     cpacc)  python3 scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768 2>&1 | tee "$OUT/cp_accuracy.log" ;;
     gs)     python3 examples/getting_started.py 2>&1 | tee "$OUT/getting_started.log" ;;
-    demo)   python3 -m tritium demo --out /tmp/demo 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
+    demo|demo:*) a=${s#demo}; a=${a#:}
+            python3 -m tritium demo --out /tmp/demo ${a//+/ } 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
             mkdir -p "$OUT/demo"; cp /tmp/demo/*.png /tmp/demo/*.csv /tmp/demo/*.md /tmp/demo/*.json "$OUT/demo/" 2>/dev/null ;;
     blockscale) python3 benchmarks/bench_block_scaling.py 2>&1 | tee "$OUT/bench_block_scaling.log" | grep -v "^{" ;;
     moe)    python3 benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | grep -v "^{" ;;
