@@ -138,9 +138,12 @@ class MoE(torch.nn.Module):
         probs, routing_map = fused_topk_with_score_function(
             logits, cfg.topk, cfg.use_pre_softmax, cfg.num_groups, cfg.group_topk,
             cfg.scaling_factor, cfg.score_function, self.expert_bias)
-        m_splits = routing_map.sum(0).tolist()  # the host needs the row counts (as TE's does)
+        counts = routing_map.sum(0)
         tokens = x.shape[0]
         rows, row_id_map = moe_permute(x, routing_map, num_out_tokens=tokens * cfg.topk)
+        # the host needs the row counts (as TE's does): read after the permutation is queued,
+        # so the GPU runs it while the host waits instead of idling after the read
+        m_splits = counts.tolist()
         h = self.experts_fc1(rows, m_splits, is_first_microbatch)
         h = apply_activation(h, self.activation)
         y = self.experts_fc2(h, m_splits, is_first_microbatch)
