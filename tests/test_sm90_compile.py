@@ -132,9 +132,9 @@ KERNELS = {
         dict(STATS=True, LOSS=True, GRAD=True, BLOCK=_CE[0]), dict(num_warps=_CE[1])),
     ("gemm", "_fp8_gemm_tn_kernel"): (
         {"a_desc": _desc("fp8e4nv", (128, 128)), "b_desc": _desc("fp8e4nv", (256, 128)),
-         "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P},
-        dict(HAS_BIAS=True, PRECISE=False, SPLIT_STORE=True, BLOCK_M=128, BLOCK_N=256,
-             BLOCK_K=128, GROUP_M=8),
+         "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P, "c_ptr": BF16P},
+        dict(HAS_BIAS=True, PRECISE=False, SPLIT_STORE=True, ACCUMULATE=False, BLOCK_M=128,
+             BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
         dict(num_warps=8, num_stages=3)),
     ("grouped_gemm", "_grouped_cast_kernel"): (
         {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "offs_ptr": I32P},
@@ -306,6 +306,12 @@ VARIANTS = {
              W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
     ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
+    ("gemm", "_fp8_gemm_tn_kernel"): [  # accumulating into an fp32 main_grad and into bf16
+        dict(ACCUMULATE=True, PRECISE=True, SPLIT_STORE=split, HAS_BIAS=False, BLOCK_M=128,
+             BLOCK_N=128, _types={"b_desc": _desc("fp8e4nv", (128, 128)),
+                                  "c_desc": _desc(dt, (128, 64 if split else 128)),
+                                  "c_ptr": f"*{dt}"})
+        for dt, split in (("fp32", True), ("bf16", False))],
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
     ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [

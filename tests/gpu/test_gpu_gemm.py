@@ -79,6 +79,33 @@ def test_gemm_as_accurate_as_cublas(m, n, k, a_dtype, b_dtype, fast_accum):
     assert err(ours) < (1e-2 if fast_accum else 1e-3) and err(twin) < 1e-6
 
 
+@pytest.mark.parametrize("m,n,k", [(1040, 784, 528), (256, 2048, 1024)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("row_pad", [16, 3])
+def test_accumulating_gemm_equals_twin_on_exact_sums(m, n, k, out_dtype, row_pad):
+    """out += a @ b.T (the FP8 lm_head's wgrad over chunks, an fp32 main_grad): on the Triton
+    kernel where out's rows are 16-byte aligned (row_pad 16), else (row_pad 3) the fp32 product
+    added by PyTorch. Each element is the twin's (the scaled product rounded to fp32, then the
+    sum) or, where the compiler fuses scale and add into one FMA, that single rounding; then the
+    output dtype's. Rows and columns outside out untouched."""
+    from tritium.functional import gemm as fgemm
+    g = torch.Generator(device="cuda").manual_seed(m + n + k + row_pad)
+    a = torch.randint(-8, 9, (m, k), device="cuda", generator=g).float().to(E4M3)
+    b = torch.randint(-8, 9, (n, k), device="cuda", generator=g).float().to(E5M2)
+    sa = torch.rand(1, device="cuda", generator=g) + 0.1
+    sb = torch.rand(1, device="cuda", generator=g) * 3 + 0.01
+    full = torch.randn(m + 32, n + row_pad, device="cuda", generator=g).to(out_dtype)
+    want = full.clone()
+    old = full[16:16 + m, :n].double()
+    fgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, out=full[16:16 + m, :n], accumulate=True)
+    rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, out=want[16:16 + m, :n], accumulate=True)
+    assert not torch.equal(want[16:16 + m, :n], rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype))
+    fused = want.clone()
+    fused[16:16 + m, :n] = ((a.double() @ b.double().t()) * (sa * sb).double() + old).float()
+    same = (_bits(full) == _bits(want)) | (_bits(full) == _bits(fused))
+    assert same.all(), f"{(~same).sum().item()} elements differ"
+
+
 def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
     """auto: fprop (fast accumulation) on the Triton kernel, dgrad/wgrad on cuBLASLt; the
     results agree with TRITIUM_FP8_GEMM=cublas to the fast accumulator's precision."""

@@ -77,3 +77,24 @@ def test_gemm_kernel_matches_ref_to_fp32_rounding_on_wide_values(a_dtype, b_dtyp
     bound = 96 * 2**-24 * (a.float().abs() @ b.float().abs().t()) * (sa * sb) + 1e-30
     assert ((got - want).abs() <= bound).all()
     assert not torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("m,n,k", SHAPES[1:])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gemm_kernel_accumulates_into_out_as_the_twin(m, n, k, out_dtype, fast_accum):
+    """accumulate=True: out += the product, the old value added in fp32 before the one
+    rounding; into a row block of a larger tensor (row stride != N), rows outside untouched."""
+    gen = torch.Generator().manual_seed(hash((m, n, k, str(out_dtype), fast_accum)) % 2**31)
+    a, b = _integer_fp8(m, k, E4M3, gen), _integer_fp8(n, k, E5M2, gen)
+    sa, sb = _scales(gen)
+    full = torch.randn(m + 32, n + 16, generator=gen).to(out_dtype)
+    want_full = full.clone()
+    got = kgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, None, fast_accum, full[16:16 + m, :n],
+                            accumulate=True)
+    want = rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype, None, fast_accum,
+                             want_full[16:16 + m, :n], accumulate=True)
+    assert got.data_ptr() == full[16:16 + m].data_ptr()
+    assert not torch.equal(want_full, full.new_zeros(full.shape))
+    assert not torch.equal(want_full[16:16 + m, :n], rgemm.fp8_gemm_tn(a, b, sa, sb, out_dtype))
+    assert_same_bits(full, want_full, f"{m}x{n}x{k} -> {out_dtype}")

@@ -41,17 +41,23 @@ def check_fp8_gemm_operands(a: torch.Tensor, b: torch.Tensor) -> None:
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
                 bias: Optional[torch.Tensor] = None, fast_accum: bool = False,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
     """`out`: a contiguous [M, N] tensor of out_dtype (e.g. a row block of a larger result)
-    to write into; bias is not supported with it."""
+    to write into, or with `accumulate` to add into (out += the product, summed in fp32 and
+    rounded once); bias is not supported with it."""
     check_fp8_gemm_operands(a, b)
     if out is not None and bias is not None:
         raise ValueError("fp8_gemm_tn: pass either bias or out, not both")
+    if accumulate and (out is None or tuple(out.shape) != (a.shape[0], b.shape[0])
+                       or out.dtype != out_dtype or out.stride(-1) != 1):
+        raise ValueError(f"fp8_gemm_tn(accumulate=True) adds into out: pass out as a [M, N] = "
+                         f"[{a.shape[0]}, {b.shape[0]}] tensor of {out_dtype} with a contiguous "
+                         f"last dim, got {None if out is None else (tuple(out.shape), out.dtype)}")
     if torch.compiler.is_compiling():
         return ops_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
-                                    out)
+                                    out, accumulate)
     if not _device.fp8_tensor_cores(a):
         return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
-                                    out)
+                                    out, accumulate)
     return ops_gemm.tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
-                                     out)
+                                     out, accumulate)

@@ -26,8 +26,9 @@ FP8 (`fp8=True`, and only inside an enabled fp8_autocast): the three GEMMs of ea
 FP8 with current scaling (one scale per chunk and operand; the weight's once per call), in the
 autocast recipe's formats (HYBRID: h and W E4M3, dlogits E5M2), the logits GEMM with fast
 accumulation, dgrad and wgrad precise, through `fp8_gemm_tn` and `quantize_2d` (the same path
-as te.Linear's current scaling). Whatever the recipe says, no delayed-scaling state is kept:
-the function owns no state. The loss is still computed in fp32 from the (FP8-GEMM, 16-bit)
+as te.Linear's current scaling); the wgrad GEMM adds each chunk's dl^T h into dW in its epilogue
+(`accumulate`, as the 16-bit path's addmm_ does: one rounding per chunk, no [V, H] product).
+Whatever the recipe says, no delayed-scaling state is kept: the function owns no state. The loss is still computed in fp32 from the (FP8-GEMM, 16-bit)
 logits. Needs H and V_local divisible by 16. Accuracy: docs/numerics.md.
 
 Not done here: softcapping, class weights, sequence-parallel hidden (gather it first).
@@ -96,9 +97,12 @@ class _FP8Head:
                                   pad_rows_to=16, write_data=dh_out is not None,
                                   write_transpose=dw is not None)
         if dh_out is not None:
-            dh_out.copy_(fp8_gemm_tn(dq, self.w_t, dsi, self.w_si, dh_out.dtype)[:dl.shape[0]])
-        if dw is not None:
-            dw.add_(fp8_gemm_tn(dt, self.h_t, dsi, self.h_si, dw.dtype))
+            if dq.shape[0] == dh_out.shape[0]:  # no padding rows: written in place
+                fp8_gemm_tn(dq, self.w_t, dsi, self.w_si, dh_out.dtype, out=dh_out)
+            else:
+                dh_out.copy_(fp8_gemm_tn(dq, self.w_t, dsi, self.w_si, dh_out.dtype)[:dl.shape[0]])
+        if dw is not None:  # dW += dl^T h, added inside the GEMM (functional/gemm.py)
+            fp8_gemm_tn(dt, self.h_t, dsi, self.h_si, dw.dtype, out=dw, accumulate=True)
 
 
 def _chunk_grads(plan, dl, h, weight, dh_out, dw, db) -> None:

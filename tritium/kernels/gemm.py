@@ -1,4 +1,5 @@
-"""Triton FP8 GEMM in the "TN" form: out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias).
+"""Triton FP8 GEMM in the "TN" form: out = (a @ b.T) * a_scale_inv * b_scale_inv (+ bias), or
+with `accumulate` out += that product.
 
 Why it exists beside `torch._scaled_mm`: at 8192x4096->4096 an eager FP8 Linear step is bound
 by host time on a slow host, and a step whose forward GEMM is this kernel spends ~70 us less
@@ -23,7 +24,11 @@ as cuBLASLt's two modes do; measured against fp64, each mode is as accurate as c
 adds the bias in fp32 (the compiler fuses the two into one FMA) and rounds once to the output
 dtype. So the kernel equals its twin bit for bit only where every partial sum is exact (the
 tests use integer-valued operands for that), and otherwise agrees to the accumulator's
-precision.
+precision. `accumulate` (cuBLAS's beta = 1, which `torch._scaled_mm` does not offer): the
+epilogue reads out's tile, adds it in fp32 after the scale and bias and rounds once, so a
+[V, H] weight gradient summed over chunks (the FP8 lm_head) or into an fp32 main_grad needs no
+product tensor and no separate add (which reads and writes out once more); its tiles
+(ACCUMULATE_CONFIG) are smaller, leaving registers for the old tile.
 """
 from __future__ import annotations
 
@@ -50,9 +55,9 @@ def tile_offsets(tile, tiles_m, tiles_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 @triton.jit
 def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr, bias_ptr,
-                        M, N, K, num_programs,
+                        c_ptr, M, N, K, stride_cm, num_programs,
                         HAS_BIAS: tl.constexpr, PRECISE: tl.constexpr,
-                        SPLIT_STORE: tl.constexpr,
+                        SPLIT_STORE: tl.constexpr, ACCUMULATE: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         GROUP_M: tl.constexpr):
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -73,6 +78,12 @@ def _fp8_gemm_tn_kernel(a_desc, b_desc, c_desc, a_scale_inv_ptr, b_scale_inv_ptr
         if HAS_BIAS:
             rn = off_n + tl.arange(0, BLOCK_N)
             c += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+        if ACCUMULATE:  # out's old tile, added in fp32: one rounding for the sum
+            rm = off_m + tl.arange(0, BLOCK_M)
+            rn = off_n + tl.arange(0, BLOCK_N)
+            old = tl.load(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rn[None, :],
+                          mask=(rm[:, None] < M) & (rn[None, :] < N), other=0.0)
+            c += old.to(tl.float32)
         if SPLIT_STORE:  # two [BLOCK_M, BLOCK_N / 2] stores: half the staging memory
             left, right = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
             c_desc.store([off_m, off_n], left.to(c_desc.dtype))
@@ -88,21 +99,23 @@ _launch_gemm = Launcher(_fp8_gemm_tn_kernel)
 # 16384x8192x8192), launched persistent.
 # Precise accumulation holds a second fp32 tile in registers: 128x256 spills there.
 CONFIGS = {True: (128, 256, 128, 8, 8, 3), False: (256, 128, 128, 8, 8, 3)}
+ACCUMULATE_CONFIG = (128, 128, 128, 8, 8, 3)
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
 
 
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
                 bias: Optional[torch.Tensor] = None, fast_accum: bool = False,
-                out: Optional[torch.Tensor] = None, *, config: Optional[tuple] = None,
-                persistent: bool = True) -> torch.Tensor:
+                out: Optional[torch.Tensor] = None, accumulate: bool = False, *,
+                config: Optional[tuple] = None, persistent: bool = True) -> torch.Tensor:
     """See `tritium.ref.gemm.fp8_gemm_tn`. `config` / `persistent`: tile choice (benchmarks)."""
     m, k = a.shape
     n = b.shape[0]
     if out is None:
         out = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if config is None:
-        config = CONFIGS[fast_accum] if a.is_cuda else _INTERPRET_CONFIG
+        config = (_INTERPRET_CONFIG if not a.is_cuda else ACCUMULATE_CONFIG if accumulate
+                  else CONFIGS[fast_accum])
     bm, bn, bk, group_m, warps, stages = config
     tiles = -(-m // bm) * -(-n // bn)
     programs = min(tiles, num_sms(a.get_device())) if persistent and a.is_cuda else tiles
@@ -111,11 +124,13 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     split = out.element_size() == 4
     _launch_gemm((programs,), TensorDesc(a, (bm, bk)), TensorDesc(b, (bn, bk)),
                  TensorDesc(out, (bm, bn // 2 if split else bn)), a_scale_inv, b_scale_inv,
-                 bias if bias is not None else a_scale_inv, m, n, k, programs,
+                 bias if bias is not None else a_scale_inv, out if accumulate else a_scale_inv,
+                 m, n, k, out.stride(0), programs,
                  HAS_BIAS=bias is not None, PRECISE=not fast_accum, SPLIT_STORE=split,
+                 ACCUMULATE=accumulate,
                  BLOCK_M=bm, BLOCK_N=bn,
                  BLOCK_K=bk, GROUP_M=group_m, num_warps=warps, num_stages=stages)
     return out
 
 
-__all__ = ["fp8_gemm_tn", "CONFIGS"]
+__all__ = ["fp8_gemm_tn", "CONFIGS", "ACCUMULATE_CONFIG"]

@@ -9,8 +9,14 @@ eager `fp8_gemm_tn` calls it directly, the ops call it (or the emulated GEMM of
 `tritium.ref.gemm` where there are no FP8 tensor cores) under torch.compile.
 
 Ops (tritium::...): fp8_gemm_tn (a new [M, N] result, nothing written in place) and
-fp8_gemm_tn_out (writes `out`, e.g. a row block of a larger result; no bias, as eager). The
-operand rules are checked by the caller (`functional.gemm.check_fp8_gemm_operands`).
+fp8_gemm_tn_out (writes `out`, e.g. a row block of a larger result, or adds to it with
+`accumulate`; no bias, as eager). The operand rules are checked by the caller
+(`functional.gemm.check_fp8_gemm_operands`).
+
+`accumulate` (out += the product) runs the Triton kernel, whose epilogue adds out's old tile in
+fp32 before its one rounding; cuBLASLt's FP8 GEMM (`torch._scaled_mm`) cannot add to its output,
+so where the kernel cannot run (no Triton, a layout TMA cannot take) the product is made in
+fp32 and added to out then: the same single rounding, with an fp32 temporary.
 """
 from __future__ import annotations
 
@@ -34,13 +40,13 @@ def _tma_ok(t: Optional[Tensor]) -> bool:
                          and not (t.stride(0) * t.element_size()) & 15)
 
 
-def _use_triton_gemm(a, b, out, fast_accum: bool) -> bool:
-    """"auto": the Triton kernel for fast accumulation (fprop), cuBLASLt for precise (dgrad,
-    wgrad). Layouts TMA cannot take go to cuBLASLt."""
+def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> bool:
+    """"auto": the Triton kernel for fast accumulation (fprop) and for accumulating into out,
+    cuBLASLt for precise (dgrad, wgrad). Layouts TMA cannot take go to cuBLASLt."""
     if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
         return False
     choice = _env.fp8_gemm()
-    if not (fast_accum if choice == "auto" else choice == "triton"):
+    if not (accumulate or (fast_accum if choice == "auto" else choice == "triton")):
         return False
     return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
@@ -54,11 +60,14 @@ def _kernels():
 
 def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
                      out_dtype: torch.dtype, bias: Optional[Tensor], fast_accum: bool,
-                     out: Optional[Tensor]) -> Tensor:
+                     out: Optional[Tensor], accumulate: bool = False) -> Tensor:
     """The FP8 GEMM on FP8 tensor cores: the Triton kernel or cuBLASLt (module docstring)."""
-    if _use_triton_gemm(a, b, out, fast_accum):
+    if _use_triton_gemm(a, b, out, fast_accum, accumulate):
         return _kernels().fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
-                                       fast_accum, out)
+                                       fast_accum, out, accumulate)
+    if accumulate:  # cuBLASLt cannot add to its output: an fp32 product, one rounding
+        res = cublas_gemm(a, b, a_scale_inv, b_scale_inv, torch.float32, bias, fast_accum, None)
+        return out.copy_(res.add_(out))
     return cublas_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
 
 
@@ -77,11 +86,12 @@ def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
     return res
 
 
-def _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out):
+def _gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out, accumulate=False):
     if not _device.fp8_tensor_cores(a):
         return ref_gemm.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
-                                    out)
-    return tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
+                                    out, accumulate)
+    return tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out,
+                            accumulate)
 
 
 @tritium_op("tritium::fp8_gemm_tn", mutates_args=())
@@ -98,23 +108,24 @@ def _(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum):
 
 @tritium_op("tritium::fp8_gemm_tn_out", mutates_args=("out",))
 def _op_out(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor, out: Tensor,
-            fast_accum: bool) -> None:
-    _gemm(a, b, a_scale_inv, b_scale_inv, out.dtype, None, fast_accum, out)
+            fast_accum: bool, accumulate: bool = False) -> None:
+    _gemm(a, b, a_scale_inv, b_scale_inv, out.dtype, None, fast_accum, out, accumulate)
 
 
 @_op_out.register_fake
-def _(a, b, a_scale_inv, b_scale_inv, out, fast_accum):
+def _(a, b, a_scale_inv, b_scale_inv, out, fast_accum, accumulate=False):
     return None
 
 
 def fp8_gemm_tn(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
                 out_dtype: torch.dtype, bias: Optional[Tensor] = None, fast_accum: bool = False,
-                out: Optional[Tensor] = None) -> Tensor:
+                out: Optional[Tensor] = None, accumulate: bool = False) -> Tensor:
     """`tritium.ref.gemm.fp8_gemm_tn`'s signature, through the ops."""
     if out is None:
         return torch.ops.tritium.fp8_gemm_tn(a, b, a_scale_inv, b_scale_inv, out_dtype, bias,
                                              fast_accum)
-    torch.ops.tritium.fp8_gemm_tn_out(a, b, a_scale_inv, b_scale_inv, out, fast_accum)
+    torch.ops.tritium.fp8_gemm_tn_out(a, b, a_scale_inv, b_scale_inv, out, fast_accum,
+                                      accumulate)
     return out
 
 
