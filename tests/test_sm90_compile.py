@@ -255,8 +255,8 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
 _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
-    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False),
-              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq), "dq": {}}
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False),
+              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False), "dq": dict(WINDOW=False)}
     KERNELS[("flash_attention", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
@@ -319,10 +319,12 @@ VARIANTS = {
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
-    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False)],
+    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
+       dict(WINDOW=True, CAUSAL=False)],  # a band: sliding window / bottom-right
     ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
-    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
-    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),
+    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq), dict(WINDOW=True, CAUSAL=False)],
+    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel")
+    + [dict(WINDOW=True, CAUSAL=False)],
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
                                          GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],

@@ -3,8 +3,9 @@
 Forced (backend="triton"), DotProductAttention runs the kernel's speed mode: its out and grads
 are the launchers' split=False results in the input dtype bit for bit, and they agree with the
 reference backend ("torch") to a 16-bit kernel's error (P / dS rounded once to fp16), for bshd
-and sbhd, causal and no mask, GQA. Auto takes it only where `MEASURED_FASTER` lists the call's
-class (explain() says why not otherwise); unsupported calls get a reason. fp16 inputs (the
+and sbhd, causal and no mask, GQA; sliding windows and bottom-right causal (the kernel's band)
+agree with the reference backend likewise. Auto takes it only where `MEASURED_FASTER` lists the
+call's class (explain() says why not otherwise); unsupported calls get a reason. fp16 inputs (the
 interpreter's bf16 tl.dot is wrong, see conftest.py).
 """
 from __future__ import annotations
@@ -73,10 +74,34 @@ def test_auto_takes_triton_only_where_measured_faster(gen, monkeypatch):
     assert A.explain(q, k, v, qkv_format="bshd", attn_mask_type="no_mask").backend == "torch"
 
 
+@pytest.mark.parametrize("mask,window,sq,sk", [
+    ("causal", (5, 0), 40, 40), ("causal", (20, 0), 24, 40), ("no_mask", (3, 2), 24, 40),
+    ("no_mask", (7, -1), 40, 24), ("causal_bottom_right", None, 24, 40),
+    ("causal_bottom_right", (6, 0), 40, 24)])
+def test_forced_triton_windows_and_bottom_right_match_the_reference(mask, window, sq, sk, gen):
+    """Sliding windows (top-left for "causal", bottom-right otherwise) and bottom-right causal
+    with s_q != s_kv run the kernel's band; out and grads agree with the reference backend to a
+    16-bit kernel's error, rows that see no key included (output 0, no gradient)."""
+    q = torch.randn(2, sq, H, D, generator=gen).half()
+    k, v = (torch.randn(2, sk, HK, D, generator=gen).half() for _ in range(2))
+    w = torch.randn(2, sq, H, D, generator=gen).half()
+    assert A.explain(q, k, v, qkv_format="bshd", attn_mask_type=mask, window_size=window,
+                     backend="triton").backend == "triton"
+    results = {}
+    for backend in ("triton", "torch"):
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        out = A.dot_product_attention(*leaves, qkv_format="bshd", attn_mask_type=mask,
+                                      window_size=window, softmax_scale=0.3, backend=backend)
+        (out.float() * w.float().flatten(2)).sum().backward()
+        results[backend] = [out.detach()] + [x.grad for x in leaves]
+    for name, g, r in zip(("out", "dq", "dk", "dv"), results["triton"], results["torch"]):
+        assert r.abs().max() > 0 and g.dtype == r.dtype == torch.float16
+        err = (g.float() - r.float()).abs().max().item()
+        assert err <= 4e-3 * r.float().abs().max().item(), f"{name}: {err:.3e}"
+
+
 @pytest.mark.parametrize("kw,why", [
-    (dict(window_size=(4, 0)), "sliding window"),
     (dict(dropout_p=0.1), "dropout"),
-    (dict(attn_mask_type="causal_bottom_right", sk=16), "bottom-right"),
     (dict(dtype=torch.float32), "needs float16/bfloat16"),
     (dict(d=24), "head dims")])
 def test_unsupported_calls_name_the_reason(kw, why, gen):

@@ -118,3 +118,18 @@ def test_dot_product_attention_runs_the_fp8_kernel(fmt, mask):
                                   grad_dtype=torch.float16)
     for got, g in zip((q.grad, k.grad, v.grad), grads):
         assert torch.equal(bshd(got), g)
+
+
+def test_fp8_forward_leaves_windows_to_the_emulation():
+    """The FP8 forward has no band: a sliding window or bottom-right causal with s_q != s_kv
+    goes to torch_fp8 (the emulation, every mask), with triton_fp8's reason; the bf16 triton
+    backend takes the same calls."""
+    from tritium.attention import explain
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 24, 4, 64, generator=gen).half()
+    for kw, sk in ((dict(attn_mask_type="causal", window_size=(8, 0)), 24),
+                   (dict(attn_mask_type="causal_bottom_right"), 40)):
+        k, v = (torch.randn(2, sk, 2, 64, generator=gen).half() for _ in range(2))
+        e = explain(q, k, v, qkv_format="bshd", fp8_dpa=True, **kw)
+        assert e.backend == "torch_fp8" and "not in the FP8 forward" in e.reasons["triton_fp8"]
+        assert explain(q, k, v, qkv_format="bshd", backend="triton", **kw).backend == "triton"

@@ -95,6 +95,41 @@ def test_launch_options_match_twin(option, case, gen, monkeypatch):
         close(g, r, name)
 
 
+# (s_q, s_kv, h, h_kv, d, causal, band): sliding windows (lo, hi) on the diagonal j - i,
+# top-left and bottom-right aligned, with and without causal, bands narrower than a 16-row tile
+# (masked on both sides of one block), wider (wholly visible blocks between masked ones), one
+# that leaves rows with no key at all, and bottom-right causal with s_q != s_kv
+BANDS = [(48, 48, 2, 1, 16, True, (-20, None)), (48, 48, 2, 2, 16, False, (-5, 7)),
+         (64, 64, 2, 1, 32, False, (-33, 18)), (40, 24, 2, 2, 16, False, (-3, 3)),
+         (24, 56, 2, 1, 16, False, (32 - 9, 32)), (24, 56, 2, 2, 16, False, (None, 32)),
+         (33, 33, 2, 2, 16, False, (20, None)), (17, 50, 2, 1, 16, False, (2, 20))]
+
+
+@pytest.mark.parametrize("option", ["default", "tma-atomic-dq"])
+@pytest.mark.parametrize("case", BANDS, ids=lambda c: "q{}-kv{}-hk{}-d{}-{}-{}".format(
+    c[0], c[1], c[3], c[4], "causal" if c[5] else "nomask", c[6]))
+def test_band_fwd_bwd_match_twin(case, option, gen, monkeypatch):
+    """A band (sliding window / bottom-right alignment): the kernel visits only the key blocks
+    the band reaches and masks where it cuts one; out, lse (-inf on rows that see no key) and
+    the gradients equal the twin's under the same band."""
+    if option != "default":
+        monkeypatch.setattr(K, "INTERP_CFG", OPTIONS[option])
+    s_q, s_kv, h, h_kv, d, causal, band = case
+    q, k, v, do = data(s_q, s_kv, h, h_kv, d, torch.float16, gen)
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.3, band=band)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.3, band=band)
+    close(out, r_out, "out")
+    assert torch.equal(lse.isinf(), r_lse.isinf())
+    close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), "lse")
+    assert not torch.equal(r_out, R.flash_attention_fwd(q, k, v, causal, 0.3)[0]), \
+        "the band must hide something in every case"
+    grads = K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.3, band=band)
+    r_grads = R.flash_attention_bwd(do, q, k, v, r_out, r_lse, causal, 0.3, band=band)
+    for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
+        assert r.abs().max() > 0
+        close(g, r, name)
+
+
 @pytest.mark.parametrize("option", ["default", "tma-atomic-dq"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])

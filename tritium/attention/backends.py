@@ -23,8 +23,9 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
              an additive bias (fp32 too); thd through padding; GQA by repeating K/V.
   triton     tritium's Triton flash attention (kernels/flash_attention.py) in its speed mode (P /
              dS rounded once to the input dtype, as cuDNN; out and grads in the input dtype):
-             dense bshd, no mask or top-left causal (any s_q, s_kv), GQA without repeating K/V,
-             head dims 16-128, fp16/bf16, no dropout / window / padding; CUDA (or CPU under
+             dense bshd, no mask, causal and sliding windows in either alignment (any s_q, s_kv;
+             a window runs only the key blocks it reaches), GQA without repeating K/V, head
+             dims 16-128, fp16/bf16, no dropout / padding; CUDA (or CPU under
              TRITON_INTERPRET=1); eager only (torch.compile takes another backend).
   torch      `tritium.ref.attention`: explicit fp32 softmax, everything, any device.
 "Auto" tries triton, cudnn, flash, efficient, torch on sm90/sm100 (flash, cudnn, efficient,
@@ -583,12 +584,8 @@ class TritonBackend(_Backend):
             return "triton: thd (packed varlen) is not supported"
         if a.mask is not None or a.q_pad is not None:
             return "triton: arbitrary and padding masks are not supported"
-        if a.has_window:
-            return f"triton: sliding window {(a.left, a.right)} is not supported"
         if a.dropout > 0:
             return "triton: dropout is not supported"
-        if a.causal and a.bottom_right and a.sq != a.sk:
-            return f"triton: bottom-right causal with s_q {a.sq} != s_kv {a.sk} is not supported"
         if a.d_qk != a.d_v or a.d_qk not in (16, 32, 64, 128):
             return f"triton: head dims ({a.d_qk}, {a.d_v}) unsupported (equal, 16/32/64/128)"
         from ..kernels import flash_attention as FA
@@ -605,16 +602,30 @@ class TritonBackend(_Backend):
         return (f"triton: supported, but auto takes it only where measured faster than cuDNN "
                 f"({key} is not in backends.MEASURED_FASTER); backend='triton' forces it")
 
+    @staticmethod
+    def mask(a) -> tuple:
+        """(causal, band) for the kernel: a sliding window or a causal diagonal off the top-left
+        corner becomes a band (lo, hi) on j - i (masks.py: diagonal offset o, window
+        (o - left, o + right); causal is right = 0), which carries the causal edge itself;
+        else plain top-left causal or no mask."""
+        o = a.sk - a.sq if a.bottom_right else 0
+        if not a.has_window and not (a.causal and o):
+            return a.causal, None
+        return False, (o - a.left if a.left >= 0 else None,
+                       o + a.right if a.right >= 0 else None)
+
     def fwd(self, q, k, v, a):
         from ..kernels import flash_attention as FA
-        out, lse = FA.flash_attention_fwd(q, k, v, a.causal, a.scale, split=False,
-                                          out_dtype=q.dtype)
+        causal, band = self.mask(a)
+        out, lse = FA.flash_attention_fwd(q, k, v, causal, a.scale, split=False,
+                                          out_dtype=q.dtype, band=band)
         return out, lse, None
 
     def bwd(self, dout, q, k, v, out, lse, aux, a):
         from ..kernels import flash_attention as FA
-        return FA.flash_attention_bwd(dout, q, k, v, out, lse, a.causal, a.scale, split=False,
-                                      grad_dtype=q.dtype)
+        causal, band = self.mask(a)
+        return FA.flash_attention_bwd(dout, q, k, v, out, lse, causal, a.scale, split=False,
+                                      grad_dtype=q.dtype, band=band)
 
 
 BACKENDS = {b.name: b for b in (TritonBackend(), CudnnBackend(), FlashBackend(),

@@ -236,6 +236,9 @@ class TritonFP8Backend:
             return "triton_fp8: " + why.split(": ", 1)[-1]
         if a.d_qk not in (64, 128):
             return f"triton_fp8: head dim {a.d_qk} unsupported (the FP8 kernel takes 64, 128)"
+        if B.TritonBackend.mask(a)[1] is not None:
+            return ("triton_fp8: sliding windows and causal off the top-left corner are not in "
+                    "the FP8 forward")
         return None
 
     def fwd(self, q8, k8, v8, descale, a, dtype):

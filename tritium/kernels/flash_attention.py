@@ -7,6 +7,10 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     256 for the forward alone, d_v == d_qk), h % h_kv == 0, query head i reads kv head
     i // (h // h_kv) (K/V are never repeated). fp16, bf16 or fp32.
   * causal = top-left (key j visible to query i iff j <= i), any s_q / s_kv; else no mask.
+    `band` (lo, hi) instead: key j visible to query i iff lo <= j - i <= hi (sliding windows,
+    bottom-right alignment: the attention layer's window (left, right) with its diagonal offset
+    o is (o - left, o + right)); each row block visits only the key blocks the band reaches
+    (masked where it cuts a block), each key block of the backward only the query blocks.
   * forward -> out [b, s_q, h, d] in out_dtype (None = fp32, never rounded to 16 bits; or the
     input dtype, rounded once), lse fp32 [b, h, s_q] (natural log). backward(dout, q, k, v,
     out, lse) -> dq, dk, dv shaped like q, k, v in grad_dtype (same choice). The backward is
@@ -56,8 +60,8 @@ the wrapper copies any other V once); read as [d, keys] tiles and transposed as 
 `ref.flash_attention.flash_attention_fp8_fwd` with block_n = `fp8_block_n(...)` (P's
 quantization depends on the key tiling). No FP8
 backward: the attention layer runs the backward above on the dequantized inputs.
-Deliberately not here: dropout, sliding windows, padding masks, bottom-right
-causal, autotuning at run time (configs are fixed per shape class so launches stay cheap).
+Deliberately not here: dropout, padding masks, a band in the FP8 forward, autotuning at run
+time (configs are fixed per shape class so launches stay cheap).
 """
 from __future__ import annotations
 
@@ -165,17 +169,62 @@ def _value_rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d, MASK: tl.constexpr, TM
 
 
 @triton.jit
+def _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The key blocks that rows start_m .. start_m + BLOCK_M - 1 see through the band
+    band_lo <= j - i <= band_hi: (first, mid_lo, mid_hi, end), multiples of BLOCK_N but `end`
+    (<= s_kv): [first, mid_lo) and [mid_hi, end) partly visible, [mid_lo, mid_hi) wholly
+    visible to every row (and inside s_kv). Empty ranges where the band misses every key."""
+    end = tl.minimum(tl.maximum(start_m + BLOCK_M + band_hi, 0), s_kv)
+    first = (tl.maximum(start_m + band_lo, 0) // BLOCK_N) * BLOCK_N
+    first = tl.minimum(first, end)
+    # wholly visible: j >= the last row's lower edge and j + BLOCK_N - 1 <= the first row's upper
+    whole_lo = tl.cdiv(tl.maximum(start_m + BLOCK_M - 1 + band_lo, 0), BLOCK_N) * BLOCK_N
+    whole_hi = tl.minimum((tl.maximum(start_m + band_hi + 1, 0) // BLOCK_N) * BLOCK_N,
+                          (s_kv // BLOCK_N) * BLOCK_N)
+    mid_lo = tl.minimum(tl.maximum(whole_lo, first), end)
+    mid_hi = tl.minimum(tl.maximum(whole_hi, mid_lo), end)
+    return first, mid_lo, mid_hi, end
+
+
+@triton.jit
+def _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m, offs_n, offs_d,
+               skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo, band_hi,
+               MASKED: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+               TMA: tl.constexpr, VT: tl.constexpr, FP8: tl.constexpr, D: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """The online softmax over key block n0 under a band (the windowed forward); MASKED: the
+    band and the key tail masked, rows with nothing visible yet kept at -inf."""
+    rows = n0 + offs_n
+    k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, MASKED, TMA, BLOCK_N, D)
+    v = _value_rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, MASKED, TMA, VT,
+                    BLOCK_N, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    if MASKED:
+        rel = rows[None, :] - offs_m[:, None]
+        s = tl.where((rows < s_kv)[None, :] & (rel >= band_lo) & (rel <= band_hi), s,
+                     float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                sob, sos, soh, sod, slb, slh, sls,
+                sob, sos, soh, sod, slb, slh, sls, band_lo, band_hi,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TMA: tl.constexpr, WS: tl.constexpr, FP8: tl.constexpr = False,
-                VT: tl.constexpr = False):
+                VT: tl.constexpr = False, WINDOW: tl.constexpr = False):
     """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head;
     FP8: E4M3 q/k/v with descale_ptr -> fp32 [3] (q, k, v dequant scales); VT: v is
-    sequence-contiguous (`_value_rows`)."""
+    sequence-contiguous (`_value_rows`); WINDOW: key j visible to query i iff
+    band_lo <= j - i <= band_hi (CAUSAL off)."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
@@ -191,43 +240,64 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D], tl.float32)
 
-    if CAUSAL:
-        hi = tl.minimum(s_kv, start_m + BLOCK_M)
-        full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
+    if WINDOW:
+        # the band's key blocks: masked where a row sees part of one, unmasked where every
+        # row sees all of it
+        first, mid_lo, mid_hi, hi = _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M,
+                                                 BLOCK_N)
+        for n0 in range(first, mid_lo, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m,
+                                       offs_n, offs_d, skb, skh, sks, skd, svb, svh, svs, svd,
+                                       qk_scale, band_lo, band_hi, True, SPLIT, PREC, TMA, VT,
+                                       FP8, D, BLOCK_N)
+        for n0 in range(mid_lo, mid_hi, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m,
+                                       offs_n, offs_d, skb, skh, sks, skd, svb, svh, svs, svd,
+                                       qk_scale, band_lo, band_hi, False, SPLIT, PREC, TMA, VT,
+                                       FP8, D, BLOCK_N)
+        for n0 in range(mid_hi, hi, BLOCK_N):
+            m_i, l_i, acc = _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m,
+                                       offs_n, offs_d, skb, skh, sks, skd, svb, svh, svs, svd,
+                                       qk_scale, band_lo, band_hi, True, SPLIT, PREC, TMA, VT,
+                                       FP8, D, BLOCK_N)
     else:
-        hi = s_kv
-        full = (s_kv // BLOCK_N) * BLOCK_N
-    # key blocks every row of this tile sees whole: no mask
-    for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
-        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
-        v = _value_rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, VT,
-                        BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC)
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
-        m_i = m_new
-    # diagonal band and key tail: masked
-    for n0 in range(full, hi, BLOCK_N):
-        rows = n0 + offs_n
-        n_ok = rows < s_kv
-        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
-        v = _value_rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, VT,
-                        BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        ok = n_ok[None, :]
         if CAUSAL:
-            ok = ok & (rows[None, :] <= offs_m[:, None])
-        s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
-        m_i = m_new
+            hi = tl.minimum(s_kv, start_m + BLOCK_M)
+            full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
+        else:
+            hi = s_kv
+            full = (s_kv // BLOCK_N) * BLOCK_N
+        # key blocks every row of this tile sees whole: no mask
+        for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
+            k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+            v = _value_rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, VT,
+                            BLOCK_N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC)
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
+            m_i = m_new
+        # diagonal band and key tail: masked
+        for n0 in range(full, hi, BLOCK_N):
+            rows = n0 + offs_n
+            n_ok = rows < s_kv
+            k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+            v = _value_rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, VT,
+                            BLOCK_N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (rows[None, :] <= offs_m[:, None])
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
+            m_i = m_new
 
     if FP8:
         acc = acc * (tl.load(descale_ptr + 2) / 448.0)
@@ -258,8 +328,10 @@ def _delta_kernel(o_ptr, do_ptr, delta_ptr, s_q, H,
 @triton.jit
 def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, s_q, offs_n,
                offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, dq_rows, qk_scale, scale,
+               band_lo, band_hi,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr):
+               ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               WINDOW: tl.constexpr):
     """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed); with
     ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds."""
     rows = m0 + tl.arange(0, BLOCK_M)
@@ -271,7 +343,10 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
     delta = tl.load(dl_base + rows, mask=m_ok, other=0.0)
     st = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale
     pt = tl.exp2(st - lse[None, :])
-    if CAUSAL:  # query i sees key j iff j <= i
+    if WINDOW:  # query i sees key j iff band_lo <= j - i <= band_hi
+        rel = offs_n[:, None] - rows[None, :]
+        pt = tl.where((rel >= band_lo) & (rel <= band_hi), pt, 0.0)
+    elif CAUSAL:  # query i sees key j iff j <= i
         pt = tl.where(offs_n[:, None] <= rows[None, :], pt, 0.0)
     dv = _mm(pt, do, dv, SPLIT, PREC)
     dpt = tl.dot(v, tl.trans(do), input_precision=PREC)
@@ -288,10 +363,10 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
 def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                 sdb, sds, sdh, sdd, slb, slh, sls,
+                 sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi,
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, WINDOW: tl.constexpr = False):
     """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
     its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
     (contiguous like q)."""
@@ -309,17 +384,23 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     # causal: query blocks before the first that sees a key of this block are skipped; the
     # mask is applied to every tile after that (one loop: two, diagonal and below, as in the
     # forward, hold more registers than the sm90 register file has: spills)
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    # a band: the query rows i that see a key j of this block, j - band_hi <= i <= j - band_lo
+    if WINDOW:
+        lo = (tl.maximum(start_n - band_hi, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.minimum(tl.maximum(start_n + BLOCK_N - band_lo, 0), s_q)
+    else:
+        lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+        hi = s_q
     for g in range(0, G):
         h = hk * G + g
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
         dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
-        for m0 in range(lo, s_q, BLOCK_M):
+        for m0 in range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
                                 s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
-                                H_KV * G * D, qk_scale, scale, CAUSAL, SPLIT, PREC, TMA,
-                                ATOMIC_DQ, D, BLOCK_M)
+                                H_KV * G * D, qk_scale, scale, band_lo, band_hi, CAUSAL, SPLIT,
+                                PREC, TMA, ATOMIC_DQ, D, BLOCK_M, WINDOW)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
     tl.store(dk_ptr + out_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
@@ -327,13 +408,32 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
 
 
 @triton.jit
+def _dq_block(q, do, lse, delta, dq, k_src, v_src, b, hk, n0, s_kv, offs_m, offs_n, offs_d,
+              skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo, band_hi,
+              MASKED: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
+              D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq += dS K over key block n0 under a band (the windowed backward); MASKED: the band and
+    the key tail masked."""
+    k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, MASKED, TMA, BLOCK_N, D)
+    v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, MASKED, TMA, BLOCK_N, D)
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+    p = tl.exp2(s - lse[:, None])
+    if MASKED:
+        rows = n0 + offs_n
+        rel = rows[None, :] - offs_m[:, None]
+        p = tl.where((rows < s_kv)[None, :] & (rel >= band_lo) & (rel <= band_hi), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+    return _mm(p * (dp - delta[:, None]), k, dq, SPLIT, PREC)
+
+
+@triton.jit
 def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                s_q, s_kv, H, G, qk_scale, scale,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-               sdb, sds, sdh, sdd, slb, slh, sls,
+               sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TMA: tl.constexpr):
+               TMA: tl.constexpr, WINDOW: tl.constexpr = False):
     """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
@@ -349,33 +449,49 @@ def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
     delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
 
-    if CAUSAL:
-        hi = tl.minimum(s_kv, start_m + BLOCK_M)
-        full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
+    if WINDOW:  # the forward's blocks of the band (`_band_blocks`)
+        first, mid_lo, mid_hi, hi = _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M,
+                                                 BLOCK_N)
+        for n0 in range(first, mid_lo, BLOCK_N):
+            dq = _dq_block(q, do, lse, delta, dq, k_src, v_src, b, hk, n0, s_kv, offs_m, offs_n,
+                           offs_d, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo,
+                           band_hi, True, SPLIT, PREC, TMA, D, BLOCK_N)
+        for n0 in range(mid_lo, mid_hi, BLOCK_N):
+            dq = _dq_block(q, do, lse, delta, dq, k_src, v_src, b, hk, n0, s_kv, offs_m, offs_n,
+                           offs_d, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo,
+                           band_hi, False, SPLIT, PREC, TMA, D, BLOCK_N)
+        for n0 in range(mid_hi, hi, BLOCK_N):
+            dq = _dq_block(q, do, lse, delta, dq, k_src, v_src, b, hk, n0, s_kv, offs_m, offs_n,
+                           offs_d, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo,
+                           band_hi, True, SPLIT, PREC, TMA, D, BLOCK_N)
     else:
-        hi = s_kv
-        full = (s_kv // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full, BLOCK_N):
-        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
-        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        p = tl.exp2(s - lse[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq = _mm(ds, k, dq, SPLIT, PREC)
-    for n0 in range(full, hi, BLOCK_N):
-        rows = n0 + offs_n
-        n_ok = rows < s_kv
-        k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
-        v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        ok = n_ok[None, :]
         if CAUSAL:
-            ok = ok & (rows[None, :] <= offs_m[:, None])
-        p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=PREC)
-        ds = p * (dp - delta[:, None])
-        dq = _mm(ds, k, dq, SPLIT, PREC)
+            hi = tl.minimum(s_kv, start_m + BLOCK_M)
+            full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
+        else:
+            hi = s_kv
+            full = (s_kv // BLOCK_N) * BLOCK_N
+        for n0 in range(0, full, BLOCK_N):
+            k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+            v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            p = tl.exp2(s - lse[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq = _mm(ds, k, dq, SPLIT, PREC)
+        for n0 in range(full, hi, BLOCK_N):
+            rows = n0 + offs_n
+            n_ok = rows < s_kv
+            k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+            v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, True, TMA, BLOCK_N, D)
+            s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (rows[None, :] <= offs_m[:, None])
+            p = tl.where(ok, tl.exp2(s - lse[:, None]), 0.0)
+            dp = tl.dot(do, tl.trans(v), input_precision=PREC)
+            ds = p * (dp - delta[:, None])
+            dq = _mm(ds, k, dq, SPLIT, PREC)
 
     tl.store(dq_ptr + b * (s_q * H * D) + h * D + offs_m[:, None] * (H * D) + offs_d[None, :],
              (dq * scale).to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
@@ -488,13 +604,30 @@ def _srcs(cfg: Cfg, *tensors):
     return tuple(descs), True
 
 
+def _band(band, causal: bool, s_q: int, s_kv: int):
+    """(WINDOW, CAUSAL, band_lo, band_hi) for the kernels: a band (lo, hi), None sides
+    unbounded, key j visible to query i iff lo <= j - i <= hi, causal folded in as hi <= 0."""
+    if band is None:
+        return False, bool(causal), 0, 0
+    lo, hi = band
+    reach = s_q + s_kv  # past every key: unbounded
+    lo = -reach if lo is None else max(int(lo), -reach)
+    hi = reach if hi is None else min(int(hi), reach)
+    if causal:
+        hi = min(hi, 0)
+    return True, False, lo, hi
+
+
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, split: bool = True,
-                        out_dtype: Optional[torch.dtype] = None):
-    """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
+                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None):
+    """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log).
+    band (lo, hi): key j visible to query i iff lo <= j - i <= hi (a None side unbounded; with
+    causal also j <= i): sliding windows and bottom-right alignment; only its key blocks run."""
     out_dtype = _check(q, k, v, out_dtype, "out_dtype", backward=False)
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
+    window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
     out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or s_kv == 0:
@@ -504,9 +637,10 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
     _fwd_kernel[grid](*srcs, out, lse, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
                       *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                      CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
-                      num_warps=cfg.warps, num_stages=cfg.stages)
+                      band_lo, band_hi, CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype),
+                      D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+                      WS=cfg.ws and tma, WINDOW=window, num_warps=cfg.warps,
+                      num_stages=cfg.stages)
     return out, lse
 
 
@@ -567,7 +701,7 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
     _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
                       scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                      *lse.stride(), CAUSAL=bool(causal), SPLIT=False, PREC="tf32", D=d,
+                      *lse.stride(), 0, 0, CAUSAL=bool(causal), SPLIT=False, PREC="tf32", D=d,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
                       FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
@@ -586,13 +720,15 @@ def _value_src(cfg: Cfg, v: torch.Tensor):
 
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                        split: bool = True, grad_dtype: Optional[torch.dtype] = None):
+                        split: bool = True, grad_dtype: Optional[torch.dtype] = None,
+                        band: Optional[tuple] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v. out (any float dtype)
     and lse (fp32 [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's
-    merged ones)."""
+    merged ones). band: as the forward's."""
     grad_dtype = _check(q, k, v, grad_dtype, "grad_dtype")
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
+    window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, s_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse [b, h, s_q]")
     dev, f32 = q.device, torch.float32
@@ -613,8 +749,9 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _delta_kernel[(triton.cdiv(s_q, dq_cfg.block_m), b * h)](
         out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
         num_warps=4 if cuda else 1)
-    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride())
-    flags = dict(CAUSAL=bool(causal), SPLIT=bool(split), PREC=_prec(q.dtype), D=d)
+    common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), band_lo,
+              band_hi)
+    flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window)
 
     cfg = dkdv_cfg
     srcs, tma = _srcs(cfg, q, k, v, dout)

@@ -3,7 +3,8 @@
 The math of `tritium.ref.attention` in fp32 (fp64 for fp64 inputs), with results never rounded
 to the input dtype: forward -> out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q]; backward ->
 dq, dk, dv fp32 (fp64 for fp64 inputs) from any (out, lse) pair of the same softmax rows.
-causal is top-left (key j visible to query i iff j <= i) for any s_q, s_kv. `split` is
+causal is top-left (key j visible to query i iff j <= i) for any s_q, s_kv; `band` (lo, hi)
+also hides key j from query i unless lo <= j - i <= hi (a None side unbounded). `split` is
 accepted for the signature and ignored: it is the kernel's way of approaching this fp32 math
 (the kernel and this twin agree to fp32 reduction-order tolerance, not bit for bit: the
 kernel's online softmax and tiled sums reorder the additions). `out_dtype` / `grad_dtype` (None,
@@ -23,12 +24,20 @@ import torch
 from .attention import attention_bwd, attention_fp8_fwd, attention_fwd
 
 
-def _mask(s_q: int, s_kv: int, causal: bool, device):
-    if not causal:
+def _mask(s_q: int, s_kv: int, causal: bool, device, band=None):
+    """True where key j is hidden from query i."""
+    if not causal and band is None:
         return None
     i = torch.arange(s_q, device=device)[:, None]
     j = torch.arange(s_kv, device=device)[None, :]
-    return j > i
+    hidden = (j > i) if causal else torch.zeros(s_q, s_kv, dtype=torch.bool, device=device)
+    if band is not None:
+        lo, hi = band
+        if lo is not None:
+            hidden = hidden | (j - i < lo)
+        if hi is not None:
+            hidden = hidden | (j - i > hi)
+    return hidden
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -37,19 +46,20 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, split: bool = True,
-                        out_dtype: Optional[torch.dtype] = None):
+                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None):
     """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
-    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     out, lse, _ = attention_fwd(_wide(q), _wide(k), _wide(v), mask, scale, out_dtype=None)
     return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
 
 
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
-                        split: bool = True, grad_dtype: Optional[torch.dtype] = None):
+                        split: bool = True, grad_dtype: Optional[torch.dtype] = None,
+                        band: Optional[tuple] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v (any (out, lse) of the
     same softmax rows)."""
-    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     grads = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse, mask, scale)
     return tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
 
