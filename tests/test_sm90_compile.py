@@ -230,7 +230,8 @@ KERNELS = {
         dict(num_warps=_ADAM[2], enable_fp_fusion=False)),
 }
 _FA_TYPES = {"qk_scale": "fp32", "scale": "fp32", "o_ptr": BF16P, "dq_ptr": BF16P,
-             "dk_ptr": BF16P, "dv_ptr": BF16P, "do_ptr": BF16P}
+             "dk_ptr": BF16P, "dv_ptr": BF16P, "do_ptr": BF16P, "cu_q_ptr": I32P,
+             "cu_k_ptr": I32P}
 _FA_KINDS = {"_fwd_kernel": "fwd", "_dkdv_kernel": "dkdv", "_dq_kernel": "dq"}
 
 
@@ -255,8 +256,9 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
 _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
-    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False),
-              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False), "dq": dict(WINDOW=False)}
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False, VARLEN=False),
+              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False, VARLEN=False),
+              "dq": dict(WINDOW=False, VARLEN=False)}
     KERNELS[("flash_attention", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
@@ -284,13 +286,18 @@ def _fa_fp8(d: int, tma: bool = True) -> dict:
 
 
 def _fa_variants(name: str) -> list:
-    """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized) and the
-    split mode with fp32 outputs at its own config."""
+    """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized), the split
+    mode with fp32 outputs at its own config, a band (sliding window) and packed sequences
+    (varlen: pointer loads, with a band)."""
     kind, c = _FA_KINDS[name], _FA_CFG[name]
     flip = c._replace(tma=not c.tma)
     ws = dict(WS=flip.tma) if kind == "fwd" else {}
     s = _fa.GPU_CFG[kind][(128, True)]
-    return [dict(TMA=flip.tma, _types=_fa_types(name, flip), **ws),
+    ptrs = c._replace(tma=False)
+    return [dict(WINDOW=True, CAUSAL=False),
+            dict(VARLEN=True, WINDOW=True, CAUSAL=False, TMA=False,
+                 _types=_fa_types(name, ptrs), **(dict(WS=False) if kind == "fwd" else {})),
+            dict(TMA=flip.tma, _types=_fa_types(name, flip), **ws),
             dict(SPLIT=True, TMA=s.tma, BLOCK_M=s.block_m, BLOCK_N=s.block_n,
                  _types=_fa_types(name, s, split=True),
                  _options=dict(num_warps=s.warps, num_stages=s.stages),
@@ -319,12 +326,10 @@ VARIANTS = {
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
-    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
-       dict(WINDOW=True, CAUSAL=False)],  # a band: sliding window / bottom-right
+    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False)],
     ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
-    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq), dict(WINDOW=True, CAUSAL=False)],
-    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel")
-    + [dict(WINDOW=True, CAUSAL=False)],
+    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
+    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
                                          GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],

@@ -7,7 +7,8 @@ the kernel's split products (16-bit head + tail of P and dS) must still reach th
 which a single 16-bit rounding of P (split=False) does not: checked too. Cases cover 16-row
 interpreter tiles with masked tails, causal (s_q == s_kv and top-left with s_q != s_kv) and
 no_mask with s_q != s_kv (CP's half-q or half-kv blocks), GQA, strided views, and a backward
-fed a foreign (out, lse) pair (a CP ring's merged one). The launch options of `Cfg` (K/V or
+fed a foreign (out, lse) pair (a CP ring's merged one); bands on the diagonal (sliding windows,
+bottom-right alignment) and packed sequences (varlen / thd). The launch options of `Cfg` (K/V or
 Q/dO loads through TMA descriptors, the warp-specialized forward loop, dq by atomic adds from
 the dk/dv kernel) and the 16-bit out / grads option (rounded once from the same fp32 values, so
 within one 16-bit rounding of the twin's) are checked against the twin too.
@@ -128,6 +129,45 @@ def test_band_fwd_bwd_match_twin(case, option, gen, monkeypatch):
     for name, g, r in zip(("dq", "dk", "dv"), grads, r_grads):
         assert r.abs().max() > 0
         close(g, r, name)
+
+
+# packed sequences (thd): lengths of q and kv per sequence, causal, band
+VARLEN = [([5, 33, 17], [5, 33, 17], True, None), ([20, 1, 40], [24, 9, 40], False, None),
+          ([30, 12], [30, 12], False, (-6, 3)), ([18, 0, 25], [18, 7, 25], True, (-9, None)),
+          ([16, 40], [0, 40], False, None)]
+
+
+@pytest.mark.parametrize("option", ["default", "atomic-dq"])
+@pytest.mark.parametrize("case", VARLEN, ids=lambda c: f"q{c[0]}-kv{c[1]}-causal{c[2]}-{c[3]}")
+def test_varlen_fwd_bwd_match_twin(case, option, gen, monkeypatch):
+    """thd: each packed sequence attends alone (causal and bands within it; a sequence with no
+    keys outputs 0 and lse -inf); GQA; the kernels launched over (longest sequence) x
+    (sequences x heads), programs past a sequence's end doing nothing."""
+    if option != "default":
+        monkeypatch.setattr(K, "INTERP_CFG", OPTIONS[option])
+    lq, lk, causal, band = case
+    h, h_kv, d = 4, 2, 16
+    cu_q = torch.tensor([0] + lq, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu_kv = torch.tensor([0] + lk, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    varlen = (cu_q, cu_kv, max(lq), max(lk))
+    q = torch.randn(sum(lq), h, d, generator=gen).half()
+    k, v = (torch.randn(sum(lk), h_kv, d, generator=gen).half() for _ in range(2))
+    do = torch.randn(sum(lq), h, d, generator=gen).half()
+    out, lse = K.flash_attention_fwd(q, k, v, causal, 0.3, band=band, varlen=varlen)
+    r_out, r_lse = R.flash_attention_fwd(q, k, v, causal, 0.3, band=band, varlen=varlen)
+    assert out.shape == q.shape and lse.shape == (h, sum(lq))
+    close(out, r_out, "out")
+    assert torch.equal(lse.isinf(), r_lse.isinf())
+    close(lse.nan_to_num(neginf=0.0), r_lse.nan_to_num(neginf=0.0), "lse")
+    grads = K.flash_attention_bwd(do, q, k, v, out, lse, causal, 0.3, band=band, varlen=varlen)
+    r_grads = R.flash_attention_bwd(do, q, k, v, r_out, r_lse, causal, 0.3, band=band,
+                                    varlen=varlen)
+    for name, g, r, x in zip(("dq", "dk", "dv"), grads, r_grads, (q, k, v)):
+        assert g.shape == x.shape and r.abs().max() > 0
+        close(g, r, name)
+    # a packed batch is not one long sequence: the first sequence's rows see none of the rest
+    whole = R.flash_attention_fwd(q[None], k[None], v[None], causal, 0.3, band=band)[0][0]
+    assert not torch.equal(whole, r_out)
 
 
 @pytest.mark.parametrize("option", ["default", "tma-atomic-dq"])

@@ -25,8 +25,10 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
              dS rounded once to the input dtype, as cuDNN; out and grads in the input dtype):
              dense bshd, no mask, causal and sliding windows in either alignment (any s_q, s_kv;
              a window runs only the key blocks it reaches), GQA without repeating K/V, head
-             dims 16-128, fp16/bf16, no dropout / padding; CUDA (or CPU under
-             TRITON_INTERPRET=1); eager only (torch.compile takes another backend).
+             dims 16-128, fp16/bf16, no dropout / padding masks; thd (packed, cu_seqlens; a
+             bottom-right diagonal or window only where q / kv lengths match per sequence);
+             CUDA (or CPU under TRITON_INTERPRET=1); eager only (torch.compile takes another
+             backend).
   torch      `tritium.ref.attention`: explicit fp32 softmax, everything, any device.
 "Auto" tries triton, cudnn, flash, efficient, torch on sm90/sm100 (flash, cudnn, efficient,
 triton, torch elsewhere: cuDNN is not the faster one below sm90) and takes the first whose check
@@ -580,10 +582,13 @@ class TritonBackend(_Backend):
                     "an importable triton")
         if q.dtype not in _HALF:
             return f"triton: {str(q.dtype).replace('torch.', '')} input, needs float16/bfloat16"
-        if a.fmt == "thd":
-            return "triton: thd (packed varlen) is not supported"
+        if a.fmt == "thd" and (a.causal or a.has_window) and a.bottom_right \
+                and not a.same_lengths:
+            return ("triton: thd with a bottom-right causal diagonal or window and q / kv "
+                    "lengths that differ per sequence is not supported")
         if a.mask is not None or a.q_pad is not None:
-            return "triton: arbitrary and padding masks are not supported"
+            return ("triton: arbitrary and padding masks are not supported (packed sequences: "
+                    "qkv_format='thd' with cu_seqlens)")
         if a.dropout > 0:
             return "triton: dropout is not supported"
         if a.d_qk != a.d_v or a.d_qk not in (16, 32, 64, 128):
@@ -608,7 +613,8 @@ class TritonBackend(_Backend):
         corner becomes a band (lo, hi) on j - i (masks.py: diagonal offset o, window
         (o - left, o + right); causal is right = 0), which carries the causal edge itself;
         else plain top-left causal or no mask."""
-        o = a.sk - a.sq if a.bottom_right else 0
+        # thd: per sequence, where check() allows a band only with equal q / kv lengths
+        o = a.sk - a.sq if a.bottom_right and a.fmt != "thd" else 0
         if not a.has_window and not (a.causal and o):
             return a.causal, None
         return False, (o - a.left if a.left >= 0 else None,
@@ -618,14 +624,19 @@ class TritonBackend(_Backend):
         from ..kernels import flash_attention as FA
         causal, band = self.mask(a)
         out, lse = FA.flash_attention_fwd(q, k, v, causal, a.scale, split=False,
-                                          out_dtype=q.dtype, band=band)
+                                          out_dtype=q.dtype, band=band, varlen=self.varlen(a))
         return out, lse, None
 
     def bwd(self, dout, q, k, v, out, lse, aux, a):
         from ..kernels import flash_attention as FA
         causal, band = self.mask(a)
         return FA.flash_attention_bwd(dout, q, k, v, out, lse, causal, a.scale, split=False,
-                                      grad_dtype=q.dtype, band=band)
+                                      grad_dtype=q.dtype, band=band, varlen=self.varlen(a))
+
+    @staticmethod
+    def varlen(a):
+        """thd: (cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv) for the kernel."""
+        return (a.cu_q, a.cu_kv, a.sq, a.sk) if a.fmt == "thd" else None
 
 
 BACKENDS = {b.name: b for b in (TritonBackend(), CudnnBackend(), FlashBackend(),

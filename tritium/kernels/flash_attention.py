@@ -11,6 +11,11 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     bottom-right alignment: the attention layer's window (left, right) with its diagonal offset
     o is (o - left, o + right)); each row block visits only the key blocks the band reaches
     (masked where it cuts a block), each key block of the backward only the query blocks.
+  * `varlen` (cu_q, cu_kv, max_s_q, max_s_kv): packed sequences (thd), q [t_q, h, d], k / v
+    [t_kv, h_kv, d]; grid axis 1 runs (sequence, head), each program moves its pointers to its
+    sequence's first rows (int32 cumulative lengths read on the device: no host sync) and
+    exits past the sequence's end; masks and bands apply within each sequence; pointer loads
+    (a TMA box would need per-sequence descriptors); lse [h, t_q].
   * forward -> out [b, s_q, h, d] in out_dtype (None = fp32, never rounded to 16 bits; or the
     input dtype, rounded once), lse fp32 [b, h, s_q] (natural log). backward(dout, q, k, v,
     out, lse) -> dq, dk, dv shaped like q, k, v in grad_dtype (same choice). The backward is
@@ -169,6 +174,16 @@ def _value_rows(src, b, h, sb, sh, ss, sd, r0, n, offs_d, MASK: tl.constexpr, TM
 
 
 @triton.jit
+def _sequence(cu_q_ptr, cu_k_ptr, b):
+    """(q0, s_q, k0, s_kv) of sequence b of a packed (thd) batch: first rows (int64) and
+    lengths, from the cumulative lengths."""
+    q0 = tl.load(cu_q_ptr + b).to(tl.int64)
+    k0 = tl.load(cu_k_ptr + b).to(tl.int64)
+    return (q0, (tl.load(cu_q_ptr + b + 1) - q0).to(tl.int32), k0,
+            (tl.load(cu_k_ptr + b + 1) - k0).to(tl.int32))
+
+
+@triton.jit
 def _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key blocks that rows start_m .. start_m + BLOCK_M - 1 see through the band
     band_lo <= j - i <= band_hi: (first, mid_lo, mid_hi, end), multiples of BLOCK_N but `end`
@@ -216,18 +231,30 @@ def _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m, offs_n, 
 def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                sob, sos, soh, sod, slb, slh, sls, band_lo, band_hi,
+                sob, sos, soh, sod, slb, slh, sls, band_lo, band_hi, cu_q_ptr, cu_k_ptr,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TMA: tl.constexpr, WS: tl.constexpr, FP8: tl.constexpr = False,
-                VT: tl.constexpr = False, WINDOW: tl.constexpr = False):
+                VT: tl.constexpr = False, WINDOW: tl.constexpr = False,
+                VARLEN: tl.constexpr = False):
     """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head;
     FP8: E4M3 q/k/v with descale_ptr -> fp32 [3] (q, k, v dequant scales); VT: v is
     sequence-contiguous (`_value_rows`); WINDOW: key j visible to query i iff
-    band_lo <= j - i <= band_hi (CAUSAL off)."""
+    band_lo <= j - i <= band_hi (CAUSAL off); VARLEN: axis 1 is (sequence, head) of a packed
+    batch (cu_q_ptr / cu_k_ptr: cumulative lengths; s_q the longest), pointers, no TMA."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
+    if VARLEN:  # every pointer moved to the sequence's first row; then as one dense sequence
+        q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
+        if start_m >= s_q:
+            return
+        q_src += q0 * sqs
+        k_src += k0 * sks
+        v_src += k0 * svs
+        o_ptr += q0 * sos
+        lse_ptr += q0 * sls
+        b = b * 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -363,16 +390,32 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
 def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_ptr,
                  s_q, s_kv, H_KV, G, qk_scale, scale,
                  sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-                 sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi,
+                 sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi, cu_q_ptr, cu_k_ptr,
+                 s_delta,
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, WINDOW: tl.constexpr = False):
+                 TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, WINDOW: tl.constexpr = False,
+                 VARLEN: tl.constexpr = False):
     """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
     its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
     (contiguous like q)."""
     start_n = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b, hk, _ = _heads(bh, H_KV, 1)
+    if VARLEN:  # as the forward: pointers moved to the sequence's first rows
+        q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
+        if start_n >= s_kv:
+            return
+        q_src += q0 * sqs
+        do_src += q0 * sds
+        k_src += k0 * sks
+        v_src += k0 * svs
+        lse_ptr += q0 * sls
+        delta_ptr += q0
+        dq_ptr += q0 * (H_KV * G * D)
+        dk_ptr += k0 * (H_KV * D)
+        dv_ptr += k0 * (H_KV * D)
+        b = b * 0
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
     n_ok = offs_n < s_kv
@@ -394,7 +437,7 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
     for g in range(0, G):
         h = hk * G + g
         l_base = lse_ptr + b * slb + h * slh
-        dl_base = delta_ptr + (b * (H_KV * G) + h) * s_q
+        dl_base = delta_ptr + (b * (H_KV * G) + h) * s_delta
         dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
         for m0 in range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
@@ -430,14 +473,27 @@ def _dq_block(q, do, lse, delta, dq, k_src, v_src, b, hk, n0, s_kv, offs_m, offs
 def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                s_q, s_kv, H, G, qk_scale, scale,
                sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
-               sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi,
+               sdb, sds, sdh, sdd, slb, slh, sls, band_lo, band_hi, cu_q_ptr, cu_k_ptr,
+               s_delta,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TMA: tl.constexpr, WINDOW: tl.constexpr = False):
+               TMA: tl.constexpr, WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
     """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
+    if VARLEN:  # as the forward: pointers moved to the sequence's first rows
+        q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
+        if start_m >= s_q:
+            return
+        q_src += q0 * sqs
+        do_src += q0 * sds
+        k_src += k0 * sks
+        v_src += k0 * svs
+        lse_ptr += q0 * sls
+        delta_ptr += q0
+        dq_ptr += q0 * (H * D)
+        b = b * 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D)
@@ -446,7 +502,7 @@ def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
     do = _rows(do_src, b, h, sdb, sdh, sds, sdd, start_m, s_q, offs_d, True, TMA, BLOCK_M, D)
     lse = tl.load(lse_ptr + b * slb + h * slh + offs_m * sls, mask=m_ok, other=0.0)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-    delta = tl.load(delta_ptr + bh.to(tl.int64) * s_q + offs_m, mask=m_ok, other=0.0)
+    delta = tl.load(delta_ptr + (b * H + h) * s_delta + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
 
     if WINDOW:  # the forward's blocks of the band (`_band_blocks`)
@@ -618,30 +674,67 @@ def _band(band, causal: bool, s_q: int, s_kv: int):
     return True, False, lo, hi
 
 
+class _Layout(NamedTuple):
+    """A call's sequences: `batch` dense ones of (s_q, s_kv) rows, or (varlen) cu_q / cu_kv's
+    packed ones, s_q / s_kv their longest, the tensors [t, h, d] seen as [1, t, h, d]."""
+    batch: int
+    s_q: int
+    s_kv: int
+    cu_q: Optional[torch.Tensor]
+    cu_kv: Optional[torch.Tensor]
+
+
+def _layout(q, k, varlen) -> _Layout:
+    if varlen is None:
+        return _Layout(q.shape[0], q.shape[1], k.shape[1], None, None)
+    cu_q, cu_kv, s_q, s_kv = varlen
+    for name, cu, t in (("cu_seqlens_q", cu_q, q.shape[0]), ("cu_seqlens_kv", cu_kv, k.shape[0])):
+        if cu.dtype != torch.int32 or cu.dim() != 1 or cu.numel() != cu_q.numel() \
+                or cu.device != q.device:
+            raise ValueError(f"flash_attention: {name} must be int32 [batch + 1] on {q.device} "
+                             "(the same batch for q and kv)")
+    return _Layout(cu_q.numel() - 1, int(s_q), int(s_kv), cu_q, cu_kv)
+
+
+def _batched(varlen, *tensors):
+    """thd tensors [t, h, d] as [1, t, h, d] (dense ones as they are)."""
+    return tensors if varlen is None else tuple(x.unsqueeze(0) for x in tensors)
+
+
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, split: bool = True,
-                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None):
+                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None,
+                        varlen: Optional[tuple] = None):
     """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log).
     band (lo, hi): key j visible to query i iff lo <= j - i <= hi (a None side unbounded; with
-    causal also j <= i): sliding windows and bottom-right alignment; only its key blocks run."""
+    causal also j <= i): sliding windows and bottom-right alignment; only its key blocks run.
+    varlen (cu_q, cu_kv, max_s_q, max_s_kv): packed sequences (thd): q [t_q, h, d], k / v
+    [t_kv, h_kv, d], int32 cumulative lengths; masks and bands apply within each sequence;
+    -> out [t_q, h, d], lse [h, t_q]."""
+    lay = _layout(q, k, varlen)
+    q, k, v = _batched(varlen, q, k, v)
     out_dtype = _check(q, k, v, out_dtype, "out_dtype", backward=False)
-    b, s_q, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
-    out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q.device)
-    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or s_kv == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    cfg = _cfg("fwd", d, split, q.is_cuda)
-    srcs, tma = _srcs(cfg, q, k, v)
-    grid = (triton.cdiv(s_q, cfg.block_m), b * h)
-    _fwd_kernel[grid](*srcs, out, lse, lse, s_q, s_kv, h, h // h_kv, scale * LOG2E,
-                      *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-                      band_lo, band_hi, CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype),
-                      D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
-                      WS=cfg.ws and tma, WINDOW=window, num_warps=cfg.warps,
-                      num_stages=cfg.stages)
-    return out, lse
+    b, t_q, h, d = q.shape
+    t_kv, h_kv = k.shape[1], k.shape[2]
+    window, causal, band_lo, band_hi = _band(band, causal, lay.s_q, lay.s_kv)
+    out = torch.empty(b, t_q, h, d, dtype=out_dtype, device=q.device)
+    lse = torch.empty(b, h, t_q, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or t_kv == 0 or lay.batch == 0:
+        out, lse = out.zero_(), lse.fill_(float("-inf"))
+    else:
+        cfg = _cfg("fwd", d, split, q.is_cuda)
+        srcs, tma = (q, k, v), False
+        if varlen is None:
+            srcs, tma = _srcs(cfg, q, k, v)
+        grid = (triton.cdiv(lay.s_q, cfg.block_m), lay.batch * h)
+        _fwd_kernel[grid](*srcs, out, lse, lse, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E,
+                          *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+                          band_lo, band_hi, lay.cu_q if varlen else lse,
+                          lay.cu_kv if varlen else lse, CAUSAL=causal, SPLIT=bool(split),
+                          PREC=_prec(q.dtype), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                          TMA=tma, WS=cfg.ws and tma, WINDOW=window, VARLEN=varlen is not None,
+                          num_warps=cfg.warps, num_stages=cfg.stages)
+    return (out, lse) if varlen is None else (out[0], lse[0])
 
 
 FP8_HEAD_DIMS = (64, 128)
@@ -701,7 +794,8 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
     _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
                       scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                      *lse.stride(), 0, 0, CAUSAL=bool(causal), SPLIT=False, PREC="tf32", D=d,
+                      *lse.stride(), 0, 0, lse, lse, CAUSAL=bool(causal), SPLIT=False,
+                      PREC="tf32", D=d,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
                       FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
@@ -721,54 +815,65 @@ def _value_src(cfg: Cfg, v: torch.Tensor):
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                         split: bool = True, grad_dtype: Optional[torch.dtype] = None,
-                        band: Optional[tuple] = None):
+                        band: Optional[tuple] = None, varlen: Optional[tuple] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v. out (any float dtype)
-    and lse (fp32 [b, h, s_q]) may be any pair for the same softmax rows (e.g. a CP ring's
-    merged ones). band: as the forward's."""
+    and lse (fp32 [b, h, s_q]; varlen: [h, t_q]) may be any pair for the same softmax rows
+    (e.g. a CP ring's merged ones). band, varlen: as the forward's."""
+    lay = _layout(q, k, varlen)
+    dout, q, k, v, out = _batched(varlen, dout, q, k, v, out)
+    if varlen is not None:
+        lse = lse.unsqueeze(0)
     grad_dtype = _check(q, k, v, grad_dtype, "grad_dtype")
-    b, s_q, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
-    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, s_q):
-        raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse [b, h, s_q]")
+    b, t_q, h, d = q.shape
+    t_kv, h_kv = k.shape[1], k.shape[2]
+    window, causal, band_lo, band_hi = _band(band, causal, lay.s_q, lay.s_kv)
+    if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, t_q):
+        raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
+                         f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
     atomic = dkdv_cfg.atomic_dq  # dq summed in fp32 over the key blocks: zeroed first
-    dq = torch.empty(b, s_q, h, d, dtype=f32 if atomic else grad_dtype, device=dev)
-    dk = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
-    dv = torch.empty(b, s_kv, h_kv, d, dtype=grad_dtype, device=dev)
-    if atomic or dq.numel() == 0 or dk.numel() == 0:
-        dq.zero_()
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.to(grad_dtype), dk.zero_(), dv.zero_()
+    dq = torch.empty(b, t_q, h, d, dtype=f32 if atomic else grad_dtype, device=dev)
+    dk = torch.empty(b, t_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    dv = torch.empty(b, t_kv, h_kv, d, dtype=grad_dtype, device=dev)
+    unbatch = (lambda *g: g) if varlen is None else (lambda *g: tuple(x[0] for x in g))
+    if atomic or dq.numel() == 0 or dk.numel() == 0 or lay.batch == 0 or varlen is not None:
+        dq.zero_()  # varlen: a row block past its sequence's end writes nothing
+    if dq.numel() == 0 or dk.numel() == 0 or lay.batch == 0:
+        return unbatch(dq.to(grad_dtype), dk.zero_(), dv.zero_())
+    if varlen is not None:
+        dk.zero_()
+        dv.zero_()
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    delta = torch.empty(b, h, s_q, dtype=f32, device=dev)
-    _delta_kernel[(triton.cdiv(s_q, dq_cfg.block_m), b * h)](
-        out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
+    delta = torch.empty(b, h, t_q, dtype=f32, device=dev)
+    _delta_kernel[(triton.cdiv(t_q, dq_cfg.block_m), b * h)](
+        out, dout, delta, t_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
         num_warps=4 if cuda else 1)
+    cu_q, cu_kv = (lay.cu_q, lay.cu_kv) if varlen is not None else (delta, delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), band_lo,
-              band_hi)
-    flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window)
+              band_hi, cu_q, cu_kv, t_q)
+    flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window,
+                 VARLEN=varlen is not None)
 
     cfg = dkdv_cfg
-    srcs, tma = _srcs(cfg, q, k, v, dout)
-    _dkdv_kernel[(triton.cdiv(s_kv, cfg.block_n), b * h_kv)](
-        *srcs, lse, delta, dk, dv, dq, s_q, s_kv, h_kv, h // h_kv,
+    srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
+    _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
+        *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
     if atomic:
-        return dq.to(grad_dtype), dk, dv
+        return unbatch(dq.to(grad_dtype), dk, dv)
 
     cfg = dq_cfg
-    srcs, tma = _srcs(cfg, q, k, v, dout)
-    _dq_kernel[(triton.cdiv(s_q, cfg.block_m), b * h)](
-        *srcs, lse, delta, dq, s_q, s_kv, h, h // h_kv, scale * LOG2E, scale,
+    srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
+    _dq_kernel[(triton.cdiv(lay.s_q, cfg.block_m), lay.batch * h)](
+        *srcs, lse, delta, dq, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E, scale,
         *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
         num_warps=cfg.warps, num_stages=cfg.stages)
-    return dq, dk, dv
+    return unbatch(dq, dk, dv)
 
 
 def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: bool = False):

@@ -4,7 +4,9 @@ The math of `tritium.ref.attention` in fp32 (fp64 for fp64 inputs), with results
 to the input dtype: forward -> out fp32 [b, s_q, h, d], lse fp32 [b, h, s_q]; backward ->
 dq, dk, dv fp32 (fp64 for fp64 inputs) from any (out, lse) pair of the same softmax rows.
 causal is top-left (key j visible to query i iff j <= i) for any s_q, s_kv; `band` (lo, hi)
-also hides key j from query i unless lo <= j - i <= hi (a None side unbounded). `split` is
+also hides key j from query i unless lo <= j - i <= hi (a None side unbounded); `varlen`
+(cu_q, cu_kv, max_s_q, max_s_kv) takes packed [t, h, d] sequences, each attended alone
+(out [t_q, h, d], lse [h, t_q]). `split` is
 accepted for the signature and ignored: it is the kernel's way of approaching this fp32 math
 (the kernel and this twin agree to fp32 reduction-order tolerance, not bit for bit: the
 kernel's online softmax and tiled sums reorder the additions). `out_dtype` / `grad_dtype` (None,
@@ -40,14 +42,29 @@ def _mask(s_q: int, s_kv: int, causal: bool, device, band=None):
     return hidden
 
 
+def _sequences(varlen):
+    """(q row start, end, kv row start, end) of each packed sequence."""
+    cu_q, cu_kv = (c.tolist() for c in varlen[:2])
+    return list(zip(cu_q[:-1], cu_q[1:], cu_kv[:-1], cu_kv[1:]))
+
+
 def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         scale: float, split: bool = True,
-                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None):
+                        out_dtype: Optional[torch.dtype] = None, band: Optional[tuple] = None,
+                        varlen: Optional[tuple] = None):
     """-> (out [b, s_q, h, d] in out_dtype (None: fp32), lse fp32 [b, h, s_q], natural log)."""
+    if varlen is not None:
+        parts = [flash_attention_fwd(q[None, i0:i1], k[None, j0:j1], v[None, j0:j1], causal,
+                                     scale, split, out_dtype, band)
+                 for i0, i1, j0, j1 in _sequences(varlen)]
+        h = q.shape[1]
+        out = torch.cat([o[0] for o, _ in parts]) if parts else q.new_zeros(q.shape)
+        lse = torch.cat([s[0] for _, s in parts], 1) if parts else q.new_zeros(h, 0).float()
+        return out.to(out_dtype or out.dtype), lse
     mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     out, lse, _ = attention_fwd(_wide(q), _wide(k), _wide(v), mask, scale, out_dtype=None)
     return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
@@ -56,9 +73,19 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                         split: bool = True, grad_dtype: Optional[torch.dtype] = None,
-                        band: Optional[tuple] = None):
+                        band: Optional[tuple] = None, varlen: Optional[tuple] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v (any (out, lse) of the
     same softmax rows)."""
+    if varlen is not None:
+        dtype = grad_dtype or _wide(q).dtype
+        grads = [flash_attention_bwd(dout[None, i0:i1], q[None, i0:i1], k[None, j0:j1],
+                                     v[None, j0:j1], out[None, i0:i1], lse[None, :, i0:i1],
+                                     causal, scale, split, grad_dtype, band)
+                 if i1 > i0 and j1 > j0 else  # nothing attended: no gradient
+                 tuple(x.new_zeros((1, n, *x.shape[1:]), dtype=dtype)
+                       for x, n in ((q, i1 - i0), (k, j1 - j0), (v, j1 - j0)))
+                 for i0, i1, j0, j1 in _sequences(varlen)]
+        return tuple(torch.cat([g[n][0] for g in grads]) for n in range(3))
     mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     grads = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse, mask, scale)
     return tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
