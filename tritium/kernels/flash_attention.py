@@ -184,6 +184,14 @@ def _sequence(cu_q_ptr, cu_k_ptr, b):
 
 
 @triton.jit
+def _backward_rows(q_src, do_src, k_src, v_src, lse_ptr, delta_ptr, q0, k0, sqs, sds, sks, svs,
+                   sls):
+    """The backward's inputs moved to a packed sequence's first rows (q0 queries, k0 keys)."""
+    return (q_src + q0 * sqs, do_src + q0 * sds, k_src + k0 * sks, v_src + k0 * svs,
+            lse_ptr + q0 * sls, delta_ptr + q0)
+
+
+@triton.jit
 def _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key blocks that rows start_m .. start_m + BLOCK_M - 1 see through the band
     band_lo <= j - i <= band_hi: (first, mid_lo, mid_hi, end), multiples of BLOCK_N but `end`
@@ -406,12 +414,8 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
         if start_n >= s_kv:
             return
-        q_src += q0 * sqs
-        do_src += q0 * sds
-        k_src += k0 * sks
-        v_src += k0 * svs
-        lse_ptr += q0 * sls
-        delta_ptr += q0
+        q_src, do_src, k_src, v_src, lse_ptr, delta_ptr = _backward_rows(
+            q_src, do_src, k_src, v_src, lse_ptr, delta_ptr, q0, k0, sqs, sds, sks, svs, sls)
         dq_ptr += q0 * (H_KV * G * D)
         dk_ptr += k0 * (H_KV * D)
         dv_ptr += k0 * (H_KV * D)
@@ -486,12 +490,8 @@ def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
         q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
         if start_m >= s_q:
             return
-        q_src += q0 * sqs
-        do_src += q0 * sds
-        k_src += k0 * sks
-        v_src += k0 * svs
-        lse_ptr += q0 * sls
-        delta_ptr += q0
+        q_src, do_src, k_src, v_src, lse_ptr, delta_ptr = _backward_rows(
+            q_src, do_src, k_src, v_src, lse_ptr, delta_ptr, q0, k0, sqs, sds, sks, svs, sls)
         dq_ptr += q0 * (H * D)
         b = b * 0
     offs_m = start_m + tl.arange(0, BLOCK_M)
