@@ -226,6 +226,14 @@ def _fwd_block(q, k_src, v_src, m_i, l_i, acc, b, hk, n0, s_kv, offs_m, offs_n, 
         rel = rows[None, :] - offs_m[:, None]
         s = tl.where((rows < s_kv)[None, :] & (rel >= band_lo) & (rel <= band_hi), s,
                      float("-inf"))
+    return _masked_softmax_step(s, v, m_i, l_i, acc, SPLIT, PREC, FP8)
+
+
+@triton.jit
+def _masked_softmax_step(s, v, m_i, l_i, acc, SPLIT: tl.constexpr, PREC: tl.constexpr,
+                         FP8: tl.constexpr):
+    """The online softmax over one block of scaled scores s (-inf where masked; a row with
+    nothing visible so far stays at max -inf and adds nothing) -> (m_i, l_i, acc)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
@@ -325,14 +333,8 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
             ok = n_ok[None, :]
             if CAUSAL:
                 ok = ok & (rows[None, :] <= offs_m[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
-            m_i = m_new
+            m_i, l_i, acc = _masked_softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i,
+                                                 acc, SPLIT, PREC, FP8)
 
     if FP8:
         acc = acc * (tl.load(descale_ptr + 2) / 448.0)
