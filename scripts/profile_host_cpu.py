@@ -142,7 +142,12 @@ def _storages() -> dict:
 def _print_kept(model, ids, rec) -> None:
     """--kept: what a forward leaves alive for its backward, bf16 and FP8 delayed: every
     storage reachable after the forward that was not before, by shape and dtype (a storage is
-    listed under the shape of one tensor that views it), and bytes per token per layer."""
+    listed under the shape of one tensor that views it), and bytes per token per layer. Small
+    weights keep their fp8 transposes (functional/_recast.py); the tool's tiny model stands in
+    for large ones, so that rule is off here: every weight is recast as at the 1B shape."""
+    from tritium.functional import _recast
+    _recast.KEEP_TRANSPOSE_MAX_NUMEL = 0
+    print("weights recast in backward whatever their size (as at the 1B shape)")
     n, tokens = len(model.model.layers), ids.numel()
     for name, fp8 in (("bf16", False), ("fp8 delayed", True)):
         for _ in range(2):  # FP8 state and first-call allocations made before counting
