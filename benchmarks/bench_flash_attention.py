@@ -18,6 +18,14 @@ a wrong config shows here).
 cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),
 the CP exact mode's numbers.
 
+--window W adds B1 H32 KV8 S16384 D128 causal with a sliding window of W keys and --varlen
+packed sequences (thd: 16 of 512..4096 tokens, H32 KV8 D128 causal), both through
+DotProductAttention: "tritium flash nosplit" is backend="triton" (its band / varlen path),
+"flash window" / "flash varlen" backend="flash" (FlashAttention-2 in torch, the kernel auto
+takes for them on Hopper), and "sdpa cudnn" the cuDNN op: for the window case at full causal
+(cuDNN takes no window: the dense cost the window saves), for varlen one call per sequence
+(what the cudnn backend does with thd). TFLOP/s count the visible pairs.
+
 --sweep first times a grid of configs of each kernel (fwd; dk/dv with the dq kernel, or with
 atomic dq alone; dq) for the speed mode, then a smaller one for the split mode, at the issue's
 shape (MHA, causal + no mask summed; a candidate off cuDNN's results is not chosen), prints each
@@ -187,6 +195,56 @@ def _cases(args, g):
 
 VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split", "tritium fp8 kernel",
             "tritium fp8 layer"]
+LAYER_HEADS, WINDOW_SEQ, VARLEN_LENGTHS = (32, 8), 16384, (512, 4097, (16,))
+LAYER_BACKENDS = {"sdpa cudnn": "cudnn", "flash window": "flash", "flash varlen": "flash",
+                  "tritium flash nosplit": "triton"}
+
+
+def _layer_cases(args, g):
+    """(case, variants, kwargs of dot_product_attention, q, k, v, dout, flops): --window and
+    --varlen, through the attention layer's backends."""
+    h, h_kv = LAYER_HEADS
+    if args.window:
+        s, w = WINDOW_SEQ, args.window
+        q, k, v, do = _tensors(1, s, s, h, h_kv, g)
+        pairs = sum(min(i + 1, w + 1) for i in range(s))
+        yield (f"B1 H{h} KV{h_kv} S{s} D{D} causal window {w} (cudnn: full causal)",
+               ["sdpa cudnn", "flash window", "tritium flash nosplit"],
+               dict(qkv_format="bshd", attn_mask_type="causal", window_size=(w, 0)),
+               q, k, v, do, 4.0 * h * pairs * D)
+    if args.varlen:
+        lens = torch.randint(*VARLEN_LENGTHS, generator=torch.Generator().manual_seed(1))
+        cu = torch.cat([lens.new_zeros(1), lens.cumsum(0)]).to(torch.int32)
+        t, longest = int(lens.sum()), int(lens.max())
+        q, k, v, do = (x[0] for x in _tensors(1, t, t, h, h_kv, g))
+        cu = cu.to(q.device)
+        pairs = sum(n * (n + 1) // 2 for n in lens.tolist())
+        yield (f"thd {len(lens)} seqs {t} tokens H{h} KV{h_kv} D{D} causal",
+               ["sdpa cudnn", "flash varlen", "tritium flash nosplit"],
+               dict(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu,
+                    cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest),
+               q, k, v, do, 4.0 * h * pairs * D)
+
+
+def _layer_steps(variant, kw, q, k, v, do):
+    """(fwd, fwd_bwd) of dot_product_attention on the variant's backend; the window case's
+    cuDNN baseline drops the window (full causal)."""
+    from tritium.attention import dot_product_attention
+    backend = LAYER_BACKENDS[variant]
+    if backend == "cudnn" and "window_size" in kw:
+        kw = {**kw, "window_size": None}
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    flat = do.flatten(-2)
+
+    def fwd():
+        with torch.no_grad():
+            dot_product_attention(*leaves, backend=backend, **kw)
+
+    def fwd_bwd():
+        for x in leaves:
+            x.grad = None
+        dot_product_attention(*leaves, backend=backend, **kw).backward(flat)
+    return fwd, fwd_bwd
 
 
 def _run(rows, args):
@@ -209,6 +267,19 @@ def _run(rows, args):
                 print(row, flush=True)
         del blocks
         torch.cuda.empty_cache()
+    for case, variants, kw, q, k, v, do, flops in _layer_cases(args, g):
+        for variant in variants:
+            for mode, mult in (("fwd", 1.0), ("fwd+bwd", 3.5)):
+                row = {"case": f"{case} {mode}", "variant": variant}
+                try:
+                    step = _layer_steps(variant, kw, q, k, v, do)[mode != "fwd"]
+                    step()
+                    ms = time_ms(step)
+                    row.update(ms=round(ms, 4), tflops=round(mult * flops / ms / 1e9, 1))
+                except Exception as exc:  # record and go on
+                    row["error"] = repr(exc)[:300]
+                rows.append(row)
+                print(row, flush=True)
 
 
 def _parse_cfg(spec: str):
@@ -371,6 +442,10 @@ def main():
     ap.add_argument("--seq", type=int, nargs="*", default=[],
                     help="also B1 H12 D128 causal at these sequence lengths")
     ap.add_argument("--cp", action="store_true", help="also one cp=2 rank's blocks at S=32768")
+    ap.add_argument("--window", type=int, default=0,
+                    help="also B1 H32 KV8 S16384 causal with a sliding window of this many keys")
+    ap.add_argument("--varlen", action="store_true",
+                    help="also packed sequences (thd, 16 of 512..4096 tokens)")
     ap.add_argument("--cfg", action="append", default=[],
                     help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
                          "(kind: fwd, dkdv, dq, fwd_fp8; D=128)")
