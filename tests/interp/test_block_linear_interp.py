@@ -37,9 +37,9 @@ def test_block_linear_kernels_equal_twins(w_dim, gen, monkeypatch):
     for force_ref in ("0", "1"):
         monkeypatch.setenv("TRITIUM_FORCE_REF", force_ref)
         _env.reload()
-        if force_ref == "1":  # the kernels ran: 3 GEMMs and 4 casts (x, w, dy, and w's
-            # columnwise blocks again in backward: functional/_recast.py)
-            assert sorted(calls) == ["block_gemm_tn"] * 3 + ["quantize_blocks"] * 4, calls
+        if force_ref == "1":  # the kernels ran: 3 GEMMs and 3 casts (x, w, dy; this small a
+            # weight's columnwise blocks are made in forward and kept: functional/_recast.py)
+            assert sorted(calls) == ["block_gemm_tn"] * 3 + ["quantize_blocks"] * 3, calls
         xi = x.clone().requires_grad_()
         layer.weight.grad = layer.bias.grad = None
         with te.fp8_autocast(fp8_recipe=r):
