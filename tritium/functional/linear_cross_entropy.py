@@ -28,8 +28,9 @@ autocast recipe's formats (HYBRID: h and W E4M3, dlogits E5M2), the logits GEMM 
 accumulation, dgrad and wgrad precise, through `fp8_gemm_tn` and `quantize_2d` (the same path
 as te.Linear's current scaling); the wgrad GEMM adds each chunk's dl^T h into dW in its epilogue
 (`accumulate`, as the 16-bit path's addmm_ does: one rounding per chunk, no [V, H] product).
-Whatever the recipe says, no delayed-scaling state is kept: the function owns no state. The loss is still computed in fp32 from the (FP8-GEMM, 16-bit)
-logits. Needs H and V_local divisible by 16. Accuracy: docs/numerics.md.
+Whatever the recipe says, no delayed-scaling state is kept: the function owns no state. The loss is
+still computed in fp32 from the (FP8-GEMM, 16-bit) logits. Needs H and V_local divisible by 16.
+Accuracy: docs/numerics.md.
 
 Not done here: softcapping, class weights, sequence-parallel hidden (gather it first).
 """

@@ -26,9 +26,9 @@ dtype. So the kernel equals its twin bit for bit only where every partial sum is
 tests use integer-valued operands for that), and otherwise agrees to the accumulator's
 precision. `accumulate` (cuBLAS's beta = 1, which `torch._scaled_mm` does not offer): the
 epilogue reads out's tile, adds it in fp32 after the scale and bias and rounds once, so a
-[V, H] weight gradient summed over chunks (the FP8 lm_head) or into an fp32 main_grad needs no
-product tensor and no separate add (which reads and writes out once more); its tiles
-(ACCUMULATE_CONFIG) are smaller, leaving registers for the old tile.
+[V, H] weight gradient summed over chunks (the FP8 lm_head) needs no product tensor and no
+separate add (which reads and writes out once more); its tiles (ACCUMULATE_CONFIG) are smaller,
+leaving registers for the old tile.
 """
 from __future__ import annotations
 
