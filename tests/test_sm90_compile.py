@@ -326,7 +326,8 @@ VARIANTS = {
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
-    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False)],
+    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
+       dict(_fa_fp8(128), WINDOW=True, CAUSAL=False)],
     ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),

@@ -24,10 +24,11 @@ from tritium.ref.attention import quantize_e4m3
 pytestmark = [pytest.mark.interp,
               pytest.mark.filterwarnings("ignore:Conversion of an array:DeprecationWarning")]
 
-# (s_q, s_kv, h, h_kv, d, causal, layout)
+# (s_q, s_kv, h, h_kv, d, causal, layout[, band])
 CASES = [(33, 33, 2, 2, 64, True, "bshd"), (24, 40, 2, 1, 64, False, "sbhd"),
          (40, 40, 4, 2, 128, True, "sbhd"), (17, 24, 2, 2, 128, False, "bshd"),
-         (32, 32, 2, 1, 128, True, "bshd")]
+         (32, 32, 2, 1, 128, True, "bshd"), (48, 48, 2, 1, 64, True, "bshd", (-13, None)),
+         (24, 40, 2, 2, 64, False, "sbhd", (10, 16))]
 
 
 def _fp8_inputs(s_q, s_kv, h, h_kv, d, layout, gen):
@@ -40,20 +41,23 @@ def _fp8_inputs(s_q, s_kv, h, h_kv, d, layout, gen):
     return q, k, v, torch.cat([dq, dk, dv]).float()
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}".format(
-    *c[:5], "causal" if c[5] else "nomask", c[6]))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}{}".format(
+    *c[:5], "causal" if c[5] else "nomask", c[6], f"-band{c[7]}" if len(c) > 7 else ""))
 @pytest.mark.parametrize("tma", [False, True], ids=["ptr", "tma"])
 def test_fp8_forward_matches_twin(case, tma, monkeypatch):
-    s_q, s_kv, h, h_kv, d, causal, layout = case
+    s_q, s_kv, h, h_kv, d, causal, layout = case[:7]
+    band = case[7] if len(case) > 7 else None
     if tma:
         monkeypatch.setattr(K, "INTERP_CFG", K.Cfg(16, 16, 4, 1, tma=True))
     gen = torch.Generator().manual_seed(zlib.crc32(repr(case).encode()))
     q, k, v, descale = _fp8_inputs(s_q, s_kv, h, h_kv, d, layout, gen)
     scale = d ** -0.5
-    out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale)
+    out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale, band=band)
     want_out, want_lse = R.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
-                                                   block_n=K.fp8_block_n(d, False))
+                                                   block_n=K.fp8_block_n(d, False), band=band)
     assert out.dtype == torch.float32 and out.shape == want_out.shape
+    assert torch.equal(lse.isinf(), want_lse.isinf())
+    lse, want_lse = lse.nan_to_num(neginf=0.0), want_lse.nan_to_num(neginf=0.0)
     torch.testing.assert_close(lse, want_lse, rtol=1e-5, atol=1e-5)
     vmax = (v.float() * descale[2]).abs().max().item()
     err = (out - want_out).abs()
@@ -63,7 +67,7 @@ def test_fp8_forward_matches_twin(case, tma, monkeypatch):
     assert err.max().item() <= 2.0 ** -4 * vmax, err.max().item()
     # bf16 out is the fp32 result rounded once
     out16, _ = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
-                                         out_dtype=torch.bfloat16)
+                                         out_dtype=torch.bfloat16, band=band)
     assert out16.dtype == torch.bfloat16
     assert torch.equal(out16, out.to(torch.bfloat16))
 
@@ -120,16 +124,21 @@ def test_dot_product_attention_runs_the_fp8_kernel(fmt, mask):
         assert torch.equal(bshd(got), g)
 
 
-def test_fp8_forward_leaves_windows_to_the_emulation():
-    """The FP8 forward has no band: a sliding window or bottom-right causal with s_q != s_kv
-    goes to torch_fp8 (the emulation, every mask), with triton_fp8's reason; the bf16 triton
-    backend takes the same calls."""
+def test_fp8_forward_takes_windows_and_leaves_thd_to_the_emulation():
+    """A sliding window or bottom-right causal with s_q != s_kv runs the FP8 kernel's band;
+    packed sequences (thd) go to torch_fp8 (the emulation), with triton_fp8's reason, while
+    the bf16 triton backend takes them."""
     from tritium.attention import explain
     gen = torch.Generator().manual_seed(5)
     q = torch.randn(2, 24, 4, 64, generator=gen).half()
     for kw, sk in ((dict(attn_mask_type="causal", window_size=(8, 0)), 24),
                    (dict(attn_mask_type="causal_bottom_right"), 40)):
         k, v = (torch.randn(2, sk, 2, 64, generator=gen).half() for _ in range(2))
-        e = explain(q, k, v, qkv_format="bshd", fp8_dpa=True, **kw)
-        assert e.backend == "torch_fp8" and "not in the FP8 forward" in e.reasons["triton_fp8"]
-        assert explain(q, k, v, qkv_format="bshd", backend="triton", **kw).backend == "triton"
+        assert explain(q, k, v, qkv_format="bshd", fp8_dpa=True, **kw).backend == "triton_fp8"
+    cu = torch.tensor([0, 20, 48], dtype=torch.int32)
+    q, k, v = (torch.randn(48, n, 64, generator=gen).half() for n in (4, 2, 2))
+    kw = dict(qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu,
+              cu_seqlens_kv=cu)
+    e = explain(q, k, v, fp8_dpa=True, **kw)
+    assert e.backend == "torch_fp8" and "not in the FP8 forward" in e.reasons["triton_fp8"]
+    assert explain(q, k, v, backend="triton", **kw).backend == "triton"

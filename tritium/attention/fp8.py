@@ -236,15 +236,15 @@ class TritonFP8Backend:
             return "triton_fp8: " + why.split(": ", 1)[-1]
         if a.d_qk not in (64, 128):
             return f"triton_fp8: head dim {a.d_qk} unsupported (the FP8 kernel takes 64, 128)"
-        if B.TritonBackend.mask(a)[1] is not None:
-            return ("triton_fp8: sliding windows and causal off the top-left corner are not in "
-                    "the FP8 forward")
+        if a.fmt == "thd":
+            return "triton_fp8: packed sequences (thd) are not in the FP8 forward"
         return None
 
     def fwd(self, q8, k8, v8, descale, a, dtype):
         from ..kernels import flash_attention as FA
-        out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, a.causal, a.scale,
-                                              out_dtype=dtype)
+        causal, band = B.TritonBackend.mask(a)
+        out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, causal, a.scale,
+                                              out_dtype=dtype, band=band)
         return out, lse, out
 
     def bwd(self, dout, q, k, v, out, lse, a):

@@ -65,8 +65,8 @@ the wrapper copies any other V once); read as [d, keys] tiles and transposed as 
 `ref.flash_attention.flash_attention_fp8_fwd` with block_n = `fp8_block_n(...)` (P's
 quantization depends on the key tiling). No FP8
 backward: the attention layer runs the backward above on the dequantized inputs.
-Deliberately not here: dropout, padding masks, a band in the FP8 forward, autotuning at run
-time (configs are fixed per shape class so launches stay cheap).
+Deliberately not here: dropout, padding masks, packed sequences in the FP8 forward, autotuning
+at run time (configs are fixed per shape class so launches stay cheap).
 """
 from __future__ import annotations
 
@@ -763,10 +763,12 @@ def fp8_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             descale: torch.Tensor, causal: bool, scale: float,
                             out_dtype: Optional[torch.dtype] = None,
-                            block_n: Optional[int] = None):
+                            block_n: Optional[int] = None, band: Optional[tuple] = None):
     """E4M3 q/k/v (bshd, any strides), descale fp32 [3] (q, k, v) -> (out [b, s_q, h, d] in
     out_dtype (None: fp32; or bf16 / fp16), lse fp32 [b, h, s_q]). block_n: the key tile
-    (None: `fp8_block_n`); the twin takes the same to quantize P at the same running maxima."""
+    (None: `fp8_block_n`); the twin takes the same to quantize P at the same running maxima.
+    band: as `flash_attention_fwd`'s (the key blocks the band skips hold no visible key, so P
+    is quantized at the same running maxima as the twin's walk over every block)."""
     if not fp8_supported(q, k, v):
         raise ValueError(f"flash_attention_fp8_fwd: unsupported q{tuple(q.shape)} {q.dtype}, "
                          f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd E4M3, "
@@ -780,6 +782,7 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          "bfloat16 or float16")
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
+    window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
     out = torch.empty(b, s_q, h, d, dtype=out_dtype or torch.float32, device=q.device)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or s_kv == 0:
@@ -796,8 +799,8 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     grid = (triton.cdiv(s_q, cfg.block_m), b * h)
     _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
                       scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                      *lse.stride(), 0, 0, lse, lse, CAUSAL=bool(causal), SPLIT=False,
-                      PREC="tf32", D=d,
+                      *lse.stride(), band_lo, band_hi, lse, lse, CAUSAL=causal, SPLIT=False,
+                      PREC="tf32", D=d, WINDOW=window,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
                       FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse

@@ -94,9 +94,9 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             descale: torch.Tensor, causal: bool, scale: float,
                             out_dtype: Optional[torch.dtype] = None,
-                            block_n: Optional[int] = None):
+                            block_n: Optional[int] = None, band: Optional[tuple] = None):
     """E4M3 q/k/v (bshd), descale fp32 [3] -> (out in out_dtype (None: fp32), lse fp32)."""
-    mask = _mask(q.shape[1], k.shape[1], causal, q.device)
+    mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     out, lse = attention_fp8_fwd(q, k, v, descale, mask, scale, block_n)
     return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
 
