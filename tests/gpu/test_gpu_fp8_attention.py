@@ -11,7 +11,8 @@ kernel's error is the twin's (mean within 1%, max within 1.5x), its distance fro
 fraction of that error (mean <= 0.3x; measured 0.06-0.2x), lse to 2^-11 (a score's
 accumulator error: measured 2e-4 relative on a causal first row, which sees one key). Cases: B2 H8,
 s_kv 1024 and 4096, head dims 64 and 128, causal and no mask, GQA, bshd and sbhd (strided views:
-the wrapper makes V keys-contiguous), s_q != s_kv; V passed keys-contiguous (as the layer does)
+the wrapper makes V keys-contiguous), s_q != s_kv, a sliding window and bottom-right causal (the
+kernel's band; not yet run on a GPU); V passed keys-contiguous (as the layer does)
 gives the same bits. The layer: DotProductAttention under fp8_autocast(fp8_dpa=True) picks
 triton_fp8, and its out / grads are within FP8's error of bf16 attention's. Skipped without
 CUDA.
@@ -26,16 +27,19 @@ pytestmark = [pytest.mark.gpu,
 
 CASES = [(1024, 1024, 8, 8, 128, True, "bshd"), (1024, 1024, 8, 2, 128, False, "sbhd"),
          (1024, 1024, 8, 1, 64, True, "sbhd"), (512, 1024, 8, 8, 64, False, "bshd"),
-         (4096, 4096, 8, 8, 128, False, "bshd")]
+         (4096, 4096, 8, 8, 128, False, "bshd"),
+         (2048, 2048, 8, 2, 128, True, "bshd", (-700, None)),    # a sliding window
+         (512, 1024, 8, 8, 64, False, "sbhd", (None, 512))]      # bottom-right causal
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}".format(
-    *c[:5], "causal" if c[5] else "nomask", c[6]))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "q{}-kv{}-h{}-hk{}-d{}-{}-{}{}".format(
+    *c[:5], "causal" if c[5] else "nomask", c[6], f"-band{c[7]}" if len(c) > 7 else ""))
 def test_fp8_kernel_matches_twin_on_cuda(case):
     from tritium.kernels import flash_attention as K
     from tritium.ref import flash_attention as R
     from tritium.ref.attention import quantize_e4m3
-    s_q, s_kv, h, h_kv, d, causal, layout = case
+    s_q, s_kv, h, h_kv, d, causal, layout = case[:7]
+    band = case[7] if len(case) > 7 else None
     g = torch.Generator(device="cuda").manual_seed(s_q + d + h_kv)
 
     def one(s, heads):
@@ -45,22 +49,24 @@ def test_fp8_kernel_matches_twin_on_cuda(case):
         return quantize_e4m3(x, scale), 1.0 / scale
     (q, dq), (k, dk), (v, dv) = one(s_q, h), one(s_kv, h_kv), one(s_kv, h_kv)
     descale = torch.cat([dq, dk, dv]).float()
-    out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5)
+    out, lse = K.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5, band=band)
     want, want_lse = R.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5,
-                                               block_n=K.fp8_block_n(d, True))
+                                               block_n=K.fp8_block_n(d, True), band=band)
     torch.testing.assert_close(lse, want_lse, rtol=2 ** -11, atol=2 ** -11)
-    exact = _exact_attention(q, k, v, descale, causal, d ** -0.5)
+    exact = _exact_attention(q, k, v, descale, causal, d ** -0.5, band)
     kernel_err, twin_err = (out.double() - exact).abs(), (want.double() - exact).abs()
     assert kernel_err.mean() <= 1.01 * twin_err.mean()
     assert kernel_err.max() <= 1.5 * twin_err.max()
     assert (out - want).abs().mean() <= 0.3 * twin_err.mean()
     v_keys_contiguous = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    again, _ = K.flash_attention_fp8_fwd(q, k, v_keys_contiguous, descale, causal, d ** -0.5)
+    again, _ = K.flash_attention_fp8_fwd(q, k, v_keys_contiguous, descale, causal, d ** -0.5,
+                                         band=band)
     assert torch.equal(again, out)
 
 
-def _exact_attention(q8, k8, v8, descale, causal, scale):
-    """fp64 softmax attention of the dequantized E4M3 inputs (bshd, GQA by repetition)."""
+def _exact_attention(q8, k8, v8, descale, causal, scale, band=None):
+    """fp64 softmax attention of the dequantized E4M3 inputs (bshd, GQA by repetition; band:
+    key j hidden from query i unless lo <= j - i <= hi)."""
     q, k, v = (x.double() * descale[i].double() for i, x in enumerate((q8, k8, v8)))
     rep = q.shape[2] // k.shape[2]
     k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
@@ -68,6 +74,12 @@ def _exact_attention(q8, k8, v8, descale, causal, scale):
     if causal:
         s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
                           float("-inf"))
+    if band is not None:
+        i = torch.arange(s.shape[-2], device=s.device)[:, None]
+        j = torch.arange(s.shape[-1], device=s.device)[None, :]
+        lo, hi = band
+        s = s.masked_fill(((j - i < lo) if lo is not None else False)
+                          | ((j - i > hi) if hi is not None else False), float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
 
 
