@@ -72,6 +72,9 @@ def test_auto_takes_triton_only_where_measured_faster(gen, monkeypatch):
     ex = A.explain(q, k, v, qkv_format="bshd", attn_mask_type="causal")
     assert ex.backend == "triton" and "selected" in ex.reasons["triton"], str(ex)
     assert A.explain(q, k, v, qkv_format="bshd", attn_mask_type="no_mask").backend == "torch"
+    # a window is its own class (the kernel's band path), measured apart from plain causal
+    ex = A.explain(q, k, v, qkv_format="bshd", attn_mask_type="causal", window_size=(5, 0))
+    assert ex.backend == "torch" and "'window')" in ex.reasons["triton"], str(ex)
 
 
 @pytest.mark.parametrize("mask,window,sq,sk", [

@@ -566,7 +566,10 @@ class EfficientBackend(_Backend):
 
 # (compute capability major, head dim, "causal" | "no_mask") where the triton backend measured
 # faster than cuDNN, fwd+bwd, at B4 H32 S4096 bf16 (benchmarks/bench_flash_attention.py, MHA
-# and GQA-8). Empty: no measurement has shown it faster yet, so auto keeps cuDNN.
+# and GQA-8). The mask classes: "causal", "no_mask", and "window" (a band: sliding window or
+# causal off the top-left corner) and "thd" (packed sequences), which run other paths of the
+# kernel and are measured on their own (bench_flash_attention.py --window / --varlen, against
+# the backend auto would take otherwise). Empty: no measurement has shown it faster yet.
 MEASURED_FASTER: frozenset = frozenset()
 
 
@@ -601,7 +604,9 @@ class TritonBackend(_Backend):
 
     def auto_reason(self, q, a) -> Optional[str]:
         cc = device_facts(q.device).cc
-        key = (cc[0] if cc else None, a.d_qk, "causal" if a.causal else "no_mask")
+        kind = ("thd" if a.fmt == "thd" else "window" if self.mask(a)[1] is not None
+                else "causal" if a.causal else "no_mask")
+        key = (cc[0] if cc else None, a.d_qk, kind)
         if key in MEASURED_FASTER:
             return None
         return (f"triton: supported, but auto takes it only where measured faster than cuDNN "
