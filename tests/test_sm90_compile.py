@@ -259,12 +259,12 @@ for _name, _kind in _FA_KINDS.items():
     _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False, VARLEN=False),
               "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False, VARLEN=False),
               "dq": dict(WINDOW=False, VARLEN=False)}
-    KERNELS[("flash_attention", _name)] = (
+    KERNELS[("flash_attention_tiles", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
              BLOCK_N=_c.block_n, TMA=_c.tma, **_extra[_kind]),
         dict(num_warps=_c.warps, num_stages=_c.stages))
-KERNELS[("flash_attention", "_delta_kernel")] = (
+KERNELS[("flash_attention_tiles", "_delta_kernel")] = (
     {"do_ptr": BF16P, "o_ptr": BF16P}, dict(D=128, BLOCK_M=_FA_CFG["_dq_kernel"].block_m),
     dict(num_warps=4))
 _FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
@@ -321,16 +321,16 @@ VARIANTS = {
         for dt, split in (("fp32", True), ("bf16", False))],
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
-    ("flash_attention", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
+    ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
     + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
        dict(_fa_fp8(128), WINDOW=True, CAUSAL=False)],
-    ("flash_attention", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
+    ("flash_attention_tiles", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
-    ("flash_attention", "_dq_kernel"): _fa_variants("_dq_kernel"),
+    ("flash_attention_tiles", "_dq_kernel"): _fa_variants("_dq_kernel"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,
                                          GROUP_TOPK=2, HAS_BIAS=True, SCALE=True, GP=4)],
