@@ -43,7 +43,7 @@ TENSORWISE = "tensorwise fp8 (fast accum)"  # the GEMM rows' baseline
 # spills for sm_90a (ptxas), in both weight-scale layouts.
 SWEEP = [(64, 128, 8, 4, 3, 2), (64, 128, 8, 4, 2, 2), (64, 128, 8, 4, 4, 1),
          (128, 128, 8, 8, 3, 1), (64, 256, 8, 8, 3, 1)]
-# (SUB, num_warps[, columnwise strips read as they lie and transposed in registers])
+# (SUB, num_warps) of the block cast kernel
 CAST_SWEEP = [(32, 4), (64, 4), (64, 8), (128, 8)]
 
 

@@ -19,8 +19,8 @@ plain `F.linear`, so parity with `nn.Linear` is exact.
 
 What the forward keeps for backward: x8^T, and for dgrad the weight's fp8 transpose w8^T only
 where it exists anyway (a weight cache, an FP8 param), the weight is no Parameter or a small
-one (rule and cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps a `WeightRecast`:
-the Parameter and what fixes its cast's scale (a copy of the delayed scale, which autocast exit
+one (rule and cost: functional/_recast.py). Otherwise the forward casts w8 alone and keeps a
+`WeightRecast`: the Parameter and what fixes its cast's scale (a copy of the delayed scale, which autocast exit
 updates before backward; the measured amax under current scaling), from which backward casts
 w8^T again just before dgrad: the forward's bits, no amax recorded. A weight FSDP2 gathered as
 FP8 keeps no w8^T either: the forward hands backward the Float8Tensor's `transpose_data` in the

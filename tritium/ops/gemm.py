@@ -40,13 +40,19 @@ def _tma_ok(t: Optional[Tensor]) -> bool:
                          and not (t.stride(0) * t.element_size()) & 15)
 
 
+def triton_by_rule(fast_accum: bool) -> bool:
+    """TRITIUM_FP8_GEMM's choice for a GEMM of this accumulation mode (Linear's and
+    GroupedLinear's): "auto" takes Triton for fast accumulation, cuBLASLt for precise."""
+    choice = _env.fp8_gemm()
+    return fast_accum if choice == "auto" else choice == "triton"
+
+
 def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> bool:
-    """"auto": the Triton kernel for fast accumulation (fprop) and for accumulating into out,
-    cuBLASLt for precise (dgrad, wgrad). Layouts TMA cannot take go to cuBLASLt."""
+    """The rule, and the Triton kernel for accumulating into out (cuBLASLt cannot). Layouts
+    TMA cannot take go to cuBLASLt."""
     if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
         return False
-    choice = _env.fp8_gemm()
-    if not (accumulate or (fast_accum if choice == "auto" else choice == "triton")):
+    if not (accumulate or triton_by_rule(fast_accum)):
         return False
     return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
@@ -129,4 +135,4 @@ def fp8_gemm_tn(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
     return out
 
 
-__all__ = ["cublas_gemm", "fp8_gemm_tn", "tensor_core_gemm"]
+__all__ = ["cublas_gemm", "fp8_gemm_tn", "tensor_core_gemm", "triton_by_rule"]

@@ -21,9 +21,9 @@ from typing import Optional
 
 import torch
 
-from .. import _device, _env
+from .. import _device
 from ..ref import grouped_gemm as ref_grouped
-from .gemm import cublas_gemm
+from .gemm import cublas_gemm, triton_by_rule
 
 
 def _aligned_scales(scale_inv: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,7 @@ def impl(t: torch.Tensor, fast_accum: bool):
     `tritium.ref.grouped_gemm` elsewhere."""
     if not (_device.fp8_tensor_cores(t) and _device.use_triton(t)):
         return ref_grouped
-    choice = _env.fp8_gemm()
-    if (not fast_accum) if choice == "auto" else choice == "cublas":
+    if not triton_by_rule(fast_accum):
         return _Cublas
     from ..kernels import grouped_gemm as kernel_grouped
     return kernel_grouped
