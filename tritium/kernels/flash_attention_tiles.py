@@ -155,6 +155,19 @@ def _backward_rows(q_src, do_src, k_src, v_src, lse_ptr, delta_ptr, q0, k0, sqs,
 
 
 @triton.jit
+def _dense_blocks(start_m, s_kv, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """(full, end): key blocks [0, full) every row of the tile starting at start_m sees whole
+    (no mask), [full, end) the causal diagonal band and the key tail (masked); causal key
+    blocks past the diagonal are never visited."""
+    if CAUSAL:
+        return ((tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N,
+                tl.minimum(s_kv, start_m + BLOCK_M))
+    else:
+        return (s_kv // BLOCK_N) * BLOCK_N, s_kv
+
+
+@triton.jit
 def _band_blocks(start_m, s_kv, band_lo, band_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The key blocks that rows start_m .. start_m + BLOCK_M - 1 see through the band
     band_lo <= j - i <= band_hi: (first, mid_lo, mid_hi, end), multiples of BLOCK_N but `end`
@@ -267,12 +280,7 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                                        qk_scale, band_lo, band_hi, True, SPLIT, PREC, TMA, VT,
                                        FP8, D, BLOCK_N)
     else:
-        if CAUSAL:
-            hi = tl.minimum(s_kv, start_m + BLOCK_M)
-            full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
-        else:
-            hi = s_kv
-            full = (s_kv // BLOCK_N) * BLOCK_N
+        full, hi = _dense_blocks(start_m, s_kv, CAUSAL, BLOCK_M, BLOCK_N)
         # key blocks every row of this tile sees whole: no mask
         for n0 in tl.range(0, full, BLOCK_N, warp_specialize=WS):
             k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
@@ -486,12 +494,7 @@ def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                            offs_d, skb, skh, sks, skd, svb, svh, svs, svd, qk_scale, band_lo,
                            band_hi, True, SPLIT, PREC, TMA, D, BLOCK_N)
     else:
-        if CAUSAL:
-            hi = tl.minimum(s_kv, start_m + BLOCK_M)
-            full = (tl.minimum(start_m, s_kv) // BLOCK_N) * BLOCK_N
-        else:
-            hi = s_kv
-            full = (s_kv // BLOCK_N) * BLOCK_N
+        full, hi = _dense_blocks(start_m, s_kv, CAUSAL, BLOCK_M, BLOCK_N)
         for n0 in range(0, full, BLOCK_N):
             k = _rows(k_src, b, hk, skb, skh, sks, skd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
             v = _rows(v_src, b, hk, svb, svh, svs, svd, n0, s_kv, offs_d, False, TMA, BLOCK_N, D)
