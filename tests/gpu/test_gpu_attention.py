@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import tritium.attention as A
+import tritium.attention.backends as B
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -236,6 +237,16 @@ def test_auto_choice_on_this_gpu():
     major = torch.cuda.get_device_capability()[0]
     assert ex.backend == ("cudnn" if major in (9, 10) else "flash"), str(ex)
     print(ex)
+    # windows and packed sequences: triton where measured faster (sm90), else flash
+    want = "triton" if (major, 128, "window") in B.MEASURED_FASTER else "flash"
+    ex = A.explain(q, q, q, qkv_format="bshd", attn_mask_type="causal", window_size=(1024, 0))
+    assert ex.backend == want, str(ex)
+    cu = torch.tensor([0, 1000, 4096], dtype=torch.int32, device="cuda")
+    t = q[0]
+    ex = A.explain(t, t, t, qkv_format="thd", attn_mask_type="padding_causal", cu_seqlens_q=cu,
+                   cu_seqlens_kv=cu, max_seqlen_q=3096, max_seqlen_kv=3096)
+    want = "triton" if (major, 128, "thd") in B.MEASURED_FASTER else "flash"
+    assert ex.backend == want, str(ex)
 
 
 @pytest.mark.parametrize("backend", ["cudnn", "flash", "efficient"])

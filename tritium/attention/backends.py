@@ -34,9 +34,10 @@ KV block, merge outs and lses in fp32, and call bwd per block with the merged pa
 triton, torch elsewhere: cuDNN is not the faster one below sm90) and takes the first whose check
 passes; each rejection reason is kept for `explain()` and for the error when nothing fits.
 Auto takes triton only for the (compute capability major, head dim, mask) classes listed in
-`MEASURED_FASTER`, where benchmarks/bench_flash_attention.py measured it faster than cuDNN
-(fwd+bwd); elsewhere explain() says it was not measured faster, and backend="triton" forces
-it. The choice is cached per call signature, so a training step pays a dict lookup, not the
+`MEASURED_FASTER`, where benchmarks/bench_flash_attention.py measured it faster (fwd+bwd) than
+the backend auto takes otherwise (on sm90/sm100 it goes first; thd puts flash before cuDNN,
+which runs one call per sequence); elsewhere explain() says it was not measured faster, and
+backend="triton" forces it. The choice is cached per call signature, so a training step pays a dict lookup, not the
 checks.
 
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
@@ -564,13 +565,16 @@ class EfficientBackend(_Backend):
         return dq, dk, dv
 
 
-# (compute capability major, head dim, "causal" | "no_mask") where the triton backend measured
-# faster than cuDNN, fwd+bwd, at B4 H32 S4096 bf16 (benchmarks/bench_flash_attention.py, MHA
-# and GQA-8). The mask classes: "causal", "no_mask", and "window" (a band: sliding window or
-# causal off the top-left corner) and "thd" (packed sequences), which run other paths of the
-# kernel and are measured on their own (bench_flash_attention.py --window / --varlen, against
-# the backend auto would take otherwise). Empty: no measurement has shown it faster yet.
-MEASURED_FASTER: frozenset = frozenset()
+# (compute capability major, head dim, mask class) where the triton backend measured faster,
+# fwd+bwd, than the backend auto takes otherwise (benchmarks/bench_flash_attention.py). The mask
+# classes: "causal" and "no_mask" (dense, against cuDNN at B4 H32 S4096 bf16, MHA and GQA-8: not
+# faster yet, 0.75x / 0.69x on an H100), "window" (a band: sliding window or causal off the
+# top-left corner; against flash, the only other backend that takes a window) and "thd" (packed
+# sequences; against flash varlen), which run other paths of the kernel and are measured on their
+# own (--window / --varlen). H100 80GB HBM3, 2026-11-27, 9375b03: window 4096 at B1 H32 KV8
+# S16384 D128 9.13 ms vs flash 11.37 (1.24x); thd 16 sequences of 512..4096 tokens H32 KV8 D128
+# causal 12.17 ms vs flash varlen 14.10 (1.16x; cuDNN one call per sequence 11.97).
+MEASURED_FASTER: frozenset = frozenset({(9, 128, "window"), (9, 128, "thd")})
 
 
 class TritonBackend(_Backend):
@@ -650,11 +654,13 @@ ALIASES = {"math": "torch", "ref": "torch", "fused": "cudnn"}
 
 
 def _order(q: torch.Tensor, fmt: Optional[str] = None) -> tuple[str, ...]:
-    """cuDNN first on sm90/sm100 (fastest there, BASELINE.md), after triton where that measured
-    faster (`MEASURED_FASTER`), except for thd, where flash has a native varlen kernel and
-    cuDNN runs one call per sequence."""
+    """On sm90/sm100: triton (taken only where `MEASURED_FASTER` lists the call's class), then
+    cuDNN (fastest there, BASELINE.md), except for thd, where flash has a native varlen kernel and
+    cuDNN runs one call per sequence (a host cost that grows with the number of sequences)."""
     cc = device_facts(q.device).cc
-    if fmt != "thd" and cc is not None and cc[0] in (9, 10):
+    if cc is not None and cc[0] in (9, 10):
+        if fmt == "thd":
+            return ("triton", "flash", "cudnn", "efficient", "torch")
         return ("triton", "cudnn", "flash", "efficient", "torch")
     return ("flash", "cudnn", "efficient", "triton", "torch")
 
