@@ -108,6 +108,20 @@ def test_linear_cross_entropy_fp32(randn, reduction, eps, z, chunk_size):
         torch.testing.assert_close(got.double(), ref, **FP32_TOL)
 
 
+def test_default_chunk_is_whole_row_tiles():
+    """The default chunk: the most rows whose logits fit CHUNK_BYTES, rounded down to the GEMMs'
+    128-row tile where at least one fits, else to 16 (FP8 GEMM dims)."""
+    from tritium.functional.linear_cross_entropy import CHUNK_BYTES, chunk_rows
+    for vocab, itemsize in ((128256, 2), (32000, 4), (50257, 2)):
+        c = chunk_rows(8192, vocab, itemsize, None)
+        assert c % 128 == 0 and c * vocab * itemsize <= CHUNK_BYTES
+        assert (c + 128) * vocab * itemsize > CHUNK_BYTES
+    huge = CHUNK_BYTES // 100  # fewer than 128 rows fit
+    c = chunk_rows(8192, huge, 1, None)
+    assert c % 16 == 0 and 16 <= c < 128 and c * huge <= CHUNK_BYTES
+    assert chunk_rows(8192, 128256, 2, 40) == 40
+
+
 def test_linear_cross_entropy_bf16_3d_and_module(randn):
     hid = randn(2, 19, 32, dtype=torch.bfloat16, requires_grad=True)
     w = randn(83, 32, scale=0.3, dtype=torch.bfloat16, requires_grad=True)
