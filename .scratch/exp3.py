@@ -21,7 +21,7 @@ def fwd_trans(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, R, Rp, F, stride
     y = _fwd_values(x_ptr, rows[:, None] * stride_x + cols[None, :], F, mask, ACT, GATED)
     y = tl.where(mask, y.to(in_ty).to(tl.float32), 0.0)
     y8 = _scaled_fp8(y, scale, mask, FP8_MAX, OUT_DTYPE)
-    tl.store(data_ptr + rows[:, None] * F + cols[None, :], y8, mask=(rows[:, None] < Rp) & (cols[None, :] < F))
+    tl.store(data_ptr + rows[:, None] * F + cols[None, :], y8.to(tl.uint8, bitcast=True), mask=(rows[:, None] < Rp) & (cols[None, :] < F))
     tl.atomic_max(amax_ptr, _abs_max_nan(y))
     if MODE == 0:   # uint8 trans
         u = y8.to(tl.uint8, bitcast=True)
@@ -39,7 +39,7 @@ def fwd_trans(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, R, Rp, F, stride
                  mask=(cols[:, None] < F) & (rows[None, :] < Rp))
 
 T, F = 8192, 8192
-for seed in range(2):
+for seed in range(1):
     torch.manual_seed(seed)
     x = torch.randn(T, 2*F, device=dev, dtype=torch.bfloat16) * 3
     sc = torch.full((1,), 7.0, device=dev); am = torch.zeros(1, device=dev)
@@ -47,8 +47,8 @@ for seed in range(2):
     fbytes = T*2*F*2 + 2*T*F
     ms = do_bench(lambda: AC.activation_fwd_fp8(x, "swiglu", sc, am, E4, write_data=True, write_transpose=True), warmup=20, rep=100)
     print(f"current: {ms*1e3:6.1f} us {fbytes/ms/1e6:5.0f} GB/s")
-    for mode in (0, 1, 2):
-        for br, bc, w in [(64, 64, 8), (64, 128, 8), (128, 64, 8), (128, 128, 8), (64, 64, 4), (32, 128, 4)]:
+    for mode in (0, 1):
+        for br, bc, w in [(64, 64, 8), (64, 128, 8), (128, 64, 8), (64, 64, 4), (32, 128, 4)]:
             d = torch.empty(T, F, device=dev, dtype=torch.uint8); t = torch.empty(F, T, device=dev, dtype=torch.uint8)
             ncb = F // bc
             def go():

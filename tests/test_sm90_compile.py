@@ -44,7 +44,7 @@ from tritium.kernels import cross_entropy as _ce, moe as _moe, adam as _adam  # 
 from tritium.kernels import norm_cast as _norm_cast, flash_attention as _fa  # noqa: E402
 
 E4, E4MAX = tl.float8e4nv, 448.0
-BF16P, F32P, E4P, I32P, I8P = "*bf16", "*fp32", "*fp8e4nv", "*i32", "*i8"
+BF16P, F32P, E4P, I32P, I8P, U8P = "*bf16", "*fp32", "*fp8e4nv", "*i32", "*i8", "*u8"
 HIDDEN, FFN, TOKENS = 4096, 14336, 8192
 _NORM = _norm._tile(HIDDEN, False)
 _NORM_BWD = _norm._tile(HIDDEN, False, backward=True)
@@ -64,14 +64,14 @@ def _desc(dtype: str, block: tuple) -> str:
 # CUDA for bf16 activations, e4m3 FP8 and delayed / current scaling.
 KERNELS = {
     ("act_cast", "_act_fp8_fwd_kernel"): (
-        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
-        dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_DATA=True, WRITE_T=True,
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": U8P},
+        dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_DATA=True, WRITE_T=True, TRANS_T=True,
              UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64, BLOCK_C=64),
         dict(num_warps=8)),
     ("act_cast", "_act_fp8_bwd_kernel"): (
-        {"dy_ptr": BF16P, "x_ptr": BF16P, "dx_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P},
+        {"dy_ptr": BF16P, "x_ptr": BF16P, "dx_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": U8P},
         dict(ACT=_act._CODE["swiglu"], GATED=True, WRITE_HP=False, WRITE_DATA=True,
-             WRITE_T=True, UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64,
+             WRITE_T=True, TRANS_T=True, UPDATE_AMAX=True, FP8_MAX=E4MAX, OUT_DTYPE=E4, BLOCK_R=64,
              BLOCK_C=64),
         dict(num_warps=8)),
     ("act_block_cast", "_act_block_cast_kernel"): (
@@ -110,14 +110,16 @@ KERNELS = {
         dict(HAS_BIAS=True, B_2D=True, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
         dict(num_warps=4, num_stages=3)),
     ("cast", "_cast_transpose_kernel"): (
-        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "skip_ptr": F32P},
-        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, WRITE_DATA=True, WRITE_T=True, UPDATE_AMAX=True,
+        {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": U8P, "skip_ptr": F32P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, WRITE_DATA=True, WRITE_T=True, TRANS_T=True,
+             UPDATE_AMAX=True,
              CURRENT=False, EPS=0.0, POW2=False, HAS_SKIP=False, BLOCK_M=64, BLOCK_N=128),
         dict(num_warps=4)),
     ("cast", "_cast_pair_kernel"): (
-        {"a_ptr": BF16P, "a_data_ptr": E4P, "a_data_t_ptr": E4P,
-         "b_ptr": BF16P, "b_data_ptr": E4P, "b_data_t_ptr": E4P},
-        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, A_DATA=True, A_T=True, B_DATA=True, B_T=True,
+        {"a_ptr": BF16P, "a_data_ptr": E4P, "a_data_t_ptr": U8P,
+         "b_ptr": F32P, "b_data_ptr": E4P, "b_data_t_ptr": E4P},
+        dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, A_DATA=True, A_T=True, A_TRANS=True, B_DATA=True,
+             B_T=True, B_TRANS=False,
              A_AMAX=True, B_AMAX=True, CURRENT=True, EPS=0.0, POW2=False, BLOCK_M=64,
              BLOCK_N=128),
         dict(num_warps=4)),
@@ -312,7 +314,15 @@ VARIANTS = {
         dict(M_DTYPE=E4, V_DTYPE=tl.float16, M_SCALED=True, V_SCALED=True, W_DTYPE=tl.float16,
              W_SCALED=True, M_CLAMP=E4MAX, PASS=pass_) for pass_ in (1, 2)]
     + [dict(P_DTYPE=E4, HAS_MASTER=True, FP8_MAX=E4MAX)],  # FP8 params (fp8_model_init)
-    ("cast", "_cast_transpose_kernel"): [dict(CURRENT=True, POW2=True, HAS_SKIP=True)],
+    ("cast", "_cast_transpose_kernel"): [
+        dict(CURRENT=True, POW2=True, HAS_SKIP=True),
+        dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],
+    # fp32 inputs: data_t from a transposed re-read, not the tile's bytes transposed
+    ("act_cast", "_act_fp8_fwd_kernel"): [
+        dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],
+    ("act_cast", "_act_fp8_bwd_kernel"): [
+        dict(TRANS_T=False, WRITE_HP=True, _types={"dy_ptr": F32P, "x_ptr": F32P,
+                                                   "dx_ptr": F32P, "data_t_ptr": E4P})],
     ("gemm", "_fp8_gemm_tn_kernel"): [  # accumulating into an fp32 main_grad and into bf16
         dict(ACCUMULATE=True, PRECISE=True, SPLIT_STORE=split, HAS_BIAS=False, BLOCK_M=128,
              BLOCK_N=128, _types={"b_desc": _desc("fp8e4nv", (128, 128)),

@@ -64,27 +64,34 @@ def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr)
 @triton.jit
 def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
               stride_xm, pid_m, pid_n, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-              WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr, UPDATE_AMAX: tl.constexpr,
-              CURRENT: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+              WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr, TRANS_T: tl.constexpr,
+              UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr, EPS: tl.constexpr,
+              POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of one cast: data, transpose, amax; tile (0, 0) also
-    writes scale_inv. Under CURRENT, `amax_ptr` holds the finished amax the scale comes from."""
+    writes scale_inv. Under CURRENT, `amax_ptr` holds the finished amax the scale comes from.
+    TRANS_T (16-bit inputs): the transpose is the tile's fp8 bytes transposed in registers
+    (data_t_ptr is a uint8 view); else the tile is read again with transposed indices."""
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     if CURRENT:
         scale = _current_scale(tl.load(amax_ptr), FP8_MAX, EPS, POW2)
     else:
         scale = tl.load(scale_ptr)
-    if WRITE_DATA:
+    if WRITE_DATA or TRANS_T:
         in_mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0)
         x = x.to(tl.float32)
-        tl.store(data_ptr + rm[:, None] * N + rn[None, :],
-                 _scaled_fp8(x, scale, in_mask, FP8_MAX, OUT_DTYPE),
-                 mask=(rm[:, None] < Mp) & (rn[None, :] < N))
+        x8 = _scaled_fp8(x, scale, in_mask, FP8_MAX, OUT_DTYPE)
+        if WRITE_DATA:
+            tl.store(data_ptr + rm[:, None] * N + rn[None, :], x8,
+                     mask=(rm[:, None] < Mp) & (rn[None, :] < N))
+        if TRANS_T:
+            tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :],
+                     tl.trans(x8.to(tl.uint8, bitcast=True)),
+                     mask=(rn[:, None] < N) & (rm[None, :] < Mp))
         if UPDATE_AMAX:
             tl.atomic_max(amax_ptr, _abs_max_nan(x))
-    if WRITE_T:
+    if WRITE_T and not TRANS_T:
         # The tile is read again, transposed (an L1/L2 hit after the read above), instead of
         # tl.trans of the fp8 tile: Triton 3.6 miscompiles that for fp32 inputs when both
         # layouts are written (H200, any tile shape), and this costs one pass, not two.
@@ -96,7 +103,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
                  mask=(rn[:, None] < N) & (rm[None, :] < Mp))
         if UPDATE_AMAX and not WRITE_DATA:
             tl.atomic_max(amax_ptr, _abs_max_nan(xt))
-    if UPDATE_AMAX and not WRITE_DATA and not WRITE_T:
+    if UPDATE_AMAX and not WRITE_DATA and not WRITE_T:  # (TRANS_T implies WRITE_T)
         in_mask = (rm[:, None] < M) & (rn[None, :] < N)
         x = tl.load(x_ptr + rm[:, None] * stride_xm + rn[None, :], mask=in_mask, other=0.0)
         tl.atomic_max(amax_ptr, _abs_max_nan(x.to(tl.float32)))
@@ -109,7 +116,8 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
                            skip_ptr, M, N, Mp, stride_xm,
                            FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                            WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
-                           UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr,
+                           TRANS_T: tl.constexpr, UPDATE_AMAX: tl.constexpr,
+                           CURRENT: tl.constexpr,
                            EPS: tl.constexpr, POW2: tl.constexpr, HAS_SKIP: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     if HAS_SKIP:
@@ -117,7 +125,7 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
             return
     _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
               stride_xm, tl.program_id(0), tl.program_id(1), FP8_MAX, OUT_DTYPE, WRITE_DATA,
-              WRITE_T, UPDATE_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+              WRITE_T, TRANS_T, UPDATE_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -126,8 +134,8 @@ def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, 
                       b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
                       Mb, Nb, Mpb, stride_bm,
                       FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
-                      A_DATA: tl.constexpr, A_T: tl.constexpr,
-                      B_DATA: tl.constexpr, B_T: tl.constexpr,
+                      A_DATA: tl.constexpr, A_T: tl.constexpr, A_TRANS: tl.constexpr,
+                      B_DATA: tl.constexpr, B_T: tl.constexpr, B_TRANS: tl.constexpr,
                       A_AMAX: tl.constexpr, B_AMAX: tl.constexpr, CURRENT: tl.constexpr,
                       EPS: tl.constexpr, POW2: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -139,13 +147,13 @@ def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, 
     if pid < tiles_a:
         _cast_one(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
                   Ma, Na, Mpa, stride_am, pid % tiles_m_a, pid // tiles_m_a, FP8_MAX, OUT_DTYPE,
-                  A_DATA, A_T, A_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+                  A_DATA, A_T, A_TRANS, A_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
     else:
         p = pid - tiles_a
         tiles_m_b = tl.maximum(tl.cdiv(Mpb, BLOCK_M), 1)
         _cast_one(b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
                   Mb, Nb, Mpb, stride_bm, p % tiles_m_b, p // tiles_m_b, FP8_MAX, OUT_DTYPE,
-                  B_DATA, B_T, B_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
+                  B_DATA, B_T, B_TRANS, B_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -196,6 +204,19 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     _launch_amax((-(-n // block),), x, amax, n, BLOCK=block, num_warps=4)
 
 
+def _trans_in_registers(x: torch.Tensor, write_transpose: bool) -> bool:
+    """TRANS_T: 16-bit inputs transpose the tile's fp8 bytes in registers (an H100: 1.23x the
+    re-read in the fused activation cast, bits equal); fp32 inputs re-read (module note)."""
+    return write_transpose and x.element_size() == 2
+
+
+def _t_arg(data_t, trans: bool, placeholder):
+    """data_t as the kernel takes it: a uint8 view under TRANS_T, the placeholder when absent."""
+    if data_t is None:
+        return placeholder
+    return data_t.view(torch.uint8) if trans else data_t
+
+
 def _outputs(x, fp8_dtype, mp, n, write_data, write_transpose):
     dev = x.device
     return (torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None,
@@ -220,12 +241,14 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     bm, bn, warps = _tile(mp, n, not x.is_cuda)
     eps, pow2 = current if current is not None else (0.0, False)
     grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))
+    trans = _trans_in_registers(x, write_transpose)
     _launch_cast_transpose(
-        grid, x, data if write_data else scale_inv, data_t if write_transpose else scale_inv,
+        grid, x, data if write_data else scale_inv, _t_arg(data_t, trans, scale_inv),
         scale if current is None else amax, amax if amax is not None else scale_inv,
         scale_inv, skip if skip is not None else scale_inv, m, n, mp, x.stride(0),
         FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=write_data,
-        WRITE_T=write_transpose, UPDATE_AMAX=amax is not None and current is None,
+        WRITE_T=write_transpose, TRANS_T=trans,
+        UPDATE_AMAX=amax is not None and current is None,
         CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2), HAS_SKIP=skip is not None,
         BLOCK_M=bm, BLOCK_N=bn, num_warps=warps)
     return data, data_t, scale_inv
@@ -235,7 +258,7 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
                         current: Optional[tuple] = None):
     """See `tritium.ref.cast.cast_transpose_pair`: two casts, one launch."""
     bm, bn, warps = _tile(0, 0, not a_job[0].is_cuda)
-    launch_args, results, programs = [], [], 0
+    launch_args, results, programs, trans = [], [], 0, []
     for x, scale, amax, pad_rows_to, write_data, write_transpose in (a_job, b_job):
         if x.stride(-1) != 1:
             x = x.contiguous()
@@ -243,15 +266,17 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
         mp = -(-m // pad_rows_to) * pad_rows_to
         data, data_t, scale_inv = _outputs(x, fp8_dtype, mp, n, write_data, write_transpose)
         results.append((data, data_t, scale_inv))
+        trans.append(_trans_in_registers(x, write_transpose))
         launch_args += (x, data if write_data else scale_inv,
-                        data_t if write_transpose else scale_inv,
+                        _t_arg(data_t, trans[-1], scale_inv),
                         scale if current is None else amax,
                         amax if amax is not None else scale_inv, scale_inv, m, n, mp, x.stride(0))
         programs += max(-(-mp // bm), 1) * max(-(-n // bn), 1)  # the kernel counts the same
     eps, pow2 = current if current is not None else (0.0, False)
     _launch_cast_pair(
         (programs,), *launch_args, FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype],
-        A_DATA=a_job[4], A_T=a_job[5], B_DATA=b_job[4], B_T=b_job[5],
+        A_DATA=a_job[4], A_T=a_job[5], A_TRANS=trans[0], B_DATA=b_job[4], B_T=b_job[5],
+        B_TRANS=trans[1],
         A_AMAX=a_job[2] is not None and current is None,
         B_AMAX=b_job[2] is not None and current is None,
         CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2),
