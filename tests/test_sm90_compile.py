@@ -123,7 +123,7 @@ KERNELS = {
              A_AMAX=True, B_AMAX=True, CURRENT=True, EPS=0.0, POW2=False, BLOCK_M=64,
              BLOCK_N=128),
         dict(num_warps=4)),
-    ("cast", "_amax_kernel"): ({"x_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=4)),
+    ("cast", "_amax_kernel"): ({"x_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=8)),
     ("cast", "_transpose_kernel"): (
         {"src_ptr": "*u8", "dst_ptr": "*u8"}, dict(BLOCK_M=128, BLOCK_N=128), dict(num_warps=8)),
     ("cast", "_dequantize_kernel"): (

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..fp8.formats import fp8_max
-from ._launch import Launcher
+from ._launch import Launcher, num_sms
 
 _TL_FP8 = {torch.float8_e4m3fn: tl.float8e4nv, torch.float8_e5m2: tl.float8e5}
 
@@ -157,10 +157,18 @@ def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, 
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
-    tl.atomic_max(amax_ptr, _abs_max_nan(x))
+def _amax_kernel(x_ptr, amax_ptr, numel, num_programs, BLOCK: tl.constexpr):
+    """max|x| of x[:numel] into amax_ptr. Each program walks blocks pid, pid + P, ... keeping an
+    elementwise running max (a NaN sticks: it wins every later comparison), then reduces once
+    and does one atomic max: a few programs per SM instead of one tiny program (and one atomic
+    on the same address) per BLOCK elements."""
+    run = tl.zeros([BLOCK], tl.float32)
+    step = num_programs * BLOCK
+    for start in tl.range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
+        offs = start + tl.arange(0, BLOCK)
+        a = tl.abs(tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32))
+        run = tl.where((a > run) | (a != a), a, run)
+    tl.atomic_max(amax_ptr, _abs_max_nan(run))
 
 
 @triton.jit
@@ -200,8 +208,11 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     n = x.numel()
     if n == 0:
         return
-    block = 1024 if x.is_cuda else 256
-    _launch_amax((-(-n // block),), x, amax, n, BLOCK=block, num_warps=4)
+    # CUDA: 8 programs per SM of 4096 elements a step; the interpreter: at most 3 programs, so
+    # the tests walk several blocks per program
+    block, cap, warps = (4096, 8 * num_sms(x.get_device()), 8) if x.is_cuda else (256, 3, 1)
+    programs = min(-(-n // block), cap)
+    _launch_amax((programs,), x, amax, n, programs, BLOCK=block, num_warps=warps)
 
 
 def _trans_in_registers(x: torch.Tensor, write_transpose: bool) -> bool:
