@@ -37,8 +37,8 @@ Auto takes triton only for the (compute capability major, head dim, mask) classe
 `MEASURED_FASTER`, where benchmarks/bench_flash_attention.py measured it faster (fwd+bwd) than
 the backend auto takes otherwise (on sm90/sm100 it goes first; thd puts flash before cuDNN,
 which runs one call per sequence); elsewhere explain() says it was not measured faster, and
-backend="triton" forces it. The choice is cached per call signature, so a training step pays a dict lookup, not the
-checks.
+backend="triton" forces it. The choice is cached per call signature, so a training step pays a
+dict lookup, not the checks.
 
 torch.compile: the checks are plain Python on shapes, dtypes and flags, so Dynamo traces them
 (the choice is made once, at trace time, and guarded like any other Python branch); what they

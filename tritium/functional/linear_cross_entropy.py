@@ -7,10 +7,11 @@ adds lse_square_scale * lse^2 per token (Liger's and flash-attention's name and 
 
 How. The tokens go through in chunks of C rows, C chosen so that one chunk of logits takes at
 most `chunk_bytes` (256 MiB: 1024 tokens of a 128256-class vocabulary in bf16), a multiple of
-128 where that leaves at least 128 rows (the GEMMs' row tile: 1040 rows would run 9 tiles of 128
-where 8 are full, 12% more FP8 lm_head fprop time on an H100), else of 16. Per chunk: logits = h_c @ W^T in the inputs' dtype (what an HF lm_head produces), then the
-cross-entropy kernel computes the loss with an fp32 log-sum-exp and overwrites the logits with
-their gradient in the same launch; dh_c = dlogits @ W goes straight into the hidden gradient,
+128 where that leaves at least 128 rows (the GEMMs' row tile: 1040 rows would run 9 tiles of
+128 where 8 are full, 12% more FP8 lm_head fprop time on an H100), else of 16. Per chunk:
+logits = h_c @ W^T in the inputs' dtype (what an HF lm_head produces), then the cross-entropy
+kernel computes the loss with an fp32 log-sum-exp and overwrites the logits with their gradient
+in the same launch; dh_c = dlogits @ W goes straight into the hidden gradient,
 dW += dlogits^T @ h_c (in `accum_dtype`, default the weight's dtype, as Liger; fp32 costs a
 [V, H] fp32 buffer and is more precise), dbias += column sums (fp32). So the gradients are done
 when the forward returns (the backward only multiplies them by grad_output), and memory holds

@@ -42,7 +42,7 @@ from ..fp8.formats import fp8_max
 from ._launch import Launcher
 from .activation import (_CODE, GATED, _bwd_values, _check, _check_bwd, _fwd_values,
                          _rows_view)
-from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8
+from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8, _t_arg, _trans_in_registers
 
 
 @triton.jit
@@ -175,14 +175,6 @@ def _grid(rows_p: int, f: int, interpret: bool):
     return (max(-(-rows_p // br), 1) * ncb,), ncb, br, bc, warps
 
 
-def _transpose_target(data_t, trans_t: bool, placeholder):
-    """data_t as the kernel writes it: its bytes (uint8) where the tile is transposed in
-    registers (TRANS_T), the fp8 tensor where the tile is read again transposed."""
-    if data_t is None:
-        return placeholder
-    return data_t.view(torch.uint8) if trans_t else data_t
-
-
 def activation_fwd_fp8(x: torch.Tensor, kind: str, scale: torch.Tensor,
                        amax: Optional[torch.Tensor], fp8_dtype: torch.dtype, *,
                        write_data: bool = True, write_transpose: bool = False,
@@ -198,9 +190,9 @@ def activation_fwd_fp8(x: torch.Tensor, kind: str, scale: torch.Tensor,
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     x = _rows_view(x)
     grid, ncb, br, bc, warps = _grid(rows_p, f, not x.is_cuda)
-    trans_t = write_transpose and x.element_size() == 2
+    trans_t = _trans_in_registers(x, write_transpose)
     _launch_fwd(grid, x, data if data is not None else scale_inv,
-                _transpose_target(data_t, trans_t, scale_inv), scale,
+                _t_arg(data_t, trans_t, scale_inv), scale,
                 amax if amax is not None else scale_inv, scale_inv,
                 rows, rows_p, f, x.stride(0), ncb,
                 ACT=_CODE[kind], GATED=gated, WRITE_DATA=write_data, WRITE_T=write_transpose,
@@ -223,10 +215,10 @@ def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torc
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     x, dy = _rows_view(x), _rows_view(dy)
     grid, ncb, br, bc, warps = _grid(rows_p, f, not x.is_cuda)
-    trans_t = write_transpose and x.element_size() == 2
+    trans_t = _trans_in_registers(x, write_transpose)
     _launch_bwd(grid, dy, x, dx if dx is not None else scale_inv,
                 data if data is not None else scale_inv,
-                _transpose_target(data_t, trans_t, scale_inv), scale,
+                _t_arg(data_t, trans_t, scale_inv), scale,
                 amax if amax is not None else scale_inv, scale_inv,
                 rows, rows_p, f, dy.stride(0), x.stride(0), ncb,
                 ACT=_CODE[kind], GATED=gated, WRITE_HP=write_hp, WRITE_DATA=write_data,

@@ -92,9 +92,9 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
         if UPDATE_AMAX:
             tl.atomic_max(amax_ptr, _abs_max_nan(x))
     if WRITE_T and not TRANS_T:
-        # The tile is read again, transposed (an L1/L2 hit after the read above), instead of
-        # tl.trans of the fp8 tile: Triton 3.6 miscompiles that for fp32 inputs when both
-        # layouts are written (H200, any tile shape), and this costs one pass, not two.
+        # fp32 inputs: the tile is read again, transposed (an L1/L2 hit after the read above),
+        # instead of tl.trans of the fp8 tile: Triton 3.6 miscompiles that for fp32 inputs
+        # when both layouts are written (H200, any tile shape).
         in_mask_t = (rn[:, None] < N) & (rm[None, :] < M)
         xt = tl.load(x_ptr + rm[None, :] * stride_xm + rn[:, None], mask=in_mask_t, other=0.0)
         xt = xt.to(tl.float32)
@@ -217,7 +217,8 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
 
 def _trans_in_registers(x: torch.Tensor, write_transpose: bool) -> bool:
     """TRANS_T: 16-bit inputs transpose the tile's fp8 bytes in registers (an H100: 1.23x the
-    re-read in the fused activation cast, bits equal); fp32 inputs re-read (module note)."""
+    re-read in the fused activation cast, bits equal); fp32 inputs re-read (`_cast_one`).
+    Shared with the fused activation casts (kernels/act_cast.py)."""
     return write_transpose and x.element_size() == 2
 
 
