@@ -12,8 +12,8 @@ trained model), 1 in 16 targets ignored, both rounded to bf16 first. The referen
 autograd on the same bf16 values (materialized logits, F.cross_entropy); errors: the loss's
 relative error, and for dhidden and dweight max|a - r| / max|r| and ||a - r|| / ||r||.
 Rows: HF's way (bf16 lm_head output, .float(), F.cross_entropy), tritium bf16, tritium with
-the FP8 lm_head (HYBRID: E4M3 forward, E5M2 dlogits; per-chunk current scaling), in chunks of
-`--chunk` tokens. On a CPU the FP8 GEMMs are emulated (the same quantized values, fp32 products).
+the FP8 lm_head (HYBRID: E4M3 forward, E5M2 dlogits; hidden and weight scaled once per call by
+their amax, dlogits by their bound), in chunks of `--chunk` tokens. On a CPU the FP8 GEMMs are emulated (the same quantized values, fp32 products).
 
     python scripts/lce_accuracy.py [--device cuda] [--tokens 1024 --hidden 1024 --vocab 16384]
 """
@@ -98,7 +98,9 @@ def main():
         lines.append("")
     lines += ["The bf16 rows err by one rounding of the logits and of dlogits (2^-9 relative); "
               "the chunked path matches HF's materialized one. The FP8 lm_head quantizes "
-              "hidden and weight to E4M3 and dlogits to E5M2 (3 significant bits): here the loss "
+              "hidden and weight to E4M3 (one scale each per call, from their amax) and dlogits to "
+              "E5M2 (3 significant bits; one scale per call, from the bound |dlogits| <= the "
+              "loss's gradient scale, or per chunk from its amax with the z-loss): here the loss "
               "moves by under 1% and the gradients by several percent of their norm, more for "
               "peaked logits, like the FP8 Linear rows above. It is off by default (`fp8=True` / `convert_llama(fp8_lm_head=True)`).",
               ""]

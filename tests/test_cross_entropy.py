@@ -153,16 +153,45 @@ def test_linear_cross_entropy_no_grad_and_frozen_weight(randn):
     assert w.grad is None and hid.grad is not None
 
 
-def test_linear_cross_entropy_fp8_emulated(randn):
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("z", [0.0, 1e-2])
+def test_linear_cross_entropy_fp8_emulated(randn, reduction, z):
+    """Every path of the FP8 head: the gradient scaled by its bound with the weight gradient
+    gathered over chunks (z = 0; in the forward for mean / sum, in the recompute for none), or
+    per chunk by its measured amax (the z-loss has no bound)."""
     hid, w, _, t = _lce_case(randn, 40, 32, 96)
     with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
-        loss = te.linear_cross_entropy(hid, w, t, fp8=True, chunk_size=16)
-    loss.backward()
-    want, dh, dw, _ = _lce_oracle(hid, w, None, t, torch.tensor(1.0), reduction="mean")
-    torch.testing.assert_close(loss.double(), want, rtol=2e-2, atol=0)
+        loss = te.linear_cross_entropy(hid, w, t, fp8=True, chunk_size=16, reduction=reduction,
+                                       lse_square_scale=z)
+    gout = randn(40) if reduction == "none" else torch.tensor(0.8)
+    loss.backward(gout)
+    want, dh, dw, _ = _lce_oracle(hid, w, None, t, gout, reduction=reduction, z=z)
+    # FP8 logits: per-token losses off by a few percent at most, their sum by less
+    assert (loss.double() - want).norm() / want.norm() < 2e-2
     # FP8 operands: gradients within a few percent of their norm, not bitwise
     for got, ref in ((hid.grad, dh), (w.grad, dw)):
         assert (got.double() - ref).norm() / ref.norm() < 0.1
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp8_head_weight_gradient_groups(randn, monkeypatch, reduction):
+    """The FP8 head's weight gradient over groups of chunks (one GEMM per group: 40 tokens in
+    16-row chunks = 16 + 16 + 8 (padded) rows in one group) equals one GEMM per chunk (groups of
+    one chunk) up to fp32 summation order: the same quantized operands, the same scales."""
+    from tritium.functional import linear_cross_entropy as lce
+    hid, w, _, t = _lce_case(randn, 40, 32, 96)
+    grads = []
+    for group_bytes in (lce.WGRAD_GROUP_BYTES, 1):
+        monkeypatch.setattr(lce, "WGRAD_GROUP_BYTES", group_bytes)
+        h, ww = hid.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        with te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling()):
+            loss = te.linear_cross_entropy(h, ww, t, fp8=True, chunk_size=16, reduction=reduction)
+        loss.backward(torch.ones_like(loss))
+        grads.append((h.grad, ww.grad))
+    assert torch.equal(grads[0][0], grads[1][0])  # dh: per chunk either way
+    scale = grads[1][1].abs().max().item()
+    assert scale > 0
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=1e-5, atol=1e-6 * scale)
     with pytest.raises(ValueError, match="divisible by 16"):
         with te.fp8_autocast():
             te.linear_cross_entropy(hid, w[:90], t.clamp(max=89), fp8=True)

@@ -322,3 +322,24 @@ def test_transpose_fp8(shape, dtype, gen):
     buf = torch.full(shape[::-1], 7, dtype=torch.uint8).view(dtype)
     assert kcast.transpose_fp8(x8, out=buf) is buf
     assert_same_bits(buf, want, "transpose into out")
+
+
+@pytest.mark.parametrize("in_dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_transpose_into_a_column_block(in_dtype, gen):
+    """out's data_t may be a column block of a wider buffer (the FP8 lm_head gathers several
+    chunks' transposes for one weight-gradient GEMM): the block gets the fresh cast's bits, the
+    columns around it keep theirs; the twin likewise."""
+    x = wide_randn((33, 48), in_dtype, gen)
+    scale = delayed_scale(x, E5M2, gen)
+    want = rcast.cast_transpose(x, scale, None, E5M2, pad_rows_to=16, write_transpose=True)
+    for mod in (kcast, rcast):
+        wide = torch.full((48, 16 + 48 + 32), 7, dtype=torch.uint8).view(E5M2)
+        block = wide[:, 16:64]
+        out = (torch.empty(48, 48, dtype=E5M2), block, torch.empty(1))
+        got = mod.cast_transpose(x, scale, None, E5M2, pad_rows_to=16, write_transpose=True,
+                                 out=out)
+        assert got[1] is block
+        for name, g, w in zip(("data", "data_t", "scale_inv"), got, want):
+            assert_same_bits(g, w, f"{mod.__name__} {name}")
+        rest = torch.cat([wide[:, :16], wide[:, 64:]], 1).view(torch.uint8)
+        assert (rest == 7).all(), mod.__name__

@@ -55,10 +55,14 @@ def _check_out(x, fp8_dtype, *, pad_rows_to=1, write_data=True, write_transpose=
         if shape is None:
             continue
         dtype = torch.float32 if name == "scale_inv" else fp8_dtype
+        # data_t may be a column block of a wider buffer: rows contiguous, any row stride
+        laid_out = t is not None and (t.is_contiguous() if name != "data_t" else
+                                      t.stride(1) == 1 and t.stride(0) >= shape[1])
         if t is None or tuple(t.shape) != shape or t.dtype != dtype or t.device != x.device \
-                or not t.is_contiguous():
+                or not laid_out:
             got = None if t is None else f"{t.dtype}{tuple(t.shape)} on {t.device}"
-            raise ValueError(f"cast_transpose: out {name} must be a contiguous {dtype}{shape} "
+            kind = "a contiguous" if name != "data_t" else "a row-contiguous"
+            raise ValueError(f"cast_transpose: out {name} must be {kind} {dtype}{shape} "
                              f"tensor on {x.device}, got {got}")
 
 

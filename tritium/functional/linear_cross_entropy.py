@@ -25,14 +25,21 @@ is the unsharded one (`ce_chunk`: two small all-reduces per chunk), dW stays loc
 all-reduced (SUM) once at the end. The result is the same on every rank.
 
 FP8 (`fp8=True`, and only inside an enabled fp8_autocast): the three GEMMs of each chunk run in
-FP8 with current scaling (one scale per chunk and operand; the weight's once per call), in the
-autocast recipe's formats (HYBRID: h and W E4M3, dlogits E5M2), the logits GEMM with fast
-accumulation, dgrad and wgrad precise, through `fp8_gemm_tn` and `quantize_2d` (the same path
-as te.Linear's current scaling); the wgrad GEMM adds each chunk's dl^T h into dW in its epilogue
-(`accumulate`, as the 16-bit path's addmm_ does: one rounding per chunk, no [V, H] product).
-Whatever the recipe says, no delayed-scaling state is kept: the function owns no state. The loss is
-still computed in fp32 from the (FP8-GEMM, 16-bit) logits. Needs H and V_local divisible by 16.
-Accuracy: docs/numerics.md.
+FP8, in the autocast recipe's formats (HYBRID: h and W E4M3, dlogits E5M2), the logits GEMM
+with fast accumulation, dgrad and wgrad precise, through `fp8_gemm_tn` and the FP8 casts. Scales
+(the function owns no state, so no delayed scaling whatever the recipe): W and all of h are cast
+once per call, each with the scale of its measured amax (current scaling); dlogits with one
+scale for the call from a bound instead of a measurement: |softmax - target| <= 1 elementwise,
+so |dlogits| <= the loss's gradient scale (1 / valid tokens for "mean", 1 for "sum", max|g| in
+the recompute of "none"), which needs no amax pass over the chunk. With one scale, the dl^T of
+consecutive chunks go into one buffer (`WGRAD_GROUP_BYTES`, as many chunks as take the bytes of
+one bf16 logits chunk) and the wgrad GEMM runs once per group, adding into dW in its epilogue
+(`accumulate`: one rounding per group): on an H100 each such GEMM's read-modify-write of the
+[V, H] dW cost ~0.4 ms per 1024-row chunk at V = 128256 (benchmarks/RESULTS.md). The z-loss
+(lse_square_scale > 0) has no such bound: there each chunk's dlogits take the scale of their own
+amax and the wgrad runs per chunk. FP8 chunks are whole 16-row tiles (the chunk size is rounded
+up to a multiple of 16). The loss is still computed in fp32 from the (FP8-GEMM, 16-bit) logits.
+Needs H and V_local divisible by 16. Accuracy: docs/numerics.md.
 
 Not done here: softcapping, class weights, sequence-parallel hidden (gather it first).
 """
@@ -44,11 +51,14 @@ import torch
 import torch.distributed as dist
 
 from ..fp8.autocast import get_fp8_recipe, is_fp8_enabled
-from ..fp8.cast import quantize_2d
+from ..fp8.cast import amax_into, cast_transpose, quantize_2d
 from .cross_entropy import ce_chunk, ce_grad_only, check_common, group_size, valid_count
 from .gemm import fp8_gemm_tn
 
 CHUNK_BYTES = 256 << 20
+# the FP8 head's weight gradient: the chunks whose dl^T (1 byte per logit) fit these bytes go
+# through one GEMM (fewer read-modify-writes of dW)
+WGRAD_GROUP_BYTES = CHUNK_BYTES
 REDUCTIONS = ("mean", "sum", "none")
 _CURRENT = (0.0, False)  # current scaling: amax_epsilon 0, scales not rounded to powers of 2
 
@@ -72,9 +82,12 @@ def chunk_rows(tokens: int, vocab: int, itemsize: int, chunk_size: Optional[int]
 
 
 class _FP8Head:
-    """The FP8 GEMMs of one call: logits, dgrad and wgrad of every chunk (module docstring)."""
+    """The FP8 GEMMs of one call (module docstring): the weight and all hidden rows cast once;
+    per chunk the logits GEMM and the logits gradient's cast and dgrad; the wgrad per chunk, or
+    per group of chunks where the gradient's scale comes from a bound (one scale for the call)."""
 
-    def __init__(self, weight: torch.Tensor, recipe, need_dgrad: bool, need_wgrad: bool):
+    def __init__(self, weight: torch.Tensor, h2d: torch.Tensor, recipe, need_dgrad: bool,
+                 need_wgrad: bool, dl_bound: Optional[torch.Tensor], chunk: int):
         v, h = weight.shape
         if v % 16 or h % 16:
             raise ValueError(f"linear_cross_entropy(fp8=True) needs the (local) vocabulary and "
@@ -85,35 +98,75 @@ class _FP8Head:
         self.w, self.w_t, self.w_si = quantize_2d(weight.detach(), self.fwd, scale=None,
                                                   amax=None, current=_CURRENT, pad_rows_to=16,
                                                   write_transpose=need_dgrad)
-        self.h_t = self.h_si = None
+        self.h, self.h_t, self.h_si = quantize_2d(h2d.detach(), self.fwd, scale=None, amax=None,
+                                                  current=_CURRENT, pad_rows_to=16,
+                                                  write_transpose=need_wgrad)
+        self.dl_bound = dl_bound
+        # the gathered transposes of dl: as many chunks as take the bytes of one bf16 chunk
+        self.group = None
+        if dl_bound is not None and need_wgrad:
+            cols = max(WGRAD_GROUP_BYTES // max(v, 1), chunk) // chunk * chunk
+            cols = min(cols, _pad16(h2d.shape[0]))
+            self.group = torch.empty(v, cols, dtype=self.bwd, device=weight.device)
+            self.dl_si = torch.empty(1, dtype=torch.float32, device=weight.device)
+        self.first = self.filled = 0  # the group's first hidden row, and its columns in use
 
-    def logits(self, h: torch.Tensor, bias) -> torch.Tensor:
-        hq, self.h_t, self.h_si = quantize_2d(h, self.fwd, scale=None, amax=None,
-                                              current=_CURRENT, pad_rows_to=16,
-                                              write_transpose=self.need_wgrad)
-        out = fp8_gemm_tn(hq, self.w, self.h_si, self.w_si, h.dtype, fast_accum=True)
-        out = out[:h.shape[0]]
+    def logits(self, s: int, e: int, dtype: torch.dtype, bias) -> torch.Tensor:
+        out = fp8_gemm_tn(self.h[s:s + _pad16(e - s)], self.w, self.h_si, self.w_si, dtype,
+                          fast_accum=True)[:e - s]
         return out if bias is None else out.add_(bias)
 
-    def grads(self, dl: torch.Tensor, dh_out, dw: Optional[torch.Tensor]) -> None:
-        dq, dt, dsi = quantize_2d(dl, self.bwd, scale=None, amax=None, current=_CURRENT,
-                                  pad_rows_to=16, write_data=dh_out is not None,
-                                  write_transpose=dw is not None)
+    def grads(self, dl: torch.Tensor, s: int, dh_out, dw: Optional[torch.Tensor]) -> None:
+        rows = _pad16(dl.shape[0])
+        if self.group is not None and dw is not None:
+            if self.filled + rows > self.group.shape[1]:
+                self.flush(dw)
+            if self.filled == 0:
+                self.first = s
+            block = self.group[:, self.filled:self.filled + rows]
+            dq = torch.empty(rows, dl.shape[1], dtype=self.bwd, device=dl.device) \
+                if dh_out is not None else None
+            dq, dt, dsi = cast_transpose(dl, None, self.dl_bound, self.bwd, pad_rows_to=16,
+                                         write_data=dq is not None, write_transpose=True,
+                                         current=_CURRENT, out=(dq, block, self.dl_si))
+            self.filled += rows
+        else:
+            amax = self.dl_bound
+            if amax is None:
+                amax = torch.zeros(1, dtype=torch.float32, device=dl.device)
+                amax_into(dl, amax)
+            dq, dt, dsi = cast_transpose(dl, None, amax, self.bwd, pad_rows_to=16,
+                                         write_data=dh_out is not None,
+                                         write_transpose=dw is not None, current=_CURRENT)
+            if dw is not None:  # dW += dl^T h, added inside the GEMM (functional/gemm.py)
+                fp8_gemm_tn(dt, self.h_t[:, s:s + rows], dsi, self.h_si, dw.dtype, out=dw,
+                            accumulate=True)
         if dh_out is not None:
             if dq.shape[0] == dh_out.shape[0]:  # no padding rows: written in place
                 fp8_gemm_tn(dq, self.w_t, dsi, self.w_si, dh_out.dtype, out=dh_out)
             else:
                 dh_out.copy_(fp8_gemm_tn(dq, self.w_t, dsi, self.w_si, dh_out.dtype)[:dl.shape[0]])
-        if dw is not None:  # dW += dl^T h, added inside the GEMM (functional/gemm.py)
-            fp8_gemm_tn(dt, self.h_t, dsi, self.h_si, dw.dtype, out=dw, accumulate=True)
+
+    def flush(self, dw: Optional[torch.Tensor]) -> None:
+        """dW += the gathered chunks' dl^T h, one GEMM over their rows."""
+        if self.filled and dw is not None:
+            fp8_gemm_tn(self.group[:, :self.filled],
+                        self.h_t[:, self.first:self.first + self.filled], self.dl_si, self.h_si,
+                        dw.dtype, out=dw, accumulate=True)
+        self.filled = 0
 
 
-def _chunk_grads(plan, dl, h, weight, dh_out, dw, db) -> None:
-    """dh_out = dl @ W, dw += dl^T @ h, db += column sums of dl (any may be None)."""
+def _pad16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _chunk_grads(plan, dl, s, h, weight, dh_out, dw, db) -> None:
+    """dh_out = dl @ W, dw += dl^T @ h, db += column sums of dl (any may be None); dl is the
+    chunk of rows s.. (the FP8 head adds grouped chunks to dw at its flush)."""
     if db is not None:
         db.add_(dl.float().sum(0))
     if plan is not None:
-        plan.grads(dl, dh_out, dw)
+        plan.grads(dl, s, dh_out, dw)
         return
     if dh_out is not None:
         torch.mm(dl, weight, out=dh_out)
@@ -124,9 +177,9 @@ def _chunk_grads(plan, dl, h, weight, dh_out, dw, db) -> None:
             dw.add_(dl.t() @ h)
 
 
-def _logits(plan, h, weight, bias):
+def _logits(plan, h, s, weight, bias):
     if plan is not None:
-        return plan.logits(h, bias)
+        return plan.logits(s, s + h.shape[0], h.dtype, bias)
     return torch.nn.functional.linear(h, weight, bias)
 
 
@@ -140,7 +193,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n = valid_count(target, ignore)
         scale = 1.0 / n.clamp(min=1.0) if reduction == "mean" else \
             torch.ones(1, device=h2d.device)
-        plan = None if recipe is None else _FP8Head(weight, recipe, need_h, need_w)
+        c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
+        plan = None
+        if recipe is not None:  # chunks of whole 16-row FP8 tiles
+            c = _pad16(c)
+            plan = _FP8Head(weight, h2d, recipe, need_h and grads_now, need_w and grads_now,
+                            scale.reshape(1).float() if z == 0.0 else None, c)
         dh = torch.empty_like(h2d) if grads_now and need_h else None
         dw = torch.zeros(weight.shape, dtype=accum_dtype or weight.dtype, device=weight.device) \
             if grads_now and need_w else None
@@ -148,16 +206,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grads_now and need_b else None
         loss = torch.empty(t_len, dtype=torch.float32, device=h2d.device)
         lse = torch.empty_like(loss)
-        c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
         for s in range(0, t_len, c):
             e = min(s + c, t_len)
             h = h2d[s:e]
-            logits = _logits(plan, h, weight, bias)
+            logits = _logits(plan, h, s, weight, bias)
             loss[s:e], lse[s:e] = ce_chunk(logits, target[s:e], logits if grads_now else None,
                                            scale, ignore, eps, z, group)
             if grads_now:
-                _chunk_grads(plan, logits, h, weight, None if dh is None else dh[s:e], dw, db)
+                _chunk_grads(plan, logits, s, h, weight, None if dh is None else dh[s:e], dw,
+                             db)
             del logits
+        if plan is not None:
+            plan.flush(dw)
         if dh is not None and group_size(group) > 1:
             dist.all_reduce(dh, group=group)
         ctx.cfg, ctx.grads_now = cfg, grads_now
@@ -192,22 +252,28 @@ def _recompute_backward(ctx, grad_output):
     h2d, weight, bias, target, lse = ctx.saved_tensors
     ignore, _, eps, z, group, recipe, chunk_size, accum_dtype = ctx.cfg
     need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    plan = None if recipe is None else _FP8Head(weight, recipe, need_h, need_w)
+    g = grad_output.reshape(-1).float().contiguous()
+    t_len = h2d.shape[0]
+    c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
+    plan = None
+    if recipe is not None:  # the gradient's bound: max |g| (|softmax - target| <= 1)
+        c = _pad16(c)
+        plan = _FP8Head(weight, h2d, recipe, need_h, need_w,
+                        g.abs().max().reshape(1) if z == 0.0 else None, c)
     dh = torch.empty_like(h2d) if need_h else None
     dw = torch.zeros(weight.shape, dtype=accum_dtype or weight.dtype, device=weight.device) \
         if need_w else None
     db = torch.zeros(weight.shape[0], dtype=torch.float32, device=weight.device) \
         if need_b else None
-    g = grad_output.reshape(-1).float().contiguous()
-    t_len = h2d.shape[0]
-    c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
     for s in range(0, t_len, c):
         e = min(s + c, t_len)
         h = h2d[s:e]
-        logits = _logits(plan, h, weight, bias)
+        logits = _logits(plan, h, s, weight, bias)
         ce_grad_only(logits, target[s:e], lse[s:e], logits, g[s:e], ignore, eps, z, group)
-        _chunk_grads(plan, logits, h, weight, None if dh is None else dh[s:e], dw, db)
+        _chunk_grads(plan, logits, s, h, weight, None if dh is None else dh[s:e], dw, db)
         del logits
+    if plan is not None:
+        plan.flush(dw)
     if dh is not None and group_size(group) > 1:
         dist.all_reduce(dh, group=group)
     return (dh, None if dw is None else dw.to(weight.dtype),

@@ -63,12 +63,13 @@ def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr)
 
 @triton.jit
 def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
-              stride_xm, pid_m, pid_n, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
+              stride_xm, stride_tn, pid_m, pid_n, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
               WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr, TRANS_T: tl.constexpr,
               UPDATE_AMAX: tl.constexpr, CURRENT: tl.constexpr, EPS: tl.constexpr,
               POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """One [BLOCK_M, BLOCK_N] tile of one cast: data, transpose, amax; tile (0, 0) also
     writes scale_inv. Under CURRENT, `amax_ptr` holds the finished amax the scale comes from.
+    data_t's rows are stride_tn apart (Mp, or a column block of a wider buffer).
     TRANS_T (16-bit inputs): the transpose is the tile's fp8 bytes transposed in registers
     (data_t_ptr is a uint8 view); else the tile is read again with transposed indices."""
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -86,7 +87,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
             tl.store(data_ptr + rm[:, None] * N + rn[None, :], x8,
                      mask=(rm[:, None] < Mp) & (rn[None, :] < N))
         if TRANS_T:
-            tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :],
+            tl.store(data_t_ptr + rn[:, None] * stride_tn + rm[None, :],
                      tl.trans(x8.to(tl.uint8, bitcast=True)),
                      mask=(rn[:, None] < N) & (rm[None, :] < Mp))
         if UPDATE_AMAX:
@@ -98,7 +99,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
         in_mask_t = (rn[:, None] < N) & (rm[None, :] < M)
         xt = tl.load(x_ptr + rm[None, :] * stride_xm + rn[:, None], mask=in_mask_t, other=0.0)
         xt = xt.to(tl.float32)
-        tl.store(data_t_ptr + rn[:, None] * Mp + rm[None, :],
+        tl.store(data_t_ptr + rn[:, None] * stride_tn + rm[None, :],
                  _scaled_fp8(xt, scale, in_mask_t, FP8_MAX, OUT_DTYPE),
                  mask=(rn[:, None] < N) & (rm[None, :] < Mp))
         if UPDATE_AMAX and not WRITE_DATA:
@@ -113,7 +114,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
 
 @triton.jit
 def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr,
-                           skip_ptr, M, N, Mp, stride_xm,
+                           skip_ptr, M, N, Mp, stride_xm, stride_tn,
                            FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr,
                            WRITE_DATA: tl.constexpr, WRITE_T: tl.constexpr,
                            TRANS_T: tl.constexpr, UPDATE_AMAX: tl.constexpr,
@@ -124,7 +125,7 @@ def _cast_transpose_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, sca
         if tl.load(skip_ptr) != 0:  # a cached weight on a non-first micro-batch: a no-op
             return
     _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M, N, Mp,
-              stride_xm, tl.program_id(0), tl.program_id(1), FP8_MAX, OUT_DTYPE, WRITE_DATA,
+              stride_xm, stride_tn, tl.program_id(0), tl.program_id(1), FP8_MAX, OUT_DTYPE, WRITE_DATA,
               WRITE_T, TRANS_T, UPDATE_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
 
 
@@ -146,13 +147,13 @@ def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, 
     tiles_a = tiles_m_a * tl.maximum(tl.cdiv(Na, BLOCK_N), 1)
     if pid < tiles_a:
         _cast_one(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, a_scale_inv_ptr,
-                  Ma, Na, Mpa, stride_am, pid % tiles_m_a, pid // tiles_m_a, FP8_MAX, OUT_DTYPE,
+                  Ma, Na, Mpa, stride_am, Mpa, pid % tiles_m_a, pid // tiles_m_a, FP8_MAX, OUT_DTYPE,
                   A_DATA, A_T, A_TRANS, A_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
     else:
         p = pid - tiles_a
         tiles_m_b = tl.maximum(tl.cdiv(Mpb, BLOCK_M), 1)
         _cast_one(b_ptr, b_data_ptr, b_data_t_ptr, b_scale_ptr, b_amax_ptr, b_scale_inv_ptr,
-                  Mb, Nb, Mpb, stride_bm, p % tiles_m_b, p // tiles_m_b, FP8_MAX, OUT_DTYPE,
+                  Mb, Nb, Mpb, stride_bm, Mpb, p % tiles_m_b, p // tiles_m_b, FP8_MAX, OUT_DTYPE,
                   B_DATA, B_T, B_TRANS, B_AMAX, CURRENT, EPS, POW2, BLOCK_M, BLOCK_N)
 
 
@@ -258,6 +259,7 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
         grid, x, data if write_data else scale_inv, _t_arg(data_t, trans, scale_inv),
         scale if current is None else amax, amax if amax is not None else scale_inv,
         scale_inv, skip if skip is not None else scale_inv, m, n, mp, x.stride(0),
+        data_t.stride(0) if write_transpose else mp,
         FP8_MAX=fp8_max(fp8_dtype), OUT_DTYPE=_TL_FP8[fp8_dtype], WRITE_DATA=write_data,
         WRITE_T=write_transpose, TRANS_T=trans,
         UPDATE_AMAX=amax is not None and current is None,
