@@ -94,7 +94,6 @@ class _FP8Head:
                              f"hidden size divisible by 16, got weight {tuple(weight.shape)}; pad "
                              "the vocabulary (e.g. resize_token_embeddings(pad_to_multiple_of=16))")
         self.fwd, self.bwd = recipe.fp8_format.forward_dtype, recipe.fp8_format.backward_dtype
-        self.need_dgrad, self.need_wgrad = need_dgrad, need_wgrad
         self.w, self.w_t, self.w_si = quantize_2d(weight.detach(), self.fwd, scale=None,
                                                   amax=None, current=_CURRENT, pad_rows_to=16,
                                                   write_transpose=need_dgrad)
@@ -117,6 +116,8 @@ class _FP8Head:
         return out if bias is None else out.add_(bias)
 
     def grads(self, dl: torch.Tensor, s: int, dh_out, dw: Optional[torch.Tensor]) -> None:
+        if dh_out is None and dw is None:  # only the bias's gradient (_chunk_grads)
+            return
         rows = _pad16(dl.shape[0])
         if self.group is not None and dw is not None:
             if self.filled + rows > self.group.shape[1]:
