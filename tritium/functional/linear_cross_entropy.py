@@ -102,8 +102,8 @@ class _FP8Head:
                                                   write_transpose=need_wgrad)
         self.dl_bound = dl_bound
         # the gathered transposes of dl: as many chunks as take the bytes of one bf16 chunk
-        self.group = None
-        if dl_bound is not None and need_wgrad:
+        self.group = None  # (casts into a given buffer are eager only: ops/cast.py)
+        if dl_bound is not None and need_wgrad and not torch.compiler.is_compiling():
             cols = max(WGRAD_GROUP_BYTES // max(v, 1), chunk) // chunk * chunk
             cols = min(cols, _pad16(h2d.shape[0]))
             self.group = torch.empty(v, cols, dtype=self.bwd, device=weight.device)
