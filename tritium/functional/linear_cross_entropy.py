@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from ..fp8.autocast import get_fp8_recipe, is_fp8_enabled
-from ..fp8.cast import amax_into, cast_transpose, quantize_2d
+from ..fp8.cast import cast_transpose, quantize_2d
 from .cross_entropy import ce_chunk, ce_grad_only, check_common, group_size, valid_count
 from .gemm import fp8_gemm_tn
 
@@ -131,14 +131,12 @@ class _FP8Head:
                                          write_data=dq is not None, write_transpose=True,
                                          current=_CURRENT, out=(dq, block, self.dl_si))
             self.filled += rows
-        else:
-            amax = self.dl_bound
-            if amax is None:
-                amax = torch.zeros(1, dtype=torch.float32, device=dl.device)
-                amax_into(dl, amax)
-            dq, dt, dsi = cast_transpose(dl, None, amax, self.bwd, pad_rows_to=16,
-                                         write_data=dh_out is not None,
-                                         write_transpose=dw is not None, current=_CURRENT)
+        else:  # the bound as the amax, or (z-loss) the chunk's measured one
+            writes = dict(pad_rows_to=16, write_data=dh_out is not None,
+                          write_transpose=dw is not None)
+            dq, dt, dsi = quantize_2d(dl, self.bwd, scale=None, amax=None, current=_CURRENT,
+                                      **writes) if self.dl_bound is None else \
+                cast_transpose(dl, None, self.dl_bound, self.bwd, current=_CURRENT, **writes)
             if dw is not None:  # dW += dl^T h, added inside the GEMM (functional/gemm.py)
                 fp8_gemm_tn(dt, self.h_t[:, s:s + rows], dsi, self.h_si, dw.dtype, out=dw,
                             accumulate=True)
