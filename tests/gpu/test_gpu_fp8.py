@@ -73,17 +73,18 @@ def test_cast_transpose_kernel_equals_ref(shape, dtype, fp8, mode):
 def test_amax_into_walks_every_block(special, where):
     """The grid-stride amax kernel (a few programs per SM, each walking many 4096-element
     blocks) at 16384 x 4096 bf16: the largest |x| or a NaN put at the first, a middle or the
-    last element is found, equal to the twin's bits."""
+    last element is found: the twin's bits for a max; for a NaN, a NaN (its payload is the
+    hardware's: PTX max.NaN gives the canonical 0x7fffffff, torch.amax the input's)."""
     g = torch.Generator(device="cuda").manual_seed(where % 1000 + len(special))
     x = (torch.randn(16384, 4096, device="cuda", generator=g)).to(torch.bfloat16)
     x.view(-1)[where] = -1e4 if special == "max" else float("nan")
     got, want = torch.zeros(1, device="cuda"), torch.zeros(1, device="cuda")
     kcast.amax_into(x, got)
     rcast.amax_into(x, want)
-    assert _bits_equal(got, want)
     if special == "nan":
-        assert got.isnan().item()
+        assert got.isnan().item() and want.isnan().item()
     else:
+        assert _bits_equal(got, want)
         assert got.item() == x.view(-1)[where].float().abs().item()
 
 
