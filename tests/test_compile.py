@@ -273,3 +273,35 @@ def test_grouped_linear_compiled_equals_eager(recipe_name):
     compiled_fn = torch.compile(_step_fn(compiled_module, fp8_recipe, True), backend="aot_eager",
                                 fullgraph=True)
     _assert_all_equal(eager, _run(compiled_module, compiled_fn, fp8_recipe, True, xs, dys, kw))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_compiled_activation_backward_hands_fc1_its_fp8_grad(bias, monkeypatch):
+    """Compiled under DelayedScaling, LayerNormMLP's activation backward writes fc1's fp8
+    gradient (the fused kernel, as in eager) and fc1 casts no gradient of its own: the fp8
+    pieces reach fc1's Function as the gradients of its grad carriers
+    (fused_cast.grad_carriers). Counted per backward, eager and compiled alike, and the
+    results equal eager's bit for bit."""
+    from tritium.ref import activation as ref_activation
+    from tritium.ref import cast as ref_cast
+    calls = {"fused": 0, "cast_rows": []}
+    fused, cast = ref_activation.activation_bwd_fp8, ref_cast.cast_transpose
+
+    def counting_fused(*args, **kw):
+        calls["fused"] += 1
+        return fused(*args, **kw)
+
+    def counting_cast(x, *args, **kw):
+        calls["cast_rows"].append(tuple(x.shape))
+        return cast(x, *args, **kw)
+    monkeypatch.setattr(ref_activation, "activation_bwd_fp8", counting_fused)
+    monkeypatch.setattr(ref_cast, "cast_transpose", counting_cast)
+    fp8_recipe = recipe.DelayedScaling(amax_history_len=4)
+    module = te.LayerNormMLP(H, FFN, normalization="RMSNorm", activation="swiglu", bias=bias,
+                             device="cpu", params_dtype=torch.float32)
+    xs, dys = _inputs(3, H)
+    eager, compiled = _eager_and_compiled(module, fp8_recipe, False, xs, dys)
+    _assert_all_equal(eager, compiled)
+    assert calls["fused"] == 6  # 3 eager + 3 compiled backwards
+    # no cast of fc1's grad_output [32, 2 * FFN] anywhere (fc2's grad [32, H] is cast)
+    assert (32, 2 * FFN) not in calls["cast_rows"] and (32, H) in calls["cast_rows"]

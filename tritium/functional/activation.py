@@ -79,10 +79,12 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 class _Activation(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, kind: str, fp8_out: Optional[CastSpec] = None,
-                fp8_grad: Optional[GradCastSpec] = None) -> torch.Tensor:
+                fp8_grad: Optional[GradCastSpec] = None, *grad_carriers) -> torch.Tensor:
+        # grad_carriers (torch.compile): fc1's `fused_cast.grad_carriers`, whose gradients
+        # are the fp8 pieces of the gradient written under fp8_grad
         x2 = _rows(x)
         ctx.save_for_backward(x)
-        ctx.kind, ctx.fp8_grad = kind, fp8_grad
+        ctx.kind, ctx.fp8_grad, ctx.carried = kind, fp8_grad, bool(grad_carriers)
         f = x.shape[-1] // 2 if kind in GATED else x.shape[-1]
         shape = (*x.shape[:-1], f)
         if fp8_out is None:
@@ -119,6 +121,9 @@ class _Activation(torch.autograd.Function):
             dy2, x2, ctx.kind, state.scale_slot(g.slot), state.amax_slot(g.slot),
             state.fp8_dtype, write_hp=g.write_hp)
         hp = None if hp is None else hp.view(x.shape)
+        if ctx.carried:  # x's own gradient: d(x) when written (fc1's bias), else no memory
+            hp = x.new_zeros(()).expand(x.shape) if hp is None else hp
+            return hp, None, None, None, data, data_t, scale_inv
         return wrap_fp8(data, data_t, scale_inv, state.fp8_dtype, x.dtype, x.shape, hp), \
             None, None, None
 
@@ -127,15 +132,23 @@ _apply_activation = fast_apply(_Activation)
 
 
 def activation(x: torch.Tensor, kind: str, *, fp8_out: Optional[CastSpec] = None,
-               fp8_grad: Optional[GradCastSpec] = None) -> torch.Tensor:
+               fp8_grad: Optional[GradCastSpec] = None,
+               grad_carriers: Optional[tuple] = None) -> torch.Tensor:
     """TE activation `kind` of x [..., F] (plain) or [..., 2F] (gated) -> [..., F].
-    `fp8_out` / `fp8_grad`: the fused FP8 casts of LayerNormMLP (module docstring)."""
+    `fp8_out` / `fp8_grad`: the fused FP8 casts of LayerNormMLP (module docstring).
+    `grad_carriers`: under torch.compile, how a tensorwise `fp8_grad` reaches fc1 (the
+    carriers `functional.linear.linear(..., fp8_grad_carriers=True)` returned beside x);
+    without them the compiled backward writes d(x) in high precision and fc1 casts it."""
     _validate(x, kind)
     if not torch.compiler.is_compiling():
         return _apply_activation(x, kind, fp8_out, fp8_grad)
-    # compiled: the fp8 output through a carrier, and no fp8 gradient (a Float8Tensor returned
-    # as a gradient crosses the traced graph as a plain tensor; fc1 casts it): compile.md
-    out = _Activation.apply(x, kind, fp8_out, None)
+    # compiled: the fp8 output through a carrier, the fp8 gradient through fc1's carriers (a
+    # Float8Tensor returned as a gradient crosses the traced graph as a plain tensor):
+    # compile.md
+    if grad_carriers is not None and isinstance(fp8_grad, GradCastSpec):
+        out = _Activation.apply(x, kind, fp8_out, fp8_grad, *grad_carriers)
+    else:
+        out = _Activation.apply(x, kind, fp8_out, None)
     return out if fp8_out is None else from_carrier(out, fp8_out.fp8_dtype, out[0].shape)
 
 

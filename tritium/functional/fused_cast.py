@@ -219,6 +219,18 @@ def from_carrier(outputs, fp8_dtype, shape) -> Float8Tensor:
     return t
 
 
+def grad_carriers(out: torch.Tensor, rows: int, width: int, fp8_dtype: torch.dtype) -> tuple:
+    """Under torch.compile a fused activation backward hands fc1 its fp8 gradient through
+    three more outputs of fc1's Linear Function: zero-stride tensors (no memory) shaped like
+    dy8 [Tp, N], dy8^T [N, Tp] and scale_inv [1], which the activation's Function takes as
+    inputs and returns the fp8 pieces as their gradients. Gradients are plain tensors on both
+    sides of the trace, which a Float8Tensor gradient is not (docs/compile.md)."""
+    rows_p = pad16(rows)
+    z8 = out.new_zeros((), dtype=fp8_dtype)
+    return (z8.expand(rows_p, width), z8.expand(width, rows_p),
+            out.new_zeros((), dtype=torch.float32).expand(1))
+
+
 def fp8_operands(t: Float8Tensor, need_transpose: bool):
     """(data [Tp, K], data_t [K, Tp] or None, scale_inv) of a Float8Tensor GEMM operand,
     Tp = rows rounded up to 16 with zero rows."""
@@ -240,4 +252,5 @@ def fp8_operands(t: Float8Tensor, need_transpose: bool):
 __all__ = ["BlockCastSpec", "BlockGradCastSpec", "block_carrier", "block_fusable",
            "block_input_spec", "block_norm_spec",
            "block_operand", "CastSpec", "GradCastSpec", "carrier_outputs", "from_carrier",
-           "fused_casts", "fused_casts_enabled", "fusable_state", "fp8_operands", "wrap_fp8"]
+           "fused_casts", "fused_casts_enabled", "fusable_state", "fp8_operands", "grad_carriers",
+           "wrap_fp8"]

@@ -78,7 +78,7 @@ from ._apply import fast_apply
 from . import block_sp
 from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
-from .fused_cast import fp8_operands
+from .fused_cast import fp8_operands, grad_carriers
 from .gemm import fp8_gemm_tn
 from .linear_sp import gathered_fp8
 
@@ -419,9 +419,12 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, weight, bias, plan: Optional[FP8Plan],
                 main_grad: Sequence[MainGradTarget], tp: Optional[TPSpec] = None,
-                fp8_inp: Optional[Float8Tensor] = None):
+                fp8_inp: Optional[Float8Tensor] = None, fp8_grad_carriers: bool = False):
         # fp8_inp (torch.compile): a fused producer's fp8 output; `inp` is then its carrier,
-        # which only takes the gradient (fused_cast.carrier_outputs)
+        # which only takes the gradient (fused_cast.carrier_outputs). fp8_grad_carriers
+        # (torch.compile, FP8): the output comes with three carriers whose gradients are
+        # grad_output's fp8 pieces, written by a fused activation backward
+        # (fused_cast.grad_carriers)
         carrier_shape = inp.shape
         if fp8_inp is not None:
             inp = fp8_inp
@@ -507,14 +510,22 @@ class _LinearFunction(torch.autograd.Function):
         if row_sp is not None:
             out = reduce_scatter_dim0(out, row_sp.group)
             shape = (shape[0] // row_sp.size, *shape[1:])
-        return out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
+        out = out if len(shape) == 2 else out.view(*shape[:-1], out.shape[-1])
+        if fp8_grad_carriers:
+            return (out, *grad_carriers(out, out.numel() // out.shape[-1], out.shape[-1],
+                                        plan.recipe.fp8_format.backward_dtype))
+        return out
 
     @staticmethod
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, *carried):  # carried: fp8_grad_carriers' gradients
         plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
         dyq = dy_hp = None
         row_sp = ctx.row_sp
-        if row_sp is not None:  # this rank's grad rows: cast, then gather the fp8 bytes
+        if carried:  # grad_out: d(h) when the activation wrote it (bias), else zero-stride
+            dy8, dy8_t, dy_si = carried
+            dyq = (dy8, dy8_t if need_wgrad else None, dy_si)
+            dy_hp = grad_out if ctx.has_bias else None
+        elif row_sp is not None:  # this rank's grad rows: cast, then gather the fp8 bytes
             if isinstance(grad_out, Float8Tensor):
                 grad_out = grad_out.dequantize()
             local = grad_out.reshape(-1, grad_out.shape[-1])
@@ -590,7 +601,7 @@ class _LinearFunction(torch.autograd.Function):
                   else all_reduce(dx, group))
         if dx is not None and len(ctx.in_shape) != 2:
             dx = dx.view(ctx.in_shape)
-        return dx, dw, db, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 _apply_linear = fast_apply(_LinearFunction)
@@ -598,17 +609,28 @@ _apply_linear = fast_apply(_LinearFunction)
 
 def linear(inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            fp8: Optional[FP8Plan] = None, main_grad: Sequence[MainGradTarget] = (),
-           tp: Optional[TPSpec] = None):
+           tp: Optional[TPSpec] = None, fp8_grad_carriers: bool = False):
     """y = inp @ weight.T + bias, in FP8 when `fp8` says so. Inputs are checked by the caller.
 
     `tp` (tensor parallelism, see tritium.distributed.tensor_parallel): weight and bias are
     this rank's shards. Column: the input is replicated (gradient all-reduced) or, under
     sequence parallelism, this rank's dim-0 rows, all-gathered first (in FP8 when the GEMM
     runs in FP8; gradient reduce-scattered). Row: the partial outputs are all-reduced (or
-    reduce-scattered along dim 0) and the bias is added once, after the reduction."""
+    reduce-scattered along dim 0) and the bias is added once, after the reduction.
+
+    `fp8_grad_carriers` (torch.compile, for a fused activation backward after this GEMM):
+    returns (y, carriers), carriers the `fused_cast.grad_carriers` of y for
+    `functional.activation`, or None where this GEMM cannot take its gradient in fp8 that
+    way (not FP8, a block-scaled recipe, not compiling)."""
+    carry = (fp8_grad_carriers and fp8 is not None and fp8.compute_in_fp8
+             and not is_block_recipe(fp8.recipe) and torch.compiler.is_compiling())
     if tp is not None:
-        return _tp_linear(inp, weight, bias, fp8, main_grad, tp)
-    return _linear(inp, weight, bias, fp8, main_grad)
+        out = _tp_linear(inp, weight, bias, fp8, main_grad, tp, carry)
+    else:
+        out = _linear(inp, weight, bias, fp8, main_grad, carry=carry)
+    if not fp8_grad_carriers:
+        return out
+    return (out[0], out[1:]) if isinstance(out, tuple) else (out, None)
 
 
 def _cache_weight_outside(fp8: FP8Plan, weight: torch.Tensor) -> FP8Plan:
@@ -618,7 +640,8 @@ def _cache_weight_outside(fp8: FP8Plan, weight: torch.Tensor) -> FP8Plan:
     return dataclasses.replace(fp8, is_first_microbatch=False)
 
 
-def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None):
+def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None, carry=False):
+    """carry: the Function returns `fused_cast.grad_carriers` beside its output (`linear`)."""
     dev = inp.device.type
     if fp8 is not None and fp8.is_first_microbatch and fp8.weight_cache is not None \
             and fp8.compute_in_fp8 and torch.compiler.is_compiling():
@@ -626,16 +649,17 @@ def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None):
     carrier = getattr(inp, "_carrier", None)  # torch.compile: a fused producer's Float8Tensor
     if carrier is not None:
         bias = None if bias is None else bias.to(carrier.dtype)
-        return _apply_linear(carrier, weight, bias, fp8, tuple(main_grad), tp, inp)
+        return _apply_linear(carrier, weight, bias, fp8, tuple(main_grad), tp, inp, carry)
     # block-scaled recipes (Float8BlockScaling, MXFP8BlockScaling): their own Function
     apply = (apply_block_linear if fp8 is not None and fp8.compute_in_fp8
              and is_block_recipe(fp8.recipe) else _apply_linear)
+    extra = (None, True) if carry else ()  # carry: FP8, tensorwise (apply is the Function)
     if not torch.is_autocast_enabled(dev):
         if fp8 is None and not main_grad and tp is None:
             return F.linear(inp, weight, bias)
         if fp8 is not None and bias is not None:
             bias = bias.to(inp.dtype)
-        return apply(inp, weight, bias, fp8, tuple(main_grad), tp)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), tp, *extra)
     dtype = torch.get_autocast_dtype(dev)
     inp = inp.to(dtype)
     if fp8 is None or not fp8.compute_in_fp8:
@@ -644,10 +668,10 @@ def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None):
     if fp8 is None and not main_grad and tp is None:
         return F.linear(inp, weight, bias)
     with torch.autocast(dev, enabled=False):  # the Function's math runs in the dtypes given
-        return apply(inp, weight, bias, fp8, tuple(main_grad), tp)
+        return apply(inp, weight, bias, fp8, tuple(main_grad), tp, *extra)
 
 
-def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
+def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec, carry: bool = False):
     group = tp.group
     if tp.mode == "column":
         # the Function gathers the input (a fused cast's fp8 under tensorwise recipes) and
@@ -656,7 +680,7 @@ def _tp_linear(inp, weight, bias, fp8, main_grad, tp: TPSpec):
         block = fp8 is not None and fp8.compute_in_fp8 and is_block_recipe(fp8.recipe)
         in_fp8 = fp8 is not None and fp8.compute_in_fp8 and not block
         if in_fp8 or not (block or torch.compiler.is_compiling()):
-            return _linear(inp, weight, bias, fp8, main_grad, tp=tp)
+            return _linear(inp, weight, bias, fp8, main_grad, tp=tp, carry=carry)
         if block and tp.sequence_parallel:  # fp8 blocks gathered where exact (block_sp.py)
             inp = block_sp.gather_input(inp, fp8, weight, main_grad, tp)
         else:

@@ -137,7 +137,12 @@ class LayerNormMLP(FP8Module):
             self._fp8_dims_ok = not torch.compiler.is_compiling()
 
     def _fc1_act(self, ln_out: torch.Tensor, plan, fused, tp, block_cast=None) -> torch.Tensor:
-        h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp)
+        # compiled with the fused casts: fc1's fp8 gradient comes through carriers (eager: a
+        # Float8Tensor gradient)
+        carry = fused is not None and torch.compiler.is_compiling()
+        h = linear(ln_out, self.fc1_weight, self.fc1_bias, fp8=plan, tp=tp,
+                   fp8_grad_carriers=carry)
+        h, carriers = h if carry else (h, None)
         if block_cast is not None:
             return apply_activation(h, self.activation, fp8_out=block_cast[0],
                                     fp8_grad=block_cast[1])
@@ -148,7 +153,8 @@ class LayerNormMLP(FP8Module):
                             plan.recipe.fp8_format.forward_dtype, fc2_need_t)
         fc1_bias_grad = self.fc1_bias is not None and self.fc1_bias.requires_grad
         grad_cast = GradCastSpec(plan.bwd, plan.grad_slot, write_hp=fc1_bias_grad)
-        return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast)
+        return apply_activation(h, self.activation, fp8_out=act_cast, fp8_grad=grad_cast,
+                                grad_carriers=carriers)
 
     def _block_casts(self, inp, fc1_plan, fc2_plan):
         """Float8BlockScaling: (fc2's 1x128 input blocks written by the activation, fc1's
