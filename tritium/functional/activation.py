@@ -84,7 +84,7 @@ class _Activation(torch.autograd.Function):
         # are the fp8 pieces of the gradient written under fp8_grad
         x2 = _rows(x)
         ctx.save_for_backward(x)
-        ctx.kind, ctx.fp8_grad, ctx.carried = kind, fp8_grad, bool(grad_carriers)
+        ctx.kind, ctx.fp8_grad, ctx.carried = kind, fp8_grad, len(grad_carriers) > 0
         f = x.shape[-1] // 2 if kind in GATED else x.shape[-1]
         shape = (*x.shape[:-1], f)
         if fp8_out is None:

@@ -521,7 +521,7 @@ class _LinearFunction(torch.autograd.Function):
         plan, (need_dgrad, need_wgrad) = ctx.plan, ctx.need
         dyq = dy_hp = None
         row_sp = ctx.row_sp
-        if carried:  # grad_out: d(h) when the activation wrote it (bias), else zero-stride
+        if len(carried):  # grad_out: d(h) when the activation wrote it (bias), else zero-stride
             dy8, dy8_t, dy_si = carried
             dyq = (dy8, dy8_t if need_wgrad else None, dy_si)
             dy_hp = grad_out if ctx.has_bias else None
