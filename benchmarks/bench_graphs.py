@@ -12,6 +12,9 @@ every variant, as they must. Variants:
   * two micro-batches per step with FP8 weight caching (eager is_first_microbatch vs the graphed
     device flag), graphed with the optimizer captured;
   * bf16 eager and graphed for reference;
+  * "fp8 eager" and "bf16 eager" again with the backward on the calling thread
+    (`torch.autograd.set_multithreading_enabled(False)` around the step, docs/performance.md:
+    a Python backward on the autograd engine's device thread is the host's slow part);
   * "fp8 compiled reduce-overhead" (issue 20: >= 5x): torch.compile(model, mode="reduce-overhead",
     fullgraph=True), fp8_autocast entered outside the compiled call; forward and backward run as
     inductor's CUDA graphs (torch.compiler.cudagraph_mark_step_begin() before each forward), the
@@ -113,6 +116,16 @@ def make_step(fp8: bool, graph, capture_opt: bool, micro_batches: int = 1):
     return step
 
 
+CALLING_THREAD = "1 micro-batch, backward on calling thread"
+
+
+def _on_calling_thread(step):
+    def run():
+        with torch.autograd.set_multithreading_enabled(False):
+            step()
+    return run
+
+
 def main():
     if not torch.cuda.is_available():
         print("bench_graphs needs a CUDA GPU")
@@ -127,6 +140,8 @@ def main():
         ("2 micro-batches, weight caching", "fp8 eager", True, False, False, 2),
         ("2 micro-batches, weight caching", "fp8 graphed fwd+bwd+adam", True, True, True, 2),
         ("1 micro-batch", "fp8 compiled reduce-overhead", True, "reduce-overhead", True, 1),
+        (CALLING_THREAD, "fp8 eager", True, False, False, 1),
+        (CALLING_THREAD, "bf16 eager", False, False, False, 1),
     ]
     rows = []
     for case, name, fp8, graph, capture_opt, mbs in variants:
@@ -139,6 +154,8 @@ def main():
         try:
             before, t0 = compile_counts(), time.perf_counter()
             step = make_step(fp8, graph, capture_opt, mbs)
+            if case == CALLING_THREAD:
+                step = _on_calling_thread(step)
             if compiled:
                 extra = {"fullgraph": True, "compile_s": round(time.perf_counter() - t0, 1),
                          "graphs": compile_counts()["graphs"] - before["graphs"]}
