@@ -22,7 +22,9 @@ every variant, as they must. Variants:
     in place, so the backward accumulates into tensors of their own, never into CUDA-graph
     memory a later replay overwrites. A graph break, a CUDA graph skipped by inductor (a silent
     eager fallback otherwise) or a recompile in the timed steps is an error row.
-Timing: triton.testing.do_bench median of whole steps (see harness.py).
+Timing: triton.testing.do_bench median of whole steps (see harness.py); the one-micro-batch
+eager steps, host-bound, are compared as pairs (FP8 and bf16 of each case) timed in alternating
+rounds (harness.time_ms_interleaved), so that both see the same host.
 """
 from __future__ import annotations
 
@@ -33,7 +35,8 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import compile_counts, error_fields, finish, no_recompiles, time_ms  # noqa: E402
+from harness import (compile_counts, error_fields, finish, no_recompiles, time_ms,  # noqa: E402
+                     time_ms_interleaved)
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -143,7 +146,7 @@ def main():
         (CALLING_THREAD, "fp8 eager", True, False, False, 1),
         (CALLING_THREAD, "bf16 eager", False, False, False, 1),
     ]
-    rows = []
+    rows, eager_pairs = [], {}
     for case, name, fp8, graph, capture_opt, mbs in variants:
         full = f"L{LAYERS} H{H} heads{HEADS} S{SEQ} B{BATCH}, {case}"
         if fp8 and not fp8_ok:
@@ -156,6 +159,9 @@ def main():
             step = make_step(fp8, graph, capture_opt, mbs)
             if case == CALLING_THREAD:
                 step = _on_calling_thread(step)
+            if graph is False and mbs == 1:  # timed below, beside its pair
+                eager_pairs.setdefault(full, {})[name] = step
+                continue
             if compiled:
                 extra = {"fullgraph": True, "compile_s": round(time.perf_counter() - t0, 1),
                          "graphs": compile_counts()["graphs"] - before["graphs"]}
@@ -172,6 +178,11 @@ def main():
                      "ktok_per_s": round(mbs * SEQ * BATCH / ms, 1), **extra})
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
+    for full, steps in eager_pairs.items():
+        for name, ms in time_ms_interleaved(steps).items():
+            rows.append({"case": full, "variant": name, "ms": ms,
+                         "ktok_per_s": round(SEQ * BATCH / ms, 1), "timing": "interleaved"})
+            print(rows[-1], flush=True)
     finish("graphs", rows, baseline="fp8 eager")
 
 

@@ -98,6 +98,20 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def time_ms_interleaved(fns: dict, rounds: int = 7, rep: int = 100) -> dict:
+    """{name: ms} for host-bound steps compared with each other: `rounds` rounds of `time_ms`
+    of each fn in turn (the order reversed every other round), the median over rounds per fn.
+    A host's speed drifts over seconds (clocks, other processes); timed one after the other,
+    two such steps measured 1.17x and 1.57x apart on the same code and GPU kind."""
+    import statistics
+    seen = {name: [] for name in fns}
+    names = list(fns)
+    for r in range(rounds):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            seen[name].append(time_ms(fns[name], warmup=10, rep=rep))
+    return {name: round(statistics.median(v), 4) for name, v in seen.items()}
+
+
 def settle_gpu(seconds: float = 3.0) -> None:
     """Run large bf16 GEMMs for `seconds`, so that what is timed next runs at the GPU's
     sustained clock. An H100 SXM under bf16 GEMM load reaches its 700 W cap within a second and
