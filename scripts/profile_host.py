@@ -9,7 +9,8 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
   host [CASE ...]     wall and host-enqueue time per step with the GPU kept busy, the kernels'
                       own time (torch.profiler) and the profiler's table of host-side ops and
                       CUDA calls by self CPU time, all threads. Cases: linear4096 linear_tiny
-                      layernorm rmsnorm (default all).
+                      layernorm rmsnorm graphs_fp8 graphs_bf16 (bench_graphs' eager step;
+                      default all).
   parts               host time per step at T256 512->512 (where the GPU waits on the host),
                       real and then with more and more of its GPU calls replaced by stand-ins
                       that return at once (the C launch, torch._scaled_mm, Launcher.__call__),
@@ -100,9 +101,19 @@ def _norm_step(kind):
     return step
 
 
+def _graphs_step(fp8: bool):
+    """bench_graphs' eager step (4 TransformerLayers, hidden 512, fwd + bwd + FusedAdam)."""
+    import os
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                    "benchmarks"))
+    import bench_graphs
+    return bench_graphs.make_step(fp8, False, False, 1)
+
+
 HOST_CASES = {"linear4096": lambda: fp8_linear_step(8192, 4096, 4096),
               "linear_tiny": lambda: fp8_linear_step(256, 512, 512),
-              "layernorm": lambda: _norm_step("LayerNorm"), "rmsnorm": lambda: _norm_step("RMSNorm")}
+              "layernorm": lambda: _norm_step("LayerNorm"), "rmsnorm": lambda: _norm_step("RMSNorm"),
+              "graphs_fp8": lambda: _graphs_step(True), "graphs_bf16": lambda: _graphs_step(False)}
 
 
 def cmd_host(args):
