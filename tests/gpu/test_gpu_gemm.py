@@ -132,3 +132,34 @@ def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
     for got, want in zip(auto, cublas):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
     assert torch.equal(auto[1], cublas[1]), "dgrad is the same cuBLASLt call on the same bits"
+
+
+def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch):
+    """auto: a Linear whose GEMMs are at most HOST_BOUND_MACS multiply-adds (256 tokens,
+    512 -> 640) runs fprop, dgrad and wgrad on the Triton kernel (host-bound: its launch is the
+    cheaper call); the results agree with TRITIUM_FP8_GEMM=cublas to the accumulators'
+    precision."""
+    from tritium.ops import gemm as ops_gemm
+    assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS
+    calls = []
+    real = kgemm.fp8_gemm_tn
+    monkeypatch.setattr(kgemm, "fp8_gemm_tn",
+                        lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
+                        or real(*a, **k))
+    torch.manual_seed(0)
+    layer = te.Linear(512, 640, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, 640, device="cuda", dtype=torch.bfloat16)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+
+    def run():
+        layer.fp8_meta = type(layer.fp8_meta)(2, 1)
+        return fp8_linear_steps(layer, x, dy, rec, steps=2)
+    auto = run()
+    assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
+    setenv("TRITIUM_FP8_GEMM", "cublas")
+    calls.clear()
+    cublas = run()
+    assert calls == []
+    for got, want in zip(auto, cublas):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2

@@ -4,7 +4,9 @@ Which GEMM runs where FP8 tensor cores are (TRITIUM_FP8_GEMM, default "auto"): f
 (the forward GEMM) runs the Triton kernel `tritium.kernels.gemm`, as fast as cuBLASLt on Hopper
 and lighter on the host of an eager step; precise accumulation (dgrad, wgrad) runs cuBLASLt
 through `torch._scaled_mm`, ~20% faster there than Triton's split accumulation (measurements:
-docs/performance.md). Layouts TMA cannot take go to cuBLASLt. `tensor_core_gemm` is that choice;
+docs/performance.md); a GEMM of at most HOST_BOUND_MACS multiply-adds runs the Triton kernel in
+either mode, where the host costs more than the GPU. Layouts TMA cannot take go to cuBLASLt.
+`tensor_core_gemm` is that choice;
 eager `fp8_gemm_tn` calls it directly, the ops call it (or the emulated GEMM of
 `tritium.ref.gemm` where there are no FP8 tensor cores) under torch.compile.
 
@@ -40,6 +42,14 @@ def _tma_ok(t: Optional[Tensor]) -> bool:
                          and not (t.stride(0) * t.element_size()) & 15)
 
 
+# At most 2^29 multiply-adds (e.g. 256 tokens x 512 x 2048) a GEMM takes ~1-2 us of an H100's
+# FP8 tensor cores in either accumulation mode, while `torch._scaled_mm` costs 17-28 us of host
+# per call in a tight loop and ~60 us inside a small model's eager step (torch.profiler, H100,
+# 2026-11-27): such a step is bound by its host, and the Triton kernel's direct launch is the
+# cheaper call (docs/performance.md, "Which FP8 GEMM runs").
+HOST_BOUND_MACS = 2**29
+
+
 def triton_by_rule(fast_accum: bool) -> bool:
     """TRITIUM_FP8_GEMM's choice for a GEMM of this accumulation mode (Linear's and
     GroupedLinear's): "auto" takes Triton for fast accumulation, cuBLASLt for precise."""
@@ -52,7 +62,9 @@ def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> b
     TMA cannot take go to cuBLASLt."""
     if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
         return False
-    if not (accumulate or triton_by_rule(fast_accum)):
+    if not (accumulate or triton_by_rule(fast_accum) or (
+            _env.fp8_gemm() == "auto"
+            and a.shape[0] * b.shape[0] * a.shape[1] <= HOST_BOUND_MACS)):
         return False
     return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
