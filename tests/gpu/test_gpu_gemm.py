@@ -106,60 +106,50 @@ def test_accumulating_gemm_equals_twin_on_exact_sums(m, n, k, out_dtype, row_pad
     assert same.all(), f"{(~same).sum().item()} elements differ"
 
 
-def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
-    """auto: fprop (fast accumulation) on the Triton kernel, dgrad/wgrad on cuBLASLt; the
-    results agree with TRITIUM_FP8_GEMM=cublas to the fast accumulator's precision."""
+def _linear_gemm_choice(setenv, monkeypatch, tokens, in_features, out_features):
+    """Two FP8 delayed steps of a Linear under TRITIUM_FP8_GEMM=auto and then =cublas:
+    (the Triton kernel's calls under auto, as their fast_accum flags; auto's results; cublas's
+    results, where the Triton kernel must not run). The results agree to the accumulators'
+    precision."""
     calls = []
     real = kgemm.fp8_gemm_tn
     monkeypatch.setattr(kgemm, "fp8_gemm_tn",
                         lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
                         or real(*a, **k))
     torch.manual_seed(0)
-    layer = te.Linear(1024, 768, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(1000, 1024, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(1000, 768, device="cuda", dtype=torch.bfloat16)
+    layer = te.Linear(in_features, out_features, params_dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
     rec = recipe.DelayedScaling(amax_history_len=4)
 
     def run():
         layer.fp8_meta = type(layer.fp8_meta)(2, 1)
         return fp8_linear_steps(layer, x, dy, rec, steps=2)
     auto = run()
-    assert calls == [True, True], "expected the Triton kernel for the two forward GEMMs only"
+    auto_calls = list(calls)
     setenv("TRITIUM_FP8_GEMM", "cublas")
     calls.clear()
     cublas = run()
     assert calls == []
     for got, want in zip(auto, cublas):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    return auto_calls, auto, cublas
+
+
+def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
+    """auto: fprop (fast accumulation) on the Triton kernel, dgrad/wgrad on cuBLASLt (GEMMs
+    above HOST_BOUND_MACS); the results agree with TRITIUM_FP8_GEMM=cublas to the fast
+    accumulator's precision."""
+    calls, auto, cublas = _linear_gemm_choice(setenv, monkeypatch, 1000, 1024, 768)
+    assert calls == [True, True], "expected the Triton kernel for the two forward GEMMs only"
     assert torch.equal(auto[1], cublas[1]), "dgrad is the same cuBLASLt call on the same bits"
 
 
 def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch):
     """auto: a Linear whose GEMMs are at most HOST_BOUND_MACS multiply-adds (256 tokens,
     512 -> 640) runs fprop, dgrad and wgrad on the Triton kernel (host-bound: its launch is the
-    cheaper call); the results agree with TRITIUM_FP8_GEMM=cublas to the accumulators'
-    precision."""
+    cheaper call); the results agree with TRITIUM_FP8_GEMM=cublas."""
     from tritium.ops import gemm as ops_gemm
-    assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS
-    calls = []
-    real = kgemm.fp8_gemm_tn
-    monkeypatch.setattr(kgemm, "fp8_gemm_tn",
-                        lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
-                        or real(*a, **k))
-    torch.manual_seed(0)
-    layer = te.Linear(512, 640, params_dtype=torch.bfloat16, device="cuda")
-    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(256, 640, device="cuda", dtype=torch.bfloat16)
-    rec = recipe.DelayedScaling(amax_history_len=4)
-
-    def run():
-        layer.fp8_meta = type(layer.fp8_meta)(2, 1)
-        return fp8_linear_steps(layer, x, dy, rec, steps=2)
-    auto = run()
+    assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS < 1000 * 1024 * 768
+    calls, _, _ = _linear_gemm_choice(setenv, monkeypatch, 256, 512, 640)
     assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
-    setenv("TRITIUM_FP8_GEMM", "cublas")
-    calls.clear()
-    cublas = run()
-    assert calls == []
-    for got, want in zip(auto, cublas):
-        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
