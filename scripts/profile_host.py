@@ -112,7 +112,8 @@ def _graphs_step(fp8: bool):
 
 HOST_CASES = {"linear4096": lambda: fp8_linear_step(8192, 4096, 4096),
               "linear_tiny": lambda: fp8_linear_step(256, 512, 512),
-              "layernorm": lambda: _norm_step("LayerNorm"), "rmsnorm": lambda: _norm_step("RMSNorm"),
+              "layernorm": lambda: _norm_step("LayerNorm"),
+              "rmsnorm": lambda: _norm_step("RMSNorm"),
               "graphs_fp8": lambda: _graphs_step(True), "graphs_bf16": lambda: _graphs_step(False)}
 
 
