@@ -33,17 +33,21 @@ def _rows(command: str) -> dict:
 
 def test_model_cpu_graphs_prints_ratios_and_counts():
     rows = _rows("model-cpu-graphs")
-    assert rows["bf16"][1] == 0 and rows["fp8 delayed"][1] > 0  # bf16's GEMMs are ATen's
+    # bf16's GEMMs are ATen's; FP8's (at most ops.gemm.HOST_BOUND_MACS each here: 256 tokens,
+    # hidden 512) all the Triton kernel's, none cuBLASLt's
+    assert rows["bf16"][1] == rows["fp8 delayed"][1] == rows["fp8 current"][1] == 0
+    assert rows["fp8 delayed"][0] >= rows["bf16"][0] + 4 * 12  # 4 layers x 4 Linears x 3
     # current scaling measures each amax before its cast: more launches than delayed
     assert rows["fp8 delayed"][0] < rows["fp8 current"][0]
 
 
 def test_model_cpu_tp_prints_ratios_and_counts():
-    """The TP step takes the CUDA path: its FP8 GEMMs are tensor-core calls (cuBLASLt for the
-    backward's, the Triton kernel for the forward's: 4 Linears, 12 GEMMs) and its casts,
-    norms, RoPE and scale updates Triton launches."""
+    """The TP step takes the CUDA path: its FP8 GEMMs are tensor-core calls (4 Linears, 12
+    GEMMs, each at most ops.gemm.HOST_BOUND_MACS at this size: all on the Triton kernel) and
+    its casts, norms, RoPE and scale updates Triton launches."""
     rows = _rows("model-cpu-tp")
-    assert rows["bf16"][1] == 0 and rows["fp8 delayed"][1] == rows["fp8 current"][1] == 8
+    assert rows["bf16"][1] == rows["fp8 delayed"][1] == rows["fp8 current"][1] == 0
+    assert rows["fp8 delayed"][0] >= rows["bf16"][0] + 12
     assert rows["bf16"][0] < rows["fp8 delayed"][0] < rows["fp8 current"][0]
     assert rows["bf16"][2] < rows["fp8 delayed"][2]
 
