@@ -15,7 +15,8 @@ with `fp8_out=CastSpec` the forward writes fc2's fp8 input directly and returns 
 Float8Tensor (the high-precision activation is never materialized); with
 `fp8_grad=GradCastSpec` the backward writes d(x) as fp8 data + transpose with fc1's grad scale
 (recording its amax) and returns it as a Float8Tensor, which fc1's `_LinearFunction.backward`
-uses without casting (autograd accepts a Float8Tensor as the gradient of a plain tensor).
+uses without casting (autograd accepts a Float8Tensor as the gradient of a plain tensor; under
+torch.compile the fp8 pieces travel as the gradients of fc1's `fused_cast.grad_carriers`).
 With `fp8_out=BlockCastSpec` (Float8BlockScaling) the forward writes fc2's 1x128 blocks and
 returns a carrier (`fused_cast.block_carrier`); with `fp8_grad=BlockGradCastSpec` the backward
 writes fc1's 1x128 grad_output blocks and returns them on a carrier (or on the high-precision
