@@ -53,6 +53,7 @@ import torch.distributed as dist
 from ..fp8.autocast import get_fp8_recipe, is_fp8_enabled
 from ..fp8.cast import cast_transpose, quantize_2d
 from .cross_entropy import ce_chunk, ce_grad_only, check_common, group_size, valid_count
+from .fused_cast import pad16
 from .gemm import fp8_gemm_tn
 
 CHUNK_BYTES = 256 << 20
@@ -105,20 +106,20 @@ class _FP8Head:
         self.group = None  # (casts into a given buffer are eager only: ops/cast.py)
         if dl_bound is not None and need_wgrad and not torch.compiler.is_compiling():
             cols = max(WGRAD_GROUP_BYTES // max(v, 1), chunk) // chunk * chunk
-            cols = min(cols, _pad16(h2d.shape[0]))
+            cols = min(cols, pad16(h2d.shape[0]))
             self.group = torch.empty(v, cols, dtype=self.bwd, device=weight.device)
             self.dl_si = torch.empty(1, dtype=torch.float32, device=weight.device)
         self.first = self.filled = 0  # the group's first hidden row, and its columns in use
 
     def logits(self, s: int, e: int, dtype: torch.dtype, bias) -> torch.Tensor:
-        out = fp8_gemm_tn(self.h[s:s + _pad16(e - s)], self.w, self.h_si, self.w_si, dtype,
+        out = fp8_gemm_tn(self.h[s:s + pad16(e - s)], self.w, self.h_si, self.w_si, dtype,
                           fast_accum=True)[:e - s]
         return out if bias is None else out.add_(bias)
 
     def grads(self, dl: torch.Tensor, s: int, dh_out, dw: Optional[torch.Tensor]) -> None:
         if dh_out is None and dw is None:  # only the bias's gradient (_chunk_grads)
             return
-        rows = _pad16(dl.shape[0])
+        rows = pad16(dl.shape[0])
         if self.group is not None and dw is not None:
             if self.filled + rows > self.group.shape[1]:
                 self.flush(dw)
@@ -153,10 +154,6 @@ class _FP8Head:
                         self.h_t[:, self.first:self.first + self.filled], self.dl_si, self.h_si,
                         dw.dtype, out=dw, accumulate=True)
         self.filled = 0
-
-
-def _pad16(n: int) -> int:
-    return -(-n // 16) * 16
 
 
 def _chunk_grads(plan, dl, s, h, weight, dh_out, dw, db) -> None:
@@ -195,7 +192,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
         plan = None
         if recipe is not None:  # chunks of whole 16-row FP8 tiles
-            c = _pad16(c)
+            c = pad16(c)
             plan = _FP8Head(weight, h2d, recipe, need_h and grads_now, need_w and grads_now,
                             scale.reshape(1).float() if z == 0.0 else None, c)
         dh = torch.empty_like(h2d) if grads_now and need_h else None
@@ -256,7 +253,7 @@ def _recompute_backward(ctx, grad_output):
     c = chunk_rows(t_len, weight.shape[0], h2d.element_size(), chunk_size)
     plan = None
     if recipe is not None:  # the gradient's bound: max |g| (|softmax - target| <= 1)
-        c = _pad16(c)
+        c = pad16(c)
         plan = _FP8Head(weight, h2d, recipe, need_h, need_w,
                         g.abs().max().reshape(1) if z == 0.0 else None, c)
     dh = torch.empty_like(h2d) if need_h else None

@@ -50,11 +50,14 @@ def _tma_ok(t: Optional[Tensor]) -> bool:
 HOST_BOUND_MACS = 2**29
 
 
-def triton_by_rule(fast_accum: bool) -> bool:
-    """TRITIUM_FP8_GEMM's choice for a GEMM of this accumulation mode (Linear's and
-    GroupedLinear's): "auto" takes Triton for fast accumulation, cuBLASLt for precise."""
+def triton_by_rule(fast_accum: bool, macs: Optional[int] = None) -> bool:
+    """TRITIUM_FP8_GEMM's choice for a GEMM of this accumulation mode and, where given, this
+    many multiply-adds (Linear's and GroupedLinear's): "auto" takes Triton for fast
+    accumulation and for GEMMs of at most HOST_BOUND_MACS, cuBLASLt for the other precise ones."""
     choice = _env.fp8_gemm()
-    return fast_accum if choice == "auto" else choice == "triton"
+    if choice != "auto":
+        return choice == "triton"
+    return fast_accum or (macs is not None and macs <= HOST_BOUND_MACS)
 
 
 def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> bool:
@@ -62,9 +65,7 @@ def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> b
     TMA cannot take go to cuBLASLt."""
     if not _device.use_triton(a):  # TRITIUM_FORCE_REF, or no triton
         return False
-    if not (accumulate or triton_by_rule(fast_accum) or (
-            _env.fp8_gemm() == "auto"
-            and a.shape[0] * b.shape[0] * a.shape[1] <= HOST_BOUND_MACS)):
+    if not (accumulate or triton_by_rule(fast_accum, a.shape[0] * b.shape[0] * a.shape[1])):
         return False
     return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
 
