@@ -15,7 +15,9 @@ Shape (issue 4, BASELINE.md): B2 x S4096 tokens, hidden 4096, 32 heads, 8 KV gro
     timed steps. vs_eager = the eager variant's ms / ms, vs_torchao_compiled = torchao compiled's
     ms / ms (FP8 rows).
 Reported: ms, tokens/s, peak MiB with the input resident and with the input made in the step.
---only REGEX: the variants whose names match (the baseline always runs).
+--only REGEX: the variants whose names match (the baseline always runs). --profile: each variant's
+GPU kernels per step after its timing (torch.profiler, 5 steps): busy ms and the top kernels, to
+compare a compiled variant's kernels with its eager self's.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import (add_ratio, compile_counts, error_fields, finish,  # noqa: E402
-                     fwd_bwd_step, measure_fwd_bwd, no_recompiles)
+from harness import (add_ratio, compile_counts, cuda_profile, error_fields, finish,  # noqa: E402
+                     fwd_bwd_step, kernel_summary, measure_fwd_bwd, no_recompiles)
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -122,9 +124,19 @@ def _compiled(block, x, dy, ctx) -> tuple:
                       "graphs": compile_counts()["graphs"] - before}
 
 
+def _print_kernels(name, module, x, dy, ctx, steps: int = 5) -> None:
+    step, _ = fwd_bwd_step(module, x, dy, ctx)
+    summary = kernel_summary(cuda_profile(step, steps), steps, top=30)
+    print(f"--- {name}: GPU kernels {summary.busy:.3f} ms/step")
+    for kernel, ms in summary.ranked:
+        print(f"  {ms:8.3f} ms  {kernel[:120]}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", default="", help="regex: variants to run (the baseline always runs)")
+    p.add_argument("--profile", action="store_true",
+                   help="print each variant's GPU kernels per step (busy ms, top kernels)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_block needs a CUDA GPU")
@@ -167,6 +179,8 @@ def main(argv=None):
                      "ktok_per_s": round(B * S / res["ms"], 1), "peak_mb": res["peak_mb"],
                      "peak_mb_in_network": res["peak_mb_in_network"], **extra})
         print(rows[-1], flush=True)
+        if args.profile:
+            _print_kernels(name, module, x, dy, ctx)
         torch.cuda.empty_cache()
     ours_names = [v[0] for v in variants if v[3]]
     add_ratio(rows, "vs_eager", [(v, v[:-len(" compiled")]) for v in ours_names])
