@@ -125,11 +125,27 @@ def _compiled(block, x, dy, ctx) -> tuple:
 
 
 def _print_kernels(name, module, x, dy, ctx, steps: int = 5) -> None:
+    """The variant's kernels per step, then where the GPU waited inside the profiled steps: the
+    gaps of over 10 us between one kernel's end and the next one's start, summed per pair of
+    kernel names (the step is bound by the host where these add up)."""
     step, _ = fwd_bwd_step(module, x, dy, ctx)
-    summary = kernel_summary(cuda_profile(step, steps), steps, top=30)
+    prof = cuda_profile(step, steps)
+    summary = kernel_summary(prof, steps, top=30)
     print(f"--- {name}: GPU kernels {summary.busy:.3f} ms/step")
     for kernel, ms in summary.ranked:
         print(f"  {ms:8.3f} ms  {kernel[:120]}")
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                   if ev.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, end, last = {}, spans[0][1], spans[0][2]
+    for start, stop, kernel in spans[1:]:
+        if start - end > 10:
+            pair = f"{last[:50]} -> {kernel[:50]}"
+            gaps[pair] = gaps.get(pair, 0.0) + (start - end) / 1e3 / steps
+        if stop > end:
+            end, last = stop, kernel
+    print(f"  GPU idle between kernels: {sum(gaps.values()):.3f} ms/step")
+    for pair, ms in sorted(gaps.items(), key=lambda kv: -kv[1])[:10]:
+        print(f"  {ms:8.3f} ms idle  {pair}")
 
 
 def main(argv=None):
