@@ -7,8 +7,10 @@ kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf
 out and grads in bf16 like SDPA's), "tritium flash split" (the exact mode context parallelism
 runs: head/tail split of P / dS, fp32 out and grads), and the forward alone of FP8 attention
 (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward): "tritium fp8 kernel" (the
-FP8 flash forward on q/k/v already in E4M3) and "tritium fp8 layer" (with the per-tensor
-current-scaling quantization of q, k, v that DotProductAttention runs first); their
+FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with the per-tensor
+current-scaling quantization of q, k, v that DotProductAttention runs first: an amax pass, then
+the cast) and "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe: the
+scales from a history, the amaxes recorded in the cast's own pass); their
 err_vs_cudnn compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
 fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
 cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
@@ -130,12 +132,26 @@ def _steps(blocks, variant):
     return fwd, fwd_bwd, {"configs": configs, "err_vs_cudnn": float(f"{err:.2e}")}
 
 
+def _fp8_plan(delayed: bool, blocks):
+    """The FP8 attention plan of a layer call: current scaling, or delayed scaling whose q/k/v
+    state has seen the first block once (its scales those of real amaxes)."""
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    if not delayed:
+        return F.FP8AttnPlan(recipe.Float8CurrentScaling(fp8_dpa=True), None, False)
+    rec = recipe.DelayedScaling(fp8_dpa=True, amax_history_len=16, amax_compute_algo="max")
+    state = F.new_state(torch.nn.Module(), rec, blocks[0][0].device)
+    plan = F.FP8AttnPlan(rec, state, False)
+    F.record_amaxes(plan, *blocks[0][:3])
+    state.update()
+    return plan
+
+
 def _fp8_steps(blocks, variant):
     """FP8 attention's forward (no fwd_bwd: the backward is the bf16 one, timed above)."""
     from tritium.attention import fp8 as F
-    from tritium.fp8 import recipe
-    plan = F.FP8AttnPlan(recipe.Float8CurrentScaling(fp8_dpa=True), None, False)
-    scale, layer = 1 / math.sqrt(D), variant.endswith(" layer")
+    plan = _fp8_plan(variant.endswith(", delayed"), blocks)
+    scale, layer = 1 / math.sqrt(D), " layer" in variant
 
     def kernel_args(q, k, v):   # as the layer calls the kernel: V with the keys contiguous
         q8, k8, _, descale, v8_t = F.quantize(plan, q, k, v, v_keys_contiguous=True)
@@ -194,7 +210,7 @@ def _cases(args, g):
 
 
 VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split", "tritium fp8 kernel",
-            "tritium fp8 layer"]
+            "tritium fp8 layer", "tritium fp8 layer, delayed"]
 LAYER_HEADS, WINDOW_SEQ, VARLEN_LENGTHS = (32, 8), 16384, (512, 4097, (16,))
 LAYER_BACKENDS = {"sdpa cudnn": "cudnn", "flash window": "flash", "flash varlen": "flash",
                   "tritium flash nosplit": "triton"}
