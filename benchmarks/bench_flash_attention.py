@@ -433,7 +433,9 @@ def sweep(split: bool):
 
 def sweep_fp8():
     """The FP8 forward's candidates at B4 H32 S4096 D128 (E4M3 q/k/v from current scaling, V
-    keys-contiguous, bf16 out); sets the best. Off cuDNN's bf16 out by > 2^-4: out."""
+    keys-contiguous, bf16 out); sets the best. Off cuDNN's bf16 out by > 2^-3 of its max: out
+    (FP8's own error on these inputs measures 7.5e-2 for every config on an H100, 2026-11-27; a
+    wrong tiling errs by O(1))."""
     from tritium.attention import fp8 as F
     from tritium.fp8 import recipe
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -446,7 +448,7 @@ def sweep_fp8():
         return FA.flash_attention_fp8_fwd(q8, k8, v8_t, descale, c, 1 / math.sqrt(D),
                                           out_dtype=torch.bfloat16)[:1]
     print("sweep fp8: fwd", flush=True)
-    ms, _ = _time_cfgs("fwd_fp8", False, SWEEP_FP8, fwd, ref, tol=2.0 ** -4)
+    ms, _ = _time_cfgs("fwd_fp8", False, SWEEP_FP8, fwd, ref, tol=2.0 ** -3)
     print(f"best fp8: fwd {ms:.3f} ms, causal + nomask summed; as arguments:")
     print(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][D]), flush=True)
     del q, k, v, q8, k8, v8_t, ref
