@@ -121,7 +121,7 @@ class _Activation(torch.autograd.Function):
         hp, data, data_t, scale_inv = _impl_fp8(x2).activation_bwd_fp8(
             dy2, x2, ctx.kind, state.scale_slot(g.slot), state.amax_slot(g.slot),
             state.fp8_dtype, write_hp=g.write_hp)
-        hp = None if hp is None else hp.view(x.shape)
+        hp = None if hp is None else hp.view(*x.shape)
         if ctx.carried:  # x's own gradient: d(x) when written (fc1's bias), else no memory
             hp = x.new_zeros(()).expand(x.shape) if hp is None else hp
             return hp, None, None, None, data, data_t, scale_inv

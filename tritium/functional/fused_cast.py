@@ -192,7 +192,8 @@ def wrap_fp8(data: torch.Tensor, data_t: Optional[torch.Tensor], scale_inv: torc
     """A Float8Tensor of `shape` over the padded buffers of a fused kernel."""
     tokens = math.prod(shape[:-1])
     rows = data if data.shape[0] == tokens else data[:tokens]  # no slice op where unpadded
-    t = Float8Tensor(rows.view(shape), scale_inv, fp8_dtype, nominal_dtype, data_t)
+    # view(*shape): a torch.Size argument parses slower (host time on every fused cast)
+    t = Float8Tensor(rows.view(*shape), scale_inv, fp8_dtype, nominal_dtype, data_t)
     t._padded_data, t._hp = data, hp
     return t
 

@@ -600,7 +600,7 @@ class _LinearFunction(torch.autograd.Function):
             dx = (reduce_scatter_dim0(dx, group) if ctx.column.sequence_parallel
                   else all_reduce(dx, group))
         if dx is not None and len(ctx.in_shape) != 2:
-            dx = dx.view(ctx.in_shape)
+            dx = dx.view(*ctx.in_shape)  # unpacked: a torch.Size argument parses slower
         return dx, dw, db, None, None, None, None, None
 
 
@@ -657,7 +657,7 @@ def _linear(inp, weight, bias, fp8, main_grad, tp: Optional[TPSpec] = None, carr
     if not torch.is_autocast_enabled(dev):
         if fp8 is None and not main_grad and tp is None:
             return F.linear(inp, weight, bias)
-        if fp8 is not None and bias is not None:
+        if fp8 is not None and bias is not None and bias.dtype != inp.dtype:
             bias = bias.to(inp.dtype)
         return apply(inp, weight, bias, fp8, tuple(main_grad), tp, *extra)
     dtype = torch.get_autocast_dtype(dev)

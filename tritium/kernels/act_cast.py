@@ -42,7 +42,7 @@ from ..fp8.formats import fp8_max
 from ._launch import Launcher
 from .activation import (_CODE, GATED, _bwd_values, _check, _check_bwd, _fwd_values,
                          _rows_view)
-from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8, _t_arg, _trans_in_registers
+from .cast import _TL_FP8, _abs_max_nan, _bytes, _scaled_fp8, _trans_in_registers
 
 
 @triton.jit
@@ -72,8 +72,8 @@ def _act_fp8_fwd_kernel(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_
         if WRITE_DATA:
             tl.store(data_ptr + rows[:, None] * F + cols[None, :], y8,
                      mask=(rows[:, None] < Rp) & (cols[None, :] < F))
-        if TRANS_T:  # the tile's fp8 bytes transposed (data_t_ptr is a uint8 view)
-            tl.store(data_t_ptr + cols[:, None] * Rp + rows[None, :],
+        if TRANS_T:  # the tile's fp8 bytes transposed, stored as bytes
+            tl.store(_bytes(data_t_ptr) + cols[:, None] * Rp + rows[None, :],
                      tl.trans(y8.to(tl.uint8, bitcast=True)),
                      mask=(cols[:, None] < F) & (rows[None, :] < Rp))
         if UPDATE_AMAX:
@@ -114,7 +114,7 @@ def _act_fp8_bwd_kernel(dy_ptr, x_ptr, dx_ptr, data_ptr, data_t_ptr, scale_ptr, 
                              ACT, GATED)
         offs = rows[:, None] * W + cols[None, :]
         out_mask = (rows[:, None] < Rp) & (cols[None, :] < F)
-        # TRANS_T: each tile's fp8 bytes transposed (data_t_ptr is a uint8 view)
+        # TRANS_T: each tile's fp8 bytes transposed, stored as bytes
         offs_t = cols[:, None] * Rp + rows[None, :]
         out_mask_t = (cols[:, None] < F) & (rows[None, :] < Rp)
         da = tl.where(mask, da.to(in_ty).to(tl.float32), 0.0)
@@ -125,7 +125,7 @@ def _act_fp8_bwd_kernel(dy_ptr, x_ptr, dx_ptr, data_ptr, data_t_ptr, scale_ptr, 
             if WRITE_DATA:
                 tl.store(data_ptr + offs, da8, mask=out_mask)
             if TRANS_T:
-                tl.store(data_t_ptr + offs_t, tl.trans(da8.to(tl.uint8, bitcast=True)),
+                tl.store(_bytes(data_t_ptr) + offs_t, tl.trans(da8.to(tl.uint8, bitcast=True)),
                          mask=out_mask_t)
         m = _abs_max_nan(da)
         if GATED:
@@ -137,7 +137,7 @@ def _act_fp8_bwd_kernel(dy_ptr, x_ptr, dx_ptr, data_ptr, data_t_ptr, scale_ptr, 
                 if WRITE_DATA:
                     tl.store(data_ptr + offs + F, db8, mask=out_mask)
                 if TRANS_T:
-                    tl.store(data_t_ptr + offs_t + F * Rp,
+                    tl.store(_bytes(data_t_ptr) + offs_t + F * Rp,
                              tl.trans(db8.to(tl.uint8, bitcast=True)), mask=out_mask_t)
             m = _nan_max(m, _abs_max_nan(db))
         if UPDATE_AMAX:
@@ -192,7 +192,7 @@ def activation_fwd_fp8(x: torch.Tensor, kind: str, scale: torch.Tensor,
     grid, ncb, br, bc, warps = _grid(rows_p, f, not x.is_cuda)
     trans_t = _trans_in_registers(x, write_transpose)
     _launch_fwd(grid, x, data if data is not None else scale_inv,
-                _t_arg(data_t, trans_t, scale_inv), scale,
+                data_t if data_t is not None else scale_inv, scale,
                 amax if amax is not None else scale_inv, scale_inv,
                 rows, rows_p, f, x.stride(0), ncb,
                 ACT=_CODE[kind], GATED=gated, WRITE_DATA=write_data, WRITE_T=write_transpose,
@@ -218,7 +218,7 @@ def activation_bwd_fp8(dy: torch.Tensor, x: torch.Tensor, kind: str, scale: torc
     trans_t = _trans_in_registers(x, write_transpose)
     _launch_bwd(grid, dy, x, dx if dx is not None else scale_inv,
                 data if data is not None else scale_inv,
-                _t_arg(data_t, trans_t, scale_inv), scale,
+                data_t if data_t is not None else scale_inv, scale,
                 amax if amax is not None else scale_inv, scale_inv,
                 rows, rows_p, f, dy.stride(0), x.stride(0), ncb,
                 ACT=_CODE[kind], GATED=gated, WRITE_HP=write_hp, WRITE_DATA=write_data,

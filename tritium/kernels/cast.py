@@ -55,6 +55,13 @@ def _abs_max_nan(x):
 
 
 @triton.jit
+def _bytes(ptr):
+    """`ptr` read as a uint8 pointer: TRANS_T stores the fp8 bytes transposed in registers
+    through it (the host passes the fp8 tensor itself: no uint8 view per launch)."""
+    return ptr.to(tl.pointer_type(tl.uint8))
+
+
+@triton.jit
 def _scaled_fp8(x, scale, valid, FP8_MAX: tl.constexpr, OUT_DTYPE: tl.constexpr):
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = tl.where(valid, y, 0.0)  # padding rows stay 0 even for an inf/NaN scale (0 * inf)
@@ -71,7 +78,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
     writes scale_inv. Under CURRENT, `amax_ptr` holds the finished amax the scale comes from.
     data_t's rows are stride_tn apart (Mp, or a column block of a wider buffer).
     TRANS_T (16-bit inputs): the transpose is the tile's fp8 bytes transposed in registers
-    (data_t_ptr is a uint8 view); else the tile is read again with transposed indices."""
+    (stored through `_bytes(data_t_ptr)`); else the tile is read again with transposed indices."""
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     if CURRENT:
@@ -87,7 +94,7 @@ def _cast_one(x_ptr, data_ptr, data_t_ptr, scale_ptr, amax_ptr, scale_inv_ptr, M
             tl.store(data_ptr + rm[:, None] * N + rn[None, :], x8,
                      mask=(rm[:, None] < Mp) & (rn[None, :] < N))
         if TRANS_T:
-            tl.store(data_t_ptr + rn[:, None] * stride_tn + rm[None, :],
+            tl.store(_bytes(data_t_ptr) + rn[:, None] * stride_tn + rm[None, :],
                      tl.trans(x8.to(tl.uint8, bitcast=True)),
                      mask=(rn[:, None] < N) & (rm[None, :] < Mp))
         if UPDATE_AMAX:
@@ -223,13 +230,6 @@ def _trans_in_registers(x: torch.Tensor, write_transpose: bool) -> bool:
     return write_transpose and x.element_size() == 2
 
 
-def _t_arg(data_t, trans: bool, placeholder):
-    """data_t as the kernel takes it: a uint8 view under TRANS_T, the placeholder when absent."""
-    if data_t is None:
-        return placeholder
-    return data_t.view(torch.uint8) if trans else data_t
-
-
 def _outputs(x, fp8_dtype, mp, n, write_data, write_transpose):
     dev = x.device
     return (torch.empty(mp, n, dtype=fp8_dtype, device=dev) if write_data else None,
@@ -256,7 +256,8 @@ def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optiona
     grid = (max(-(-mp // bm), 1), max(-(-n // bn), 1))
     trans = _trans_in_registers(x, write_transpose)
     _launch_cast_transpose(
-        grid, x, data if write_data else scale_inv, _t_arg(data_t, trans, scale_inv),
+        grid, x, data if write_data else scale_inv,
+        data_t if data_t is not None else scale_inv,
         scale if current is None else amax, amax if amax is not None else scale_inv,
         scale_inv, skip if skip is not None else scale_inv, m, n, mp, x.stride(0),
         data_t.stride(0) if write_transpose else mp,
@@ -282,7 +283,7 @@ def cast_transpose_pair(a_job: tuple, b_job: tuple, fp8_dtype: torch.dtype,
         results.append((data, data_t, scale_inv))
         trans.append(_trans_in_registers(x, write_transpose))
         launch_args += (x, data if write_data else scale_inv,
-                        _t_arg(data_t, trans[-1], scale_inv),
+                        data_t if data_t is not None else scale_inv,
                         scale if current is None else amax,
                         amax if amax is not None else scale_inv, scale_inv, m, n, mp, x.stride(0))
         programs += max(-(-mp // bm), 1) * max(-(-n // bn), 1)  # the kernel counts the same

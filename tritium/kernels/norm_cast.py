@@ -92,9 +92,10 @@ def _fwd_fp8(x, weight, bias, eps, zero_centered_gamma, is_rms, scale, amax, fp8
     rows, n = x.shape
     rows_p = -(-rows // pad_rows_to) * pad_rows_to
     dev = x.device
-    y = torch.empty((rows, n), dtype=x.dtype, device=dev) if write_hp else None
-    data = torch.empty((rows_p, n), dtype=fp8_dtype, device=dev)
-    data_t = torch.empty((n, rows_p), dtype=fp8_dtype, device=dev) if write_transpose else None
+    # sizes as separate ints: a tuple argument parses slower (host time on every call)
+    y = torch.empty(rows, n, dtype=x.dtype, device=dev) if write_hp else None
+    data = torch.empty(rows_p, n, dtype=fp8_dtype, device=dev)
+    data_t = torch.empty(n, rows_p, dtype=fp8_dtype, device=dev) if write_transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     mean = torch.empty(rows if not is_rms else 0, dtype=torch.float32, device=dev)
     rstd = torch.empty(rows, dtype=torch.float32, device=dev)

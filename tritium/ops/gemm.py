@@ -36,10 +36,10 @@ from ._common import fresh, tritium_op
 _BIAS_FUSABLE = (torch.bfloat16, torch.float16)
 
 
-def _tma_ok(t: Optional[Tensor]) -> bool:
-    """A layout TMA takes: last dim contiguous, base and row stride 16-byte aligned."""
-    return t is None or (t.stride(-1) == 1 and not t.data_ptr() & 15
-                         and not (t.stride(0) * t.element_size()) & 15)
+def _tma_ok(t: Tensor) -> bool:
+    """A 2D layout TMA takes: last dim contiguous, base and row stride 16-byte aligned."""
+    stride = t.stride()  # one call: stride(i) parses its argument, host time on every GEMM
+    return stride[-1] == 1 and not t.data_ptr() & 15 and not (stride[0] * t.element_size()) & 15
 
 
 # At most 2^29 multiply-adds (e.g. 256 tokens x 512 x 2048) a GEMM takes ~1-2 us of an H100's
@@ -67,7 +67,7 @@ def _use_triton_gemm(a, b, out, fast_accum: bool, accumulate: bool = False) -> b
         return False
     if not (accumulate or triton_by_rule(fast_accum, a.shape[0] * b.shape[0] * a.shape[1])):
         return False
-    return _tma_ok(a) and _tma_ok(b) and _tma_ok(out)
+    return _tma_ok(a) and _tma_ok(b) and (out is None or _tma_ok(out))
 
 
 @functools.lru_cache(maxsize=None)
