@@ -103,9 +103,7 @@ def _norm_step(kind):
 
 def _graphs_step(fp8: bool):
     """bench_graphs' eager step (4 TransformerLayers, hidden 512, fwd + bwd + FusedAdam)."""
-    import os
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                    "benchmarks"))
+    profile_host_cpu.benchmarks_on_path()
     import bench_graphs
     return bench_graphs.make_step(fp8, False, False, 1)
 

@@ -310,9 +310,14 @@ def _graphs_model_step(fp8_recipe):
     return step
 
 
+def benchmarks_on_path() -> None:
+    """The repository's benchmarks/ importable (bench_graphs' model and step)."""
+    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+
+
 def _cpu_step_setup():
     """The stubs of the model-cpu-graphs / model-cpu-tp steps, for this process."""
-    sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+    benchmarks_on_path()
     _stub_gpu_calls()
     _stub_attention()
     _stub_cpu_compute()
