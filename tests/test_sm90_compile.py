@@ -138,6 +138,20 @@ KERNELS = {
         dict(HAS_BIAS=True, PRECISE=False, SPLIT_STORE=True, ACCUMULATE=False, BLOCK_M=128,
              BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
         dict(num_warps=8, num_stages=3)),
+    ("gemm", "_fp8_gemm_tn_pair_kernel"): (  # a small Linear's dgrad (bf16) and wgrad (fp32)
+        {"a0_desc": _desc("fp8e5", (128, 64)), "b0_desc": _desc("fp8e4nv", (128, 64)),
+         "c0_desc": _desc("bf16", (128, 128)), "a1_desc": _desc("fp8e5", (128, 64)),
+         "b1_desc": _desc("fp8e4nv", (128, 64)), "c1_desc": _desc("fp32", (128, 64))},
+        dict(PRECISE=True, SPLIT_STORE0=False, SPLIT_STORE1=True, BLOCK_M=128, BLOCK_N=128,
+             BLOCK_K=64, GROUP_M=8),
+        dict(num_warps=4, num_stages=3)),
+    ("gemm", "_fp8_dgrad_wgrad_kernel"): (
+        {"dy_ptr": BF16P, "w_t_desc": _desc("fp8e4nv", (128, 64)),
+         "dx_desc": _desc("bf16", (128, 128)), "x_t_desc": _desc("fp8e4nv", (128, 64)),
+         "dw_desc": _desc("fp32", (128, 64))},
+        dict(FP8_MAX=57344.0, FP8_DTYPE=tl.float8e5, SPLIT_DX=False, SPLIT_DW=True,
+             BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+        dict(num_warps=4, num_stages=3)),
     ("grouped_gemm", "_grouped_cast_kernel"): (
         {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "offs_ptr": I32P},
         dict(FP8_MAX=E4MAX, OUT_DTYPE=E4, WRITE_DATA=True, WRITE_T=True, UPDATE_AMAX=True,

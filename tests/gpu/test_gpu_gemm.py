@@ -106,50 +106,69 @@ def test_accumulating_gemm_equals_twin_on_exact_sums(m, n, k, out_dtype, row_pad
     assert same.all(), f"{(~same).sum().item()} elements differ"
 
 
-def _linear_gemm_choice(setenv, monkeypatch, tokens, in_features, out_features):
-    """Two FP8 delayed steps of a Linear under TRITIUM_FP8_GEMM=auto and then =cublas:
-    (the Triton kernel's calls under auto, as their fast_accum flags; auto's results; cublas's
-    results, where the Triton kernel must not run). The results agree to the accumulators'
-    precision."""
-    calls = []
-    real = kgemm.fp8_gemm_tn
+def _linear_gemm_choice(setenv, monkeypatch, tokens, in_features, out_features, rec=None):
+    """Two FP8 steps of a Linear (delayed scaling unless `rec`) under TRITIUM_FP8_GEMM=auto
+    and then =cublas: (the Triton kernel's GEMMs under auto, as their fast_accum flags, a
+    one-launch form's two GEMMs each; auto's results, with the bwd amax history last; cublas's
+    results, where the Triton kernels must not run; the one-launch forms' launches under auto
+    by name). The results agree to the accumulators' precision; the cast of dy records the
+    same amaxes fused into the GEMMs' launch as alone."""
+    calls, launches = [], []
+    real = {name: getattr(kgemm, name)
+            for name in ("fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad")}
     monkeypatch.setattr(kgemm, "fp8_gemm_tn",
                         lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
-                        or real(*a, **k))
+                        or real["fp8_gemm_tn"](*a, **k))
+    for name in ("fp8_gemm_tn_pair", "fp8_dgrad_wgrad"):
+        def one_launch(*a, _name=name, **k):
+            calls.extend([False, False])  # both precise (backward)
+            launches.append(_name)
+            return real[_name](*a, **k)
+        monkeypatch.setattr(kgemm, name, one_launch)
     torch.manual_seed(0)
     layer = te.Linear(in_features, out_features, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
     dy = torch.randn(tokens, out_features, device="cuda", dtype=torch.bfloat16)
-    rec = recipe.DelayedScaling(amax_history_len=4)
+    rec = rec or recipe.DelayedScaling(amax_history_len=4)
 
     def run():
         layer.fp8_meta = type(layer.fp8_meta)(2, 1)
-        return fp8_linear_steps(layer, x, dy, rec, steps=2)
+        res = fp8_linear_steps(layer, x, dy, rec, steps=2)
+        bwd = layer.fp8_meta.bwd
+        return (*res, None if bwd is None else bwd.amax_history.clone())
     auto = run()
-    auto_calls = list(calls)
+    auto_calls, auto_launches = list(calls), list(launches)
     setenv("TRITIUM_FP8_GEMM", "cublas")
     calls.clear()
     cublas = run()
     assert calls == []
-    for got, want in zip(auto, cublas):
+    for got, want in zip(auto[:4], cublas[:4]):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
-    return auto_calls, auto, cublas
+    if auto[4] is not None:
+        assert auto[4].abs().max() > 0 and torch.equal(auto[4], cublas[4])
+    return auto_calls, auto, cublas, auto_launches
 
 
 def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
     """auto: fprop (fast accumulation) on the Triton kernel, dgrad/wgrad on cuBLASLt (GEMMs
     above HOST_BOUND_MACS); the results agree with TRITIUM_FP8_GEMM=cublas to the fast
     accumulator's precision."""
-    calls, auto, cublas = _linear_gemm_choice(setenv, monkeypatch, 1000, 1024, 768)
+    calls, auto, cublas, launches = _linear_gemm_choice(setenv, monkeypatch, 1000, 1024, 768)
     assert calls == [True, True], "expected the Triton kernel for the two forward GEMMs only"
+    assert launches == []
     assert torch.equal(auto[1], cublas[1]), "dgrad is the same cuBLASLt call on the same bits"
 
 
-def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch):
+@pytest.mark.parametrize("scaling", ["delayed", "current"])
+def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch, scaling):
     """auto: a Linear whose GEMMs are at most HOST_BOUND_MACS multiply-adds (256 tokens,
-    512 -> 640) runs fprop, dgrad and wgrad on the Triton kernel (host-bound: its launch is the
-    cheaper call); the results agree with TRITIUM_FP8_GEMM=cublas."""
+    512 -> 640) runs fprop, dgrad and wgrad on the Triton kernels (host-bound: a launch is the
+    cheaper call), dgrad and wgrad in one launch, which under delayed scaling also casts dy
+    (same amaxes recorded); the results agree with TRITIUM_FP8_GEMM=cublas."""
     from tritium.ops import gemm as ops_gemm
     assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS < 1000 * 1024 * 768
-    calls, _, _ = _linear_gemm_choice(setenv, monkeypatch, 256, 512, 640)
+    rec = recipe.Float8CurrentScaling() if scaling == "current" else None
+    calls, _, _, launches = _linear_gemm_choice(setenv, monkeypatch, 256, 512, 640, rec)
     assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
+    one_launch = "fp8_dgrad_wgrad" if scaling == "delayed" else "fp8_gemm_tn_pair"
+    assert launches == [one_launch] * 2, "dgrad and wgrad: one launch per step"

@@ -61,3 +61,33 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                                     out, accumulate)
     return ops_gemm.tensor_core_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum,
                                      out, accumulate)
+
+
+def fp8_gemm_tn_pair_on_one_launch(first: tuple, second: tuple,
+                                   fast_accum: bool = False) -> Optional[tuple]:
+    """Two independent GEMMs, each (a, b, a_scale_inv, b_scale_inv, out_dtype), as
+    (fp8_gemm_tn of each) in one launch of the Triton kernel where both run on it on this
+    device (`tritium.ops.gemm.tensor_core_gemm_pair`: small GEMMs, whose launches' host time is
+    their cost); None elsewhere (emulation, torch.compile, cuBLASLt's GEMMs): the caller runs
+    them one by one then, in the order its memory wants."""
+    check_fp8_gemm_operands(*first[:2])
+    check_fp8_gemm_operands(*second[:2])
+    if torch.compiler.is_compiling() or not _device.fp8_tensor_cores(first[0]):
+        return None
+    return ops_gemm.tensor_core_gemm_pair(first, second, fast_accum)
+
+
+def fp8_dgrad_wgrad_on_one_launch(dy: torch.Tensor, dy_scale: torch.Tensor,
+                                  dy_amax: torch.Tensor, fp8_dtype: torch.dtype,
+                                  w_t: torch.Tensor, w_scale_inv: torch.Tensor,
+                                  x_t: torch.Tensor, x_scale_inv: torch.Tensor,
+                                  dx_dtype: torch.dtype,
+                                  dw_dtype: torch.dtype) -> Optional[tuple]:
+    """A small Linear's backward under delayed scaling, (dx, dw) as
+    `tritium.ref.gemm.fp8_dgrad_wgrad`, in one launch that casts dy in its GEMMs' loads
+    (`tritium.ops.gemm.tensor_core_dgrad_wgrad`); None where that does not run (emulation,
+    torch.compile, GEMMs above the small-GEMM rule): the caller casts dy and runs the GEMMs."""
+    if torch.compiler.is_compiling() or not _device.fp8_tensor_cores(dy):
+        return None
+    return ops_gemm.tensor_core_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
+                                            x_t, x_scale_inv, dx_dtype, dw_dtype)

@@ -79,7 +79,7 @@ from . import block_sp
 from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands, grad_carriers
-from .gemm import fp8_gemm_tn
+from .gemm import fp8_dgrad_wgrad_on_one_launch, fp8_gemm_tn, fp8_gemm_tn_pair_on_one_launch
 from .linear_sp import gathered_fp8
 
 
@@ -364,12 +364,31 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     # a grad that arrives in fp8 (a fused activation backward's cast) already holds dy8 and
     # dy8^T whole: blocks would save no memory, only add launches and host time
     parts = 1 if dyq is not None else backward_blocks(tokens, in_features, out_features)
+    # small GEMMs (the host-bound case) on one launch each backward: dgrad and wgrad
+    # together, and under delayed scaling dy's cast in their loads too; not where a reduction
+    # starts between them (dgrad_ready) or the weight is cast again (a large layer's recast)
+    one_launch = parts == 1 and need_dgrad and need_wgrad and dgrad_ready is None and \
+        isinstance(w8_t, torch.Tensor)
+    if one_launch and dyq is None and type(plan.bwd) is ScalingState and \
+            not isinstance(plan.recipe, Float8CurrentScaling):
+        res = fp8_dgrad_wgrad_on_one_launch(
+            dy2d, plan.bwd.scale_slot(plan.grad_slot), plan.bwd.amax_slot(plan.grad_slot),
+            bwd_dtype, w8_t, w_si, x8_t, x_si, dy2d.dtype, wgrad_dtype)
+        if res is not None:
+            return res
     if parts == 1:
         if dyq is not None:
             dy8, dy8_t, dy_si = dyq
         else:
             dy8, dy8_t, dy_si = plan.quantize(dy2d, plan.bwd, plan.grad_slot, bwd_dtype,
                                               write_data=need_dgrad, write_transpose=need_wgrad)
+        if one_launch:
+            pair = fp8_gemm_tn_pair_on_one_launch(
+                (dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype),
+                (dy8_t, x8_t, dy_si, x_si, wgrad_dtype))
+            if pair is not None:
+                dx, dw = pair
+                return (dx if dx.shape[0] == tokens else dx[:tokens]), dw
         if need_dgrad and dgrad_ready is not None:  # dgrad first: its reduction overlaps wgrad
             dx = fp8_gemm_tn(dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
             dx = dx if dx.shape[0] == tokens else dx[:tokens]

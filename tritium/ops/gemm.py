@@ -90,6 +90,39 @@ def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Ten
     return cublas_gemm(a, b, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum, out)
 
 
+def _small_on_triton(macs: tuple, tma_operands: tuple) -> bool:
+    """GEMMs of at most HOST_BOUND_MACS multiply-adds each, whose TMA operands' layouts TMA
+    takes, where TRITIUM_FP8_GEMM lets Triton run: what the one-launch forms below take (their
+    tiles are sized for small GEMMs)."""
+    return (_env.fp8_gemm() != "cublas" and max(macs) <= HOST_BOUND_MACS
+            and all(_tma_ok(t) for t in tma_operands))
+
+
+def tensor_core_gemm_pair(first: tuple, second: tuple, fast_accum: bool) -> Optional[tuple]:
+    """Two independent small GEMMs, each (a, b, a_scale_inv, b_scale_inv, out_dtype), in one
+    launch of the Triton kernel (one launch's host time saved); None where Triton does not
+    run or either GEMM is not small, for the caller to run them one by one in its own order."""
+    (a0, b0), (a1, b1) = first[:2], second[:2]
+    macs = (a0.shape[0] * b0.shape[0] * a0.shape[1], a1.shape[0] * b1.shape[0] * a1.shape[1])
+    if not (_device.use_triton(a0) and _small_on_triton(macs, (a0, b0, a1, b1))):
+        return None
+    return _kernels().fp8_gemm_tn_pair(first, second, fast_accum)
+
+
+def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
+                            fp8_dtype: torch.dtype, w_t: Tensor, w_scale_inv: Tensor,
+                            x_t: Tensor, x_scale_inv: Tensor, dx_dtype: torch.dtype,
+                            dw_dtype: torch.dtype) -> Optional[tuple]:
+    """`tritium.ref.gemm.fp8_dgrad_wgrad` as one Triton launch (dy cast in the GEMMs' loads)
+    where both GEMMs are small; None otherwise."""
+    (t, n), (k_in, t_padded) = dy.shape, x_t.shape
+    if not (_device.use_triton(dy) and dy.stride(-1) == 1
+            and _small_on_triton((t * n * k_in, n * k_in * t_padded), (w_t, x_t))):
+        return None
+    return _kernels().fp8_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv, x_t,
+                                      x_scale_inv, dx_dtype, dw_dtype)
+
+
 def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
                 out_dtype: torch.dtype, bias: Optional[Tensor], fast_accum: bool,
                 out: Optional[Tensor]) -> Tensor:

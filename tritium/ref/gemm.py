@@ -13,6 +13,8 @@ from typing import Optional
 
 import torch
 
+from . import cast as ref_cast
+
 
 def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
                 b_scale_inv: torch.Tensor, out_dtype: torch.dtype,
@@ -30,4 +32,27 @@ def fp8_gemm_tn(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor,
     return res.to(out_dtype)
 
 
-__all__ = ["fp8_gemm_tn"]
+def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> tuple:
+    """Two independent GEMMs, each given as (a, b, a_scale_inv, b_scale_inv, out_dtype):
+    (fp8_gemm_tn of the first, fp8_gemm_tn of the second), fresh [M, N] results (the kernel
+    runs both in one launch)."""
+    return tuple(fp8_gemm_tn(*job, fast_accum=fast_accum) for job in (first, second))
+
+
+def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Tensor,
+                    fp8_dtype: torch.dtype, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
+                    x_t: torch.Tensor, x_scale_inv: torch.Tensor, dx_dtype: torch.dtype,
+                    dw_dtype: torch.dtype) -> tuple:
+    """A Linear's backward GEMMs from its high-precision grad under delayed scaling: dy [T, N]
+    cast to fp8_dtype with dy_scale (`tritium.ref.cast.cast_transpose`, its amax max-recorded
+    into dy_amax), then dx = dy8 @ w (w_t: w8^T [K_in, N]) of dx_dtype and dw = dy8^T @ x
+    (x_t: x8^T [K_in, T_padded], zero columns past T) of dw_dtype, precise accumulation:
+    (dx [T, K_in], dw [N, K_in]). The kernel casts dy's tiles in registers as it loads them."""
+    t_padded = x_t.shape[1]
+    dy8, dy8_t, dy_scale_inv = ref_cast.cast_transpose(
+        dy, dy_scale, dy_amax, fp8_dtype, pad_rows_to=max(t_padded, 1), write_transpose=True)
+    return (fp8_gemm_tn(dy8[:dy.shape[0]], w_t, dy_scale_inv, w_scale_inv, dx_dtype),
+            fp8_gemm_tn(dy8_t, x_t, dy_scale_inv, x_scale_inv, dw_dtype))
+
+
+__all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad"]
