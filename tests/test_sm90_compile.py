@@ -148,9 +148,9 @@ KERNELS = {
     ("gemm", "_fp8_dgrad_wgrad_kernel"): (
         {"dy_ptr": BF16P, "w_t_desc": _desc("fp8e4nv", (128, 64)),
          "dx_desc": _desc("bf16", (128, 128)), "x_t_desc": _desc("fp8e4nv", (128, 64)),
-         "dw_desc": _desc("fp32", (128, 64))},
+         "dw_desc": _desc("fp32", (128, 64)), "dbias_ptr": BF16P},
         dict(FP8_MAX=57344.0, FP8_DTYPE=tl.float8e5, SPLIT_DX=False, SPLIT_DW=True,
-             BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
+             HAS_DBIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8),
         dict(num_warps=4, num_stages=3)),
     ("grouped_gemm", "_grouped_cast_kernel"): (
         {"x_ptr": BF16P, "data_ptr": E4P, "data_t_ptr": E4P, "offs_ptr": I32P},

@@ -122,27 +122,33 @@ def test_gemm_pair_kernel_equals_its_twin_bits(out_dtypes, fast_accum):
 @pytest.mark.parametrize("dy_dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("grad_fp8", [E5M2, E4M3])
 def test_dgrad_wgrad_kernel_equals_its_twin_bits(t, n, k_in, dy_dtype, grad_fp8):
-    """dy cast in the GEMMs' loads (delayed scaling) and both backward GEMMs, one launch: dx,
-    dw and the recorded amax as the twin's (cast, then two GEMMs), bit for bit on exact sums;
-    T not a multiple of the tiles (x^T's zero-padded columns), a column-sliced dy (row stride
-    > N), values past fp8's range saturating."""
+    """dy cast in the GEMMs' loads (delayed scaling), both backward GEMMs and dbias, one
+    launch: dx, dw, dbias and the recorded amax as the twin's (cast, two GEMMs, a sum), bit for
+    bit on exact sums; T not a multiple of the tiles (x^T's zero-padded columns), a
+    column-sliced dy (row stride > N), values past e4m3's range saturating."""
     gen = torch.Generator().manual_seed(hash((t, n, k_in, str(dy_dtype), str(grad_fp8))) % 2**31)
     t_padded = -(-t // 16) * 16
     wide = torch.randint(-8, 9, (t, n + 8), generator=gen).to(dy_dtype)
-    wide[0, 0] = 4096  # * scale 0.25: past e4m3's 448, saturates
+    wide[0, 4] = 4096  # * scale 0.25: past e4m3's 448, saturates
     dy = wide[:, 4:4 + n]
     scale = torch.tensor([0.25])
     w_t = _integer_fp8(k_in, n, E4M3, gen)
     x_t = torch.cat([_integer_fp8(k_in, t, E4M3, gen),
                      torch.zeros(k_in, t_padded - t).to(E4M3)], 1)
     w_si, x_si = _scales(gen)
-    amax_got, amax_want = torch.tensor([3.0]), torch.tensor([3.0])
-    got = kgemm.fp8_dgrad_wgrad(dy, scale, amax_got, grad_fp8, w_t, w_si, x_t, x_si,
-                                torch.bfloat16, torch.float32)
-    want = rgemm.fp8_dgrad_wgrad(dy, scale, amax_want, grad_fp8, w_t, w_si, x_t, x_si,
-                                 torch.bfloat16, torch.float32)
-    assert amax_want.item() == dy.abs().max().item() > 3.0
-    assert_same_bits(amax_got, amax_want, "amax")
-    for name, g, w in zip(("dx", "dw"), got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype and g.abs().max() > 0
-        assert_same_bits(g, w, name)
+    for dbias_dtype in (dy_dtype, None):
+        amax_got, amax_want = torch.tensor([3.0]), torch.tensor([3.0])
+        got = kgemm.fp8_dgrad_wgrad(dy, scale, amax_got, grad_fp8, w_t, w_si, x_t, x_si,
+                                    torch.bfloat16, torch.float32, dbias_dtype)
+        want = rgemm.fp8_dgrad_wgrad(dy, scale, amax_want, grad_fp8, w_t, w_si, x_t, x_si,
+                                     torch.bfloat16, torch.float32, dbias_dtype)
+        assert amax_want.item() == dy.abs().max().item() > 3.0
+        assert_same_bits(amax_got, amax_want, "amax")
+        for name, g, w in zip(("dx", "dw"), got, want):
+            assert g.shape == w.shape and g.dtype == w.dtype and g.abs().max() > 0
+            assert_same_bits(g, w, name)
+        if dbias_dtype is None:
+            assert got[2] is None and want[2] is None
+        else:
+            assert got[2].dtype == dbias_dtype and got[2].abs().max() > 0
+            assert_same_bits(got[2], want[2], "dbias")

@@ -82,12 +82,14 @@ def fp8_dgrad_wgrad_on_one_launch(dy: torch.Tensor, dy_scale: torch.Tensor,
                                   w_t: torch.Tensor, w_scale_inv: torch.Tensor,
                                   x_t: torch.Tensor, x_scale_inv: torch.Tensor,
                                   dx_dtype: torch.dtype,
-                                  dw_dtype: torch.dtype) -> Optional[tuple]:
-    """A small Linear's backward under delayed scaling, (dx, dw) as
+                                  dw_dtype: torch.dtype,
+                                  dbias_dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
+    """A small Linear's backward under delayed scaling, (dx, dw, dbias or None) as
     `tritium.ref.gemm.fp8_dgrad_wgrad`, in one launch that casts dy in its GEMMs' loads
     (`tritium.ops.gemm.tensor_core_dgrad_wgrad`); None where that does not run (emulation,
     torch.compile, GEMMs above the small-GEMM rule): the caller casts dy and runs the GEMMs."""
     if torch.compiler.is_compiling() or not _device.fp8_tensor_cores(dy):
         return None
     return ops_gemm.tensor_core_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
-                                            x_t, x_scale_inv, dx_dtype, dw_dtype)
+                                            x_t, x_scale_inv, dx_dtype, dw_dtype,
+                                            dbias_dtype)

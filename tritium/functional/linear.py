@@ -351,10 +351,12 @@ ONE_PASS_SLACK = 16 * 2**20  # bytes; see backward_blocks
 
 
 def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_wgrad,
-                  wgrad_dtype, dyq=None, dgrad_ready=None):
-    """dyq: grad_output already in fp8, (dy8 [Tp, N], dy8^T [N, Tp] or None, scale_inv).
-    dgrad_ready(dx): called as soon as dx is final, before wgrad's GEMM (a column-parallel
-    GEMM starts its dgrad reduction there, so that it runs during wgrad)."""
+                  wgrad_dtype, dyq=None, dgrad_ready=None, dbias_dtype=None):
+    """(dx, dw, dbias or None). dyq: grad_output already in fp8, (dy8 [Tp, N], dy8^T [N, Tp]
+    or None, scale_inv). dgrad_ready(dx): called as soon as dx is final, before wgrad's GEMM
+    (a column-parallel GEMM starts its dgrad reduction there, so that it runs during wgrad).
+    dbias_dtype: where the one-launch backward runs, it also sums dbias of that dtype (None
+    comes back otherwise: the caller sums it)."""
     x8_t, x_si, w8_t, w_si = operands
     operands.clear()  # the caller's list must not keep the fp8 operands alive
     bwd_dtype = plan.recipe.fp8_format.backward_dtype
@@ -373,7 +375,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
             not isinstance(plan.recipe, Float8CurrentScaling):
         res = fp8_dgrad_wgrad_on_one_launch(
             dy2d, plan.bwd.scale_slot(plan.grad_slot), plan.bwd.amax_slot(plan.grad_slot),
-            bwd_dtype, w8_t, w_si, x8_t, x_si, dy2d.dtype, wgrad_dtype)
+            bwd_dtype, w8_t, w_si, x8_t, x_si, dy2d.dtype, wgrad_dtype, dbias_dtype)
         if res is not None:
             return res
     if parts == 1:
@@ -388,7 +390,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
                 (dy8_t, x8_t, dy_si, x_si, wgrad_dtype))
             if pair is not None:
                 dx, dw = pair
-                return (dx if dx.shape[0] == tokens else dx[:tokens]), dw
+                return (dx if dx.shape[0] == tokens else dx[:tokens]), dw, None
         if need_dgrad and dgrad_ready is not None:  # dgrad first: its reduction overlaps wgrad
             dx = fp8_gemm_tn(dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
             dx = dx if dx.shape[0] == tokens else dx[:tokens]
@@ -398,7 +400,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
         del dy8_t, x8_t
         if need_dgrad and dx is None:
             dx = fp8_gemm_tn(dy8, dgrad_weight(w8_t), dy_si, w_si, dy2d.dtype)
-        return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw
+        return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw, None
     tensor_amax = None
     # current scaling: one scale for all blocks of dy
     if isinstance(plan.recipe, Float8CurrentScaling):
@@ -424,7 +426,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
                                             tensor_amax=tensor_amax)
             fp8_gemm_tn(dy8_t, x8_t, dy_si, x_si, wgrad_dtype, out=dw[n0:n1])
             del dy8_t
-    return dx, dw
+    return dx, dw, None
 
 
 class _GradMeta(NamedTuple):
@@ -560,7 +562,8 @@ class _LinearFunction(torch.autograd.Function):
         # a Float8Tensor taken as fp8 (dyq) is not reshaped: only its shape and dtype are read
         dy2d = grad_out if dyq is not None or grad_out.dim() == 2 else \
             grad_out.reshape(-1, grad_out.shape[-1])
-        dx = dw = None
+        dx = dw = db = None
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
         wgrad_dtype = torch.float32 if ctx.main_grad else ctx.weight_dtype
         # column-parallel: dgrad's all-reduce (reduce-scatter under sequence parallelism) is
         # started as soon as dx is done and runs during the wgrad GEMM (eager only)
@@ -584,8 +587,9 @@ class _LinearFunction(torch.autograd.Function):
                     "supported; run the forward again instead")
             else:
                 operands, ctx.fp8_operands = ctx.fp8_operands, None
-            dx, dw = _fp8_backward(plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad,
-                                   wgrad_dtype, dyq, dgrad_ready)
+            dx, dw, db = _fp8_backward(
+                plan, dy2d, operands, ctx.shape[-1], need_dgrad, need_wgrad, wgrad_dtype, dyq,
+                dgrad_ready, dy2d.dtype if want_db and dyq is None else None)
         else:
             x2d, weight = ctx.saved_tensors
             if plan is not None:
@@ -597,8 +601,7 @@ class _LinearFunction(torch.autograd.Function):
             if need_wgrad:
                 dw = (_wgrad_into_fp32(dy2d, x2d) if ctx.main_grad
                       else (dy2d.t() @ x2d).to(wgrad_dtype))
-        db = None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if want_db and db is None:
             if dyq is not None and dy_hp is None:
                 raise RuntimeError("tritium: an FP8 grad_output without its high-precision copy "
                                    "reached a Linear with a bias to differentiate (the fused "

@@ -167,16 +167,19 @@ def _dy_tile(dy_ptr, stride_dy, T, N, off_m, ki, scale, TRANSPOSED: tl.constexpr
 
 @triton.jit
 def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc,
-                            w_scale_inv_ptr, x_t_desc, dw_desc, x_scale_inv_ptr,
+                            w_scale_inv_ptr, x_t_desc, dw_desc, x_scale_inv_ptr, dbias_ptr,
                             T, N, K_IN, T_PADDED, stride_dy, num_programs,
                             FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
                             SPLIT_DX: tl.constexpr, SPLIT_DW: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                            HAS_DBIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            GROUP_M: tl.constexpr):
     """A Linear's backward GEMMs from its high-precision grad dy [T, N] under delayed scaling:
     dx = fp8(dy) @ w (w_t [K_IN, N]) and dw = fp8(dy)^T @ x (x_t [K_IN, T_PADDED]), dy cast
     in registers as each A tile is loaded (no fp8 copy of dy in memory), its amax recorded
-    by dx's first column of tiles (each element of dy once). Precise accumulation."""
+    by dx's first column of tiles (each element of dy once). Precise accumulation.
+    HAS_DBIAS: dbias = dy.sum(0), summed in fp32 from dy's tiles by dw's first column of
+    tiles (each walks all of T for its rows of dy^T) and rounded once."""
     scale = tl.load(dy_scale_ptr)
     dy_scale_inv = tl.math.div_rn(1.0, scale)  # what the cast kernel would write
     tiles_m0 = tl.cdiv(T, BLOCK_M)
@@ -199,11 +202,18 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
         else:  # dw
             off_m, off_n = tile_offsets(tile - tiles0, tiles_m1, tiles_n0, BLOCK_M, BLOCK_N,
                                         GROUP_M)
+            db = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for ki in range(tl.cdiv(T_PADDED, BLOCK_K)):
-                a, _ = _dy_tile(dy_ptr, stride_dy, T, N, off_m, ki, scale, True, FP8_MAX,
+                a, x = _dy_tile(dy_ptr, stride_dy, T, N, off_m, ki, scale, True, FP8_MAX,
                                 FP8_DTYPE, BLOCK_M, BLOCK_K)
+                if HAS_DBIAS:
+                    db += tl.sum(x, axis=1)
                 b = x_t_desc.load([off_n, ki * BLOCK_K])
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
+            if HAS_DBIAS:
+                if off_n == 0:
+                    rm = off_m + tl.arange(0, BLOCK_M)
+                    tl.store(dbias_ptr + rm, db.to(dbias_ptr.dtype.element_ty), mask=rm < N)
             acc *= dy_scale_inv * tl.load(x_scale_inv_ptr)
             _store_tile(dw_desc, acc, off_m, off_n, SPLIT_DW, BLOCK_M, BLOCK_N)
 
@@ -279,13 +289,15 @@ def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> t
 def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Tensor,
                     fp8_dtype: torch.dtype, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
                     x_t: torch.Tensor, x_scale_inv: torch.Tensor, dx_dtype: torch.dtype,
-                    dw_dtype: torch.dtype) -> tuple:
-    """See `tritium.ref.gemm.fp8_dgrad_wgrad`: the cast of dy and both GEMMs, one launch."""
+                    dw_dtype: torch.dtype, dbias_dtype: Optional[torch.dtype] = None) -> tuple:
+    """See `tritium.ref.gemm.fp8_dgrad_wgrad`: the cast of dy and both GEMMs (and dbias),
+    one launch."""
     t, n = dy.shape
     k_in, t_padded = x_t.shape
     bm, bn, bk, group_m, warps, stages = PAIR_CONFIG if dy.is_cuda else _INTERPRET_CONFIG
     dx = torch.empty(t, k_in, dtype=dx_dtype, device=dy.device)
     dw = torch.empty(n, k_in, dtype=dw_dtype, device=dy.device)
+    db = None if dbias_dtype is None else torch.empty(n, dtype=dbias_dtype, device=dy.device)
     split_dx, split_dw = dx_dtype.itemsize == 4, dw_dtype.itemsize == 4
     tiles = (-(-t // bm) + -(-n // bm)) * -(-k_in // bn)
     programs = min(tiles, num_sms(dy.get_device())) if dy.is_cuda else tiles
@@ -293,11 +305,11 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Ten
         (programs,), dy, dy_scale, dy_amax, TensorDesc(w_t, (bn, bk)),
         TensorDesc(dx, (bm, bn // 2 if split_dx else bn)), w_scale_inv,
         TensorDesc(x_t, (bn, bk)), TensorDesc(dw, (bm, bn // 2 if split_dw else bn)),
-        x_scale_inv, t, n, k_in, t_padded, dy.stride(0), programs,
-        FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], SPLIT_DX=split_dx,
-        SPLIT_DW=split_dw, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
-        num_warps=warps, num_stages=stages)
-    return dx, dw
+        x_scale_inv, db if db is not None else dx, t, n, k_in, t_padded, dy.stride(0),
+        programs, FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], SPLIT_DX=split_dx,
+        SPLIT_DW=split_dw, HAS_DBIAS=db is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    return dx, dw, db
 
 
 __all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "CONFIGS", "ACCUMULATE_CONFIG"]

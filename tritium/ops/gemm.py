@@ -112,7 +112,8 @@ def tensor_core_gemm_pair(first: tuple, second: tuple, fast_accum: bool) -> Opti
 def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
                             fp8_dtype: torch.dtype, w_t: Tensor, w_scale_inv: Tensor,
                             x_t: Tensor, x_scale_inv: Tensor, dx_dtype: torch.dtype,
-                            dw_dtype: torch.dtype) -> Optional[tuple]:
+                            dw_dtype: torch.dtype,
+                            dbias_dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
     """`tritium.ref.gemm.fp8_dgrad_wgrad` as one Triton launch (dy cast in the GEMMs' loads)
     where both GEMMs are small; None otherwise."""
     (t, n), (k_in, t_padded) = dy.shape, x_t.shape
@@ -120,7 +121,7 @@ def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
             and _small_on_triton((t * n * k_in, n * k_in * t_padded), (w_t, x_t))):
         return None
     return _kernels().fp8_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv, x_t,
-                                      x_scale_inv, dx_dtype, dw_dtype)
+                                      x_scale_inv, dx_dtype, dw_dtype, dbias_dtype)
 
 
 def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,

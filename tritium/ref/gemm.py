@@ -42,17 +42,20 @@ def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> t
 def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Tensor,
                     fp8_dtype: torch.dtype, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
                     x_t: torch.Tensor, x_scale_inv: torch.Tensor, dx_dtype: torch.dtype,
-                    dw_dtype: torch.dtype) -> tuple:
+                    dw_dtype: torch.dtype, dbias_dtype: Optional[torch.dtype] = None) -> tuple:
     """A Linear's backward GEMMs from its high-precision grad under delayed scaling: dy [T, N]
     cast to fp8_dtype with dy_scale (`tritium.ref.cast.cast_transpose`, its amax max-recorded
     into dy_amax), then dx = dy8 @ w (w_t: w8^T [K_in, N]) of dx_dtype and dw = dy8^T @ x
-    (x_t: x8^T [K_in, T_padded], zero columns past T) of dw_dtype, precise accumulation:
-    (dx [T, K_in], dw [N, K_in]). The kernel casts dy's tiles in registers as it loads them."""
+    (x_t: x8^T [K_in, T_padded], zero columns past T) of dw_dtype, precise accumulation; with
+    dbias_dtype also dbias = dy.sum(0) (of the unquantized dy, summed in fp32, rounded once):
+    (dx [T, K_in], dw [N, K_in], dbias [N] or None). The kernel casts dy's tiles in registers
+    as it loads them, and sums dbias from the same tiles."""
     t_padded = x_t.shape[1]
     dy8, dy8_t, dy_scale_inv = ref_cast.cast_transpose(
         dy, dy_scale, dy_amax, fp8_dtype, pad_rows_to=max(t_padded, 1), write_transpose=True)
+    db = None if dbias_dtype is None else dy.float().sum(0).to(dbias_dtype)
     return (fp8_gemm_tn(dy8[:dy.shape[0]], w_t, dy_scale_inv, w_scale_inv, dx_dtype),
-            fp8_gemm_tn(dy8_t, x_t, dy_scale_inv, x_scale_inv, dw_dtype))
+            fp8_gemm_tn(dy8_t, x_t, dy_scale_inv, x_scale_inv, dw_dtype), db)
 
 
 __all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad"]
