@@ -36,7 +36,8 @@ def test_model_cpu_graphs_prints_ratios_and_counts():
     # bf16's GEMMs are ATen's; FP8's (at most ops.gemm.HOST_BOUND_MACS each here: 256 tokens,
     # hidden 512) all the Triton kernel's, none cuBLASLt's
     assert rows["bf16"][1] == rows["fp8 delayed"][1] == rows["fp8 current"][1] == 0
-    assert rows["fp8 delayed"][0] >= rows["bf16"][0] + 4 * 12  # 4 layers x 4 Linears x 3
+    # 4 layers x 4 Linears x (fprop + dgrad and wgrad, one launch: small GEMMs)
+    assert rows["fp8 delayed"][0] >= rows["bf16"][0] + 4 * 4 * 2
     # current scaling measures each amax before its cast: more launches than delayed
     assert rows["fp8 delayed"][0] < rows["fp8 current"][0]
 
