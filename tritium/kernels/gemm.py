@@ -228,9 +228,11 @@ _launch_dgrad_wgrad = Launcher(_fp8_dgrad_wgrad_kernel)
 # Precise accumulation holds a second fp32 tile in registers: 128x256 spills there.
 CONFIGS = {True: (128, 256, 128, 8, 8, 3), False: (256, 128, 128, 8, 8, 3)}
 ACCUMULATE_CONFIG = (128, 128, 128, 8, 8, 3)
-# The pair kernel stages each GEMM's operands in shared memory of its own (two branches), and
-# its GEMMs are small (the rule's): smaller tiles, more of them on the SMs.
-PAIR_CONFIG = (128, 128, 64, 8, 4, 3)
+# The pair kernels stage each GEMM's operands in shared memory of their own (two branches),
+# and their GEMMs are small (the rule's): smaller tiles, more of them on the SMs, two stages.
+# BLOCK_K stays 128, CONFIGS[False]'s: precise accumulation promotes every BLOCK_K of K, so
+# the products equal the one-GEMM kernel's bit for bit (eager and compiled steps agree).
+PAIR_CONFIG = (128, 128, 128, 8, 4, 2)
 _INTERPRET_CONFIG = (16, 16, 32, 2, 1, 1)
 
 
