@@ -30,9 +30,13 @@ epilogue reads out's tile, adds it in fp32 after the scale and bias and rounds o
 separate add (which reads and writes out once more); its tiles (ACCUMULATE_CONFIG) are smaller,
 leaving registers for the old tile.
 
-`fp8_gemm_tn_pair`: two independent GEMMs (a small Linear's dgrad and wgrad) in one persistent
-launch, the first's tiles then the second's; each in its own branch of the kernel, so each
-stages its operands in shared memory of its own (hence PAIR_CONFIG's smaller tiles).
+A small Linear's backward in one launch (host time is what such a layer's step costs):
+`fp8_gemm_tn_pair` runs two independent GEMMs (dgrad and wgrad) on one persistent grid, the
+first's tiles then the second's, each in its own branch of the kernel with shared memory of its
+own (hence PAIR_CONFIG's smaller tiles and two stages); `fp8_dgrad_wgrad` does the same from
+the high-precision grad under delayed scaling, casting dy in registers as each A tile is loaded
+(the cast kernel's arithmetic, amax recorded once per element) and summing dbias from the same
+tiles. Twins: `tritium.ref.gemm.fp8_gemm_tn_pair` / `fp8_dgrad_wgrad`.
 """
 from __future__ import annotations
 

@@ -46,7 +46,7 @@ import triton.language as tl
 from ..fp8.formats import fp8_max
 from ._launch import Launcher, TensorDesc, ensure_scratch_allocator, next_pow2, num_sms
 from .cast import _TL_FP8, _current_scale, _scaled_fp8
-from .gemm import tile_offsets
+from .gemm import _store_tile, tile_offsets
 
 
 @triton.jit
@@ -260,12 +260,7 @@ def _grouped_gemm_tma_kernel(a_desc, b_desc, out_ptr, a_si_ptr, b_si_ptr, bias_p
                 rn = off_n + tl.arange(0, BLOCK_N)
                 c += tl.load(bias_ptr + grp * N + rn, mask=rn < N,
                              other=0.0).to(tl.float32)[None, :]
-            if SPLIT_STORE:  # two [BLOCK_M, BLOCK_N / 2] stores: half the staging memory
-                left, right = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                out_desc.store([off_m, off_n], left.to(out_desc.dtype))
-                out_desc.store([off_m, off_n + BLOCK_N // 2], right.to(out_desc.dtype))
-            else:
-                out_desc.store([off_m, off_n], c.to(out_desc.dtype))
+            _store_tile(out_desc, c, off_m, off_n, SPLIT_STORE, BLOCK_M, BLOCK_N)
         seen += count
 
 
@@ -310,12 +305,7 @@ def _grouped_wgrad_tma_kernel(a_ptr, b_ptr, out_ptr, a_si_ptr, b_si_ptr, offs_pt
                 else:
                     acc = tl.dot(a, b.T, acc)
             c = acc * scale
-            if SPLIT_STORE:
-                left, right = c.reshape(BLOCK_M, 2, BLOCK_N // 2).permute(0, 2, 1).split()
-                out_desc.store([off_m, off_n], left.to(out_desc.dtype))
-                out_desc.store([off_m, off_n + BLOCK_N // 2], right.to(out_desc.dtype))
-            else:
-                out_desc.store([off_m, off_n], c.to(out_desc.dtype))
+            _store_tile(out_desc, c, off_m, off_n, SPLIT_STORE, BLOCK_M, BLOCK_N)
 
 
 _launch_cast = Launcher(_grouped_cast_kernel)
