@@ -23,8 +23,10 @@ every variant, as they must. Variants:
     memory a later replay overwrites. A graph break, a CUDA graph skipped by inductor (a silent
     eager fallback otherwise) or a recompile in the timed steps is an error row.
 Timing: triton.testing.do_bench median of whole steps (see harness.py); the one-micro-batch
-eager steps, host-bound, are compared as pairs (FP8 and bf16 of each case) timed in alternating
-rounds (harness.time_ms_interleaved), so that both see the same host.
+eager steps, host-bound, are compared as pairs (FP8 and bf16 of each case) timed in 15
+alternating rounds (harness.interleaved_rounds): each row's ms is its median over the rounds,
+and the bf16 row's `paired_speedup` the median of the rounds' FP8 / bf16 ratios (each round's
+pair ran back to back, so the host's drift between rounds cancels; issue 19's target reads it).
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import (compile_counts, error_fields, finish, no_recompiles, time_ms,  # noqa: E402
-                     time_ms_interleaved)
+from harness import (compile_counts, error_fields, finish, interleaved_rounds,  # noqa: E402
+                     median_ms, no_recompiles, paired_speedups, time_ms)
 
 import tritium as te  # noqa: E402
 from tritium import recipe  # noqa: E402
@@ -44,6 +46,7 @@ from tritium.graphs import make_graphed_callables  # noqa: E402
 from tritium.optimizers import FusedAdam  # noqa: E402
 
 LAYERS, H, HEADS, FFN, SEQ, BATCH = 4, 512, 8, 2048, 128, 2
+PAIR_ROUNDS = 15
 
 
 class Model(torch.nn.Module):
@@ -179,9 +182,13 @@ def main():
         print(rows[-1], flush=True)
         torch.cuda.empty_cache()
     for full, steps in eager_pairs.items():
-        for name, ms in time_ms_interleaved(steps).items():
+        seen = interleaved_rounds(steps, rounds=PAIR_ROUNDS)
+        paired = paired_speedups(seen, "fp8 eager") if "fp8 eager" in seen else {}
+        for name, ms in median_ms(seen).items():
             rows.append({"case": full, "variant": name, "ms": ms,
-                         "ktok_per_s": round(SEQ * BATCH / ms, 1), "timing": "interleaved"})
+                         "ktok_per_s": round(SEQ * BATCH / ms, 1), "timing": "interleaved",
+                         "rounds": PAIR_ROUNDS, **({"paired_speedup": paired[name]}
+                                                   if name in paired else {})})
             print(rows[-1], flush=True)
     finish("graphs", rows, baseline="fp8 eager")
 

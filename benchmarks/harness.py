@@ -98,18 +98,32 @@ def time_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
-def time_ms_interleaved(fns: dict, rounds: int = 7, rep: int = 100) -> dict:
-    """{name: ms} for host-bound steps compared with each other: `rounds` rounds of `time_ms`
-    of each fn in turn (the order reversed every other round), the median over rounds per fn.
-    A host's speed drifts over seconds (clocks, other processes); timed one after the other,
-    two such steps measured 1.17x and 1.57x apart on the same code and GPU kind."""
-    import statistics
+def interleaved_rounds(fns: dict, rounds: int = 7, rep: int = 100) -> dict:
+    """{name: [ms of each round]}: `rounds` rounds of `time_ms` of each fn in turn (the order
+    reversed every other round), for host-bound steps compared with each other. A host's speed
+    drifts over seconds (clocks, other processes); timed one after the other, two such steps
+    measured 1.17x and 1.57x apart on the same code and GPU kind."""
     seen = {name: [] for name in fns}
     names = list(fns)
     for r in range(rounds):
         for name in (names if r % 2 == 0 else names[::-1]):
             seen[name].append(time_ms(fns[name], warmup=10, rep=rep))
+    return seen
+
+
+def median_ms(seen: dict) -> dict:
+    """{name: the median over rounds} of `interleaved_rounds`' times."""
+    import statistics
     return {name: round(statistics.median(v), 4) for name, v in seen.items()}
+
+
+def paired_speedups(seen: dict, baseline: str) -> dict:
+    """{name: the median over rounds of baseline's ms / name's ms in the same round}: each
+    round's pair ran back to back, so a drift slower than a round cancels in its ratio, where
+    the ratio of the two medians takes each from a different moment."""
+    import statistics
+    return {name: round(statistics.median(b / t for b, t in zip(seen[baseline], v)), 4)
+            for name, v in seen.items()}
 
 
 def settle_gpu(seconds: float = 3.0) -> None:

@@ -1,4 +1,5 @@
-"""cpu tier: benchmarks/harness.py's profile arithmetic (kernel_summary's interval helpers).
+"""cpu tier: benchmarks/harness.py's arithmetic: kernel_summary's interval helpers, and the paired
+ratios of interleaved rounds.
 
 NCCL time "beside no compute" is the part of the NCCL kernels' union that no compute kernel
 covers; checked against a brute-force count on a fine grid, on random intervals."""
@@ -94,3 +95,15 @@ def test_launch_env_is_recorded_and_shown(monkeypatch):
     line = br.describe({"kind": "2 x NVIDIA H200", "file": "f.json",
                         "env": {"date": "2026-11-27", "commit": "abc1234", **env}})
     assert "launched with `CUDA_DEVICE_MAX_CONNECTIONS=1`" in line
+
+
+def test_paired_speedups_cancel_a_drift_between_rounds():
+    """Steps 1.25x apart in four rounds of five (in round 3 the bf16 step caught a fast
+    moment), timed while the host's speed moves between rounds (round 2 at half speed, round 4
+    at two thirds): each round's ratio is read, so their median is 1.25; the ratio of the two
+    medians (taken from different rounds) is 15.0 / 10.4 = 1.44."""
+    harness = _harness()
+    seen = {"fp8": [12.5, 25.0, 15.0, 18.75, 13.0], "bf16": [10.0, 20.0, 10.0, 15.0, 10.4]}
+    assert harness.paired_speedups(seen, "fp8") == {"fp8": 1.0, "bf16": 1.25}
+    medians = harness.median_ms(seen)
+    assert medians == {"fp8": 15.0, "bf16": 10.4}

@@ -211,3 +211,27 @@ def test_fsdp_cells_show_exposed_communication_where_measured(tmp_path):
     assert ("| 35,308 tok/s (1.00x, 8,827 per GPU, 38.2 GiB, AG 28.0 GiB; exposed AG 41 + RS "
             "13 ms) |") in table
     assert "| 51,372 tok/s (1.46x, 38.2 GiB, AG 15.0 GiB) |" in table
+
+
+def test_graphs_target_reads_the_paired_ratio_where_the_run_has_it(tmp_path):
+    """Issue 19's FP8 / bf16 eager target reads the rounds' paired ratio (bench_graphs writes
+    it as the bf16 row's paired_speedup), the ratio of the medians where a run has none."""
+    case = "L4 H512 heads8 S128 B2, 1 micro-batch"
+    base = "fp8 eager"
+
+    def table(bf16_ms, paired):
+        row = {"case": case, "variant": "bf16 eager", "ms": bf16_ms,
+               f"speedup_vs_{base}": round(14.0 / bf16_ms, 3)}
+        if paired is not None:
+            row["paired_speedup"] = paired
+        rows = [{"case": case, "variant": base, "ms": 14.0, f"speedup_vs_{base}": 1.0}, row]
+        _write(tmp_path, "g.json", _bench("graphs", "2026-11-27", "NVIDIA H100", rows,
+                                          baseline=base))
+        return br.bench_table("graphs", br.latest(br.load_runs(tmp_path))["graphs"])
+    label = "bf16 eager <= 1.3x (fp8 eager's time over its own)"
+    t = table(10.0, 1.27)  # medians 1.40x apart, rounds 1.27x
+    assert "10.00 ms (1.40x; paired 1.27x)" in t and f"{label}: **met**" in t
+    t = table(11.5, 1.33)
+    assert f"{label}: **not met**" in t
+    t = table(11.5, None)  # an older run: the ratio of the medians, 1.22x
+    assert "11.50 ms (1.22x)" in t and f"{label}: **met**" in t

@@ -34,17 +34,19 @@ from typing import Optional
 @dataclass(frozen=True)
 class Target:
     """The tritium `variant` in the cases matching `case` (regex) must have `field` >= at_least
-    (or <= at_most); `label` is how the target reads in the table."""
+    (or <= at_most); `label` is how the target reads in the table. `field` may be a tuple: the
+    first the row has is read (a measure newer runs write, older runs' fallback after it)."""
     case: str
     variant: str
     label: str
-    field: str = "speedup"
+    field: object = "speedup"   # str, or a tuple of str
     at_least: Optional[float] = None
     at_most: Optional[float] = None
     versus: Optional[str] = None   # compare ms with this variant's row of the same case instead
 
     def check(self, row: dict, versus: Optional[dict] = None) -> Optional[bool]:
-        value = row.get(self.field)
+        fields = self.field if isinstance(self.field, tuple) else (self.field,)
+        value = next((row[f] for f in fields if row.get(f) is not None), None)
         if self.versus is not None:
             mine, theirs = row.get("ms"), (versus or {}).get("ms")
             value = theirs / mine if isinstance(mine, (int, float)) and mine > 0 and \
@@ -157,11 +159,15 @@ SPECS = {
         "training step of 4 TransformerLayers (hidden 512)",
         tritium=("fp8 graphed fwd+bwd", "fp8 graphed fwd+bwd+adam", GRAPHS_COMPILED),
         peers=("bf16 eager", "bf16 graphed fwd+bwd+adam"),
+        # the eager pairs' rounds: each round's FP8 / bf16 ratio, their median ("paired")
+        cells=("{time} ({speedup:.2f}x; paired {paired_speedup:.2f}x)", DEFAULT_CELL),
         targets=(Target(r"1 micro-batch", "fp8 graphed fwd+bwd", ">= 2x", at_least=2.0),
                  Target(r"1 micro-batch", GRAPHS_COMPILED, ">= 5x", at_least=5.0),
-                 # issue 19: the FP8 eager step at most 1.3x the bf16 eager step's time
+                 # issue 19: the FP8 eager step at most 1.3x the bf16 eager step's time (the
+                 # paired ratio where the run has it)
                  Target(r"^L4 .*1 micro-batch", "bf16 eager",
-                        "<= 1.3x (fp8 eager's time over its own)", at_most=1.3))),
+                        "<= 1.3x (fp8 eager's time over its own)",
+                        ("paired_speedup", "speedup"), at_most=1.3))),
     "cast": Spec(
         "FP8 cast kernels (bf16 in, e4m3 out) vs a device copy",
         tritium=("cast+T tile(64, 128, 8)", "cast only (default tile)", "amax only"),
