@@ -91,10 +91,10 @@ def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Ten
 
 
 def _small_on_triton(macs: tuple, tma_operands: tuple) -> bool:
-    """GEMMs of at most HOST_BOUND_MACS multiply-adds each, whose TMA operands' layouts TMA
-    takes, where TRITIUM_FP8_GEMM lets Triton run: what the one-launch forms below take (their
-    tiles are sized for small GEMMs)."""
-    return (_env.fp8_gemm() != "cublas" and max(macs) <= HOST_BOUND_MACS
+    """GEMMs of at most HOST_BOUND_MACS multiply-adds each (none empty), whose TMA operands'
+    layouts TMA takes, where TRITIUM_FP8_GEMM lets Triton run: what the one-launch forms below
+    take (their tiles are sized for small GEMMs)."""
+    return (_env.fp8_gemm() != "cublas" and 0 < min(macs) and max(macs) <= HOST_BOUND_MACS
             and all(_tma_ok(t) for t in tma_operands))
 
 
