@@ -11,6 +11,13 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
                       CUDA calls by self CPU time, all threads. Cases: linear4096 linear_tiny
                       layernorm rmsnorm graphs_fp8 graphs_bf16 (bench_graphs' eager step;
                       default all).
+  cputime [CASE ...] [--rounds R --steps N]
+                      host CPU time per step of the cases (default graphs_fp8 graphs_bf16:
+                      bench_graphs' eager steps), each run with the backward on the calling
+                      thread in R alternating rounds of N steps, this thread's CPU time (the
+                      GPU synced outside the timing); medians and ratios to the first case.
+                      Host changes are judged by it: the wall of a host-bound step drifts by
+                      more than such a change between rounds (docs/performance.md).
   parts               host time per step at T256 512->512 (where the GPU waits on the host),
                       real and then with more and more of its GPU calls replaced by stand-ins
                       that return at once (the C launch, torch._scaled_mm, Launcher.__call__),
@@ -138,6 +145,34 @@ def cmd_host(args):
         print(f"\n=== {name}: wall {1e3 * (t1 - t0) / n:.3f} ms/step, host enqueue "
               f"{1e3 * (t_host - t0) / n:.3f} ms/step, kernels {gpu:.3f} ms/step", flush=True)
         print(events.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60))
+
+
+def cmd_cputime(args):
+    """Host CPU ms per step of each case, interleaved rounds (docs/performance.md: wall times
+    of host-bound steps drift by tens of percent between rounds; a thread's CPU time drifts
+    far less)."""
+    import statistics
+    names = args.cases or ["graphs_fp8", "graphs_bf16"]
+    steps = {name: HOST_CASES[name]() for name in names}
+    cpu = {name: [] for name in names}
+    with torch.autograd.set_multithreading_enabled(False):  # the backward on this thread too
+        for step in steps.values():
+            for _ in range(5):
+                step()
+        for r in range(args.rounds):
+            for name in (names if r % 2 == 0 else names[::-1]):
+                torch.cuda.synchronize()  # outside the timing: a sync may spin on the CPU
+                t0 = time.thread_time()
+                for _ in range(args.steps):
+                    steps[name]()
+                cpu[name].append(1e3 * (time.thread_time() - t0) / args.steps)
+                torch.cuda.synchronize()
+    base = statistics.median(cpu[names[0]])
+    print(f"host CPU per step (the calling thread, backward included; median of {args.rounds} "
+          f"alternating rounds of {args.steps} steps):")
+    for name, values in cpu.items():
+        ms = statistics.median(values)
+        print(f"  {name:<12} {ms:8.3f} ms  ({ms / base:.3f}x {names[0]})")
 
 
 # ---- parts ----------------------------------------------------------------------------------
@@ -438,6 +473,11 @@ def main(argv=None):
     p = sub.add_parser("host", help="host enqueue vs kernels, profiler table of host ops")
     p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(HOST_CASES))
     p.set_defaults(func=cmd_host)
+    p = sub.add_parser("cputime", help="host CPU time per step, cases in alternating rounds")
+    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(HOST_CASES))
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--steps", type=int, default=30)
+    p.set_defaults(func=cmd_cputime)
     sub.add_parser("parts", help="host time with GPU calls stubbed kind by kind").set_defaults(
         func=cmd_parts)
     p = sub.add_parser("trace", help="per-function host stamps of the median step")
@@ -455,7 +495,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     unknown = [c for c in getattr(args, "cases", ()) if c not in HOST_CASES]
     if unknown:
-        parser.error(f"host: unknown case(s) {unknown}; choose from {', '.join(HOST_CASES)}")
+        parser.error(f"{args.command}: unknown case(s) {unknown}; choose from {', '.join(HOST_CASES)}")
     if getattr(args, "shape", None) and len(args.shape) != 3:
         parser.error(f"{args.command}: give the shape as three numbers T K N, got {args.shape}")
     if not args.command.startswith("model-cpu") and not torch.cuda.is_available():
