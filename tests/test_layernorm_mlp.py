@@ -247,8 +247,8 @@ def test_fc1_fc2_weights_cast_together_same_bits(monkeypatch, normalization):
     real = lnmlp.cast_weights_together
     used = []
 
-    def spy(plans, weights, need_t):
-        out = real(plans, weights, need_t)
+    def spy(plans, weights, need_t, rows=None):
+        out = real(plans, weights, need_t, rows)
         # new plans with weight_ready set; the ones given are left as they were
         used.append(all(p.weight_ready is not None for p in out)
                     and all(p.weight_ready is None for p in plans))
@@ -256,7 +256,7 @@ def test_fc1_fc2_weights_cast_together_same_bits(monkeypatch, normalization):
 
     def run(pair):
         monkeypatch.setattr(lnmlp, "cast_weights_together", spy if pair else
-                            (lambda plans, weights, need_t: plans))
+                            (lambda plans, weights, need_t, rows=None: plans))
         torch.manual_seed(0)
         m = te.LayerNormMLP(64, 96, normalization=normalization, device="cpu")
         x = torch.randn(3, 11, 64, requires_grad=True)

@@ -138,14 +138,20 @@ KERNELS = {
         dict(HAS_BIAS=True, PRECISE=False, SPLIT_STORE=True, ACCUMULATE=False, BLOCK_M=128,
              BLOCK_N=256, BLOCK_K=128, GROUP_M=8),
         dict(num_warps=8, num_stages=3)),
-    ("gemm", "_fp8_gemm_tn_pair_kernel"): (  # a small Linear's dgrad (bf16) and wgrad (fp32)
+    ("small_gemm", "_fp8_gemm_tn_pair_kernel"): (  # dgrad (bf16) and wgrad (fp32)
         {"a0_desc": _desc("fp8e5", (128, 128)), "b0_desc": _desc("fp8e4nv", (128, 128)),
          "c0_desc": _desc("bf16", (128, 128)), "a1_desc": _desc("fp8e5", (128, 128)),
          "b1_desc": _desc("fp8e4nv", (128, 128)), "c1_desc": _desc("fp32", (128, 64))},
         dict(PRECISE=True, SPLIT_STORE0=False, SPLIT_STORE1=True, BLOCK_M=128, BLOCK_N=128,
              BLOCK_K=128, GROUP_M=8),
         dict(num_warps=4, num_stages=2)),
-    ("gemm", "_fp8_dgrad_wgrad_kernel"): (
+    ("small_gemm", "_fp8_gemm_tn_cast_b_kernel"): (
+        {"a_desc": _desc("fp8e4nv", (128, 128)), "b_ptr": BF16P, "b_t_ptr": E4P,
+         "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P},
+        dict(FP8_MAX=E4MAX, FP8_DTYPE=E4, WRITE_B_T=True, HAS_BIAS=True, SPLIT_STORE=False,
+             BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        dict(num_warps=8, num_stages=2)),
+    ("small_gemm", "_fp8_dgrad_wgrad_kernel"): (
         {"dy_ptr": BF16P, "w_t_desc": _desc("fp8e4nv", (128, 128)),
          "dx_desc": _desc("bf16", (128, 128)), "x_t_desc": _desc("fp8e4nv", (128, 128)),
          "dw_desc": _desc("fp32", (128, 64)), "dbias_ptr": BF16P},

@@ -238,13 +238,14 @@ def _pair_cast_case(group, world, rank):
     lnmlp = importlib.import_module("tritium.modules.layernorm_mlp")
     real, used = lnmlp.cast_weights_together, []
 
-    def spy(plans, weights, need_t):
-        out = real(plans, weights, need_t)
+    def spy(plans, weights, need_t, rows=None):
+        out = real(plans, weights, need_t, rows)
         used.append(all(p.weight_ready is not None for p in out))
         return out
 
     def run(pair):
-        lnmlp.cast_weights_together = spy if pair else (lambda plans, weights, need_t: plans)
+        lnmlp.cast_weights_together = spy if pair else \
+            (lambda plans, weights, need_t, rows=None: plans)
         torch.manual_seed(41 + rank)
         m = te.LayerNormMLP(32, 64, normalization="RMSNorm", activation="swiglu", bias=False,
                             set_parallel_mode=True, sequence_parallel=True, tp_group=group,

@@ -19,6 +19,7 @@ import tritium as te
 from testlib import fp8_linear_steps
 from tritium import recipe
 from tritium.kernels import gemm as kgemm
+from tritium.kernels import small_gemm as ksmall
 from tritium.ref import gemm as rgemm
 
 pytestmark = [pytest.mark.gpu,
@@ -114,17 +115,17 @@ def _linear_gemm_choice(setenv, monkeypatch, tokens, in_features, out_features, 
     by name). The results agree to the accumulators' precision; the cast of dy records the
     same amaxes fused into the GEMMs' launch as alone."""
     calls, launches = [], []
-    real = {name: getattr(kgemm, name)
-            for name in ("fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad")}
+    real = {name: getattr(ksmall, name) for name in ("fp8_gemm_tn_pair", "fp8_dgrad_wgrad")}
+    real_gemm = kgemm.fp8_gemm_tn
     monkeypatch.setattr(kgemm, "fp8_gemm_tn",
                         lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
-                        or real["fp8_gemm_tn"](*a, **k))
-    for name in ("fp8_gemm_tn_pair", "fp8_dgrad_wgrad"):
+                        or real_gemm(*a, **k))
+    for name in real:
         def one_launch(*a, _name=name, **k):
             calls.extend([False, False])  # both precise (backward)
             launches.append(_name)
             return real[_name](*a, **k)
-        monkeypatch.setattr(kgemm, name, one_launch)
+        monkeypatch.setattr(ksmall, name, one_launch)
     torch.manual_seed(0)
     layer = te.Linear(in_features, out_features, params_dtype=torch.bfloat16, device="cuda")
     x = torch.randn(tokens, in_features, device="cuda", dtype=torch.bfloat16)
@@ -172,3 +173,33 @@ def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch, scaling):
     assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
     one_launch = "fp8_dgrad_wgrad" if scaling == "delayed" else "fp8_gemm_tn_pair"
     assert launches == [one_launch] * 2, "dgrad and wgrad: one launch per step"
+
+
+def test_small_layernorm_linear_casts_its_weight_in_the_gemm(setenv, monkeypatch):
+    """Delayed scaling, 256 tokens, 512 -> 640, the input in fp8 from the norm's fused cast:
+    the forward GEMM casts the weight in its own launch (`fp8_gemm_tn_cast_b`, no weight cast
+    launch); outputs and grads agree with TRITIUM_FP8_GEMM=cublas (the weight cast alone,
+    cuBLASLt's GEMMs) to the accumulators' precision, and both FP8 states (the weight's amax
+    among them) bit for bit."""
+    import copy
+    launches, real = [], ksmall.fp8_gemm_tn_cast_b
+    monkeypatch.setattr(ksmall, "fp8_gemm_tn_cast_b",
+                        lambda *a, **k: launches.append(a[2].shape) or real(*a, **k))
+    torch.manual_seed(0)
+    layers = [te.LayerNormLinear(512, 640, params_dtype=torch.bfloat16, device="cuda")]
+    layers.append(copy.deepcopy(layers[0]))
+    x = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
+    dy = torch.randn(256, 640, device="cuda", dtype=torch.bfloat16)
+    rec = recipe.DelayedScaling(amax_history_len=4)
+    auto = fp8_linear_steps(layers[0], x, dy, rec, steps=2)
+    assert launches == [(640, 512)] * 2
+    setenv("TRITIUM_FP8_GEMM", "cublas")
+    launches.clear()
+    cublas = fp8_linear_steps(layers[1], x, dy, rec, steps=2)
+    assert launches == []
+    for got, want in zip(auto, cublas):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 1e-2
+    for name in ("fwd", "bwd"):
+        a, b = (getattr(layer.fp8_meta, name) for layer in layers)
+        assert a.amax_history.abs().max() > 0
+        assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)

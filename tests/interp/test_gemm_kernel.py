@@ -1,4 +1,5 @@
-"""`tritium.kernels.gemm.fp8_gemm_tn` == `tritium.ref.gemm.fp8_gemm_tn` under the interpreter.
+"""`tritium.kernels.gemm.fp8_gemm_tn` == `tritium.ref.gemm.fp8_gemm_tn` under the interpreter (and
+`tritium.kernels.small_gemm`'s one-launch forms == their twins).
 
 Bit for bit where the sum's order cannot matter: integer-valued fp8 operands with |v| <= 8 (exact
 in e4m3 and e5m2) give integer products and partial sums far below 2^24, exact in fp32 in any
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from tritium.kernels import gemm as kgemm
+from tritium.kernels import small_gemm as ksmall
 from tritium.ref import gemm as rgemm
 
 from ._helpers import assert_same_bits, wide_randn
@@ -111,7 +113,7 @@ def test_gemm_pair_kernel_equals_its_twin_bits(out_dtypes, fast_accum):
              *_scales(gen), out_dtypes[0])
     second = (_integer_fp8(80, 48, E5M2, gen), _integer_fp8(64, 48, E4M3, gen),
               *_scales(gen), out_dtypes[1])
-    got = kgemm.fp8_gemm_tn_pair(first, second, fast_accum)
+    got = ksmall.fp8_gemm_tn_pair(first, second, fast_accum)
     want = rgemm.fp8_gemm_tn_pair(first, second, fast_accum)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and g.dtype == w.dtype and g.abs().max() > 0
@@ -138,7 +140,7 @@ def test_dgrad_wgrad_kernel_equals_its_twin_bits(t, n, k_in, dy_dtype, grad_fp8)
     w_si, x_si = _scales(gen)
     for dbias_dtype in (dy_dtype, None):
         amax_got, amax_want = torch.tensor([3.0]), torch.tensor([3.0])
-        got = kgemm.fp8_dgrad_wgrad(dy, scale, amax_got, grad_fp8, w_t, w_si, x_t, x_si,
+        got = ksmall.fp8_dgrad_wgrad(dy, scale, amax_got, grad_fp8, w_t, w_si, x_t, x_si,
                                     torch.bfloat16, torch.float32, dbias_dtype)
         want = rgemm.fp8_dgrad_wgrad(dy, scale, amax_want, grad_fp8, w_t, w_si, x_t, x_si,
                                      torch.bfloat16, torch.float32, dbias_dtype)
@@ -152,3 +154,35 @@ def test_dgrad_wgrad_kernel_equals_its_twin_bits(t, n, k_in, dy_dtype, grad_fp8)
         else:
             assert got[2].dtype == dbias_dtype and got[2].abs().max() > 0
             assert_same_bits(got[2], want[2], "dbias")
+
+
+@pytest.mark.parametrize("m,n,k", [(48, 32, 80), (16, 80, 48)])
+@pytest.mark.parametrize("w_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bias", [False, True])
+def test_gemm_cast_b_kernel_equals_its_twin_bits(m, n, k, w_dtype, bias):
+    """The forward GEMM casting its high-precision weight in the loads (delayed scaling): out,
+    the weight's fp8 transpose, scale_inv and amax as the twin's (cast, then the GEMM), bit for
+    bit on exact sums; a column-sliced weight (row stride > K), a value saturating e4m3."""
+    gen = torch.Generator().manual_seed(hash((m, n, k, str(w_dtype), bias)) % 2**31)
+    a = _integer_fp8(m, k, E4M3, gen)
+    wide = torch.randint(-8, 9, (n, k + 8), generator=gen).to(w_dtype)
+    wide[1, 3] = 4096  # * 0.25 = 1024 > 448
+    w = wide[:, 3:3 + k]
+    scale, sa = torch.tensor([0.25]), _scales(gen)[0]
+    bias_t = torch.randn(n, generator=gen).to(torch.bfloat16) if bias else None
+    for write_b_t in (True, False):
+        amax_got, amax_want = torch.tensor([1.0]), torch.tensor([1.0])
+        got = ksmall.fp8_gemm_tn_cast_b(a, sa, w, scale, amax_got, E4M3, torch.bfloat16, bias_t,
+                                       write_b_t)
+        want = rgemm.fp8_gemm_tn_cast_b(a, sa, w, scale, amax_want, E4M3, torch.bfloat16,
+                                        bias_t, write_b_t)
+        assert amax_want.item() == 4096.0
+        assert_same_bits(amax_got, amax_want, "amax")
+        assert got[0].abs().max() > 0
+        assert_same_bits(got[0], want[0], "out")
+        assert_same_bits(got[2], want[2], "scale_inv")
+        if write_b_t:
+            assert got[1].shape == (k, n)
+            assert_same_bits(got[1].view(torch.uint8), want[1].view(torch.uint8), "b_t")
+        else:
+            assert got[1] is None and want[1] is None

@@ -93,3 +93,26 @@ def fp8_dgrad_wgrad_on_one_launch(dy: torch.Tensor, dy_scale: torch.Tensor,
     return ops_gemm.tensor_core_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
                                             x_t, x_scale_inv, dx_dtype, dw_dtype,
                                             dbias_dtype)
+
+
+def gemm_casts_weight(rows: int, weight: torch.Tensor) -> bool:
+    """Whether `fp8_gemm_tn_casting_weight` runs its one launch for `rows` rows against this
+    high-precision weight here (CUDA with FP8 tensor cores, eager, the small-GEMM rule)."""
+    return (not torch.compiler.is_compiling() and _device.fp8_tensor_cores(weight)
+            and ops_gemm.casts_b_in_gemm(rows, weight))
+
+
+def fp8_gemm_tn_casting_weight(a: torch.Tensor, a_scale_inv: torch.Tensor,
+                               weight: torch.Tensor, w_scale: torch.Tensor,
+                               w_amax: torch.Tensor, fp8_dtype: torch.dtype,
+                               out_dtype: torch.dtype, bias: Optional[torch.Tensor],
+                               write_w_t: bool) -> Optional[tuple]:
+    """A small Linear's forward under delayed scaling with its weight in high precision:
+    (out, w8^T or None, w's scale_inv) as `tritium.ref.gemm.fp8_gemm_tn_cast_b`, the weight
+    cast in the GEMM's loads (`tritium.ops.gemm.tensor_core_gemm_cast_b`); None where that does
+    not run (`gemm_casts_weight`, a's layout): the caller casts the weight and runs the GEMM."""
+    check_fp8_gemm_operands(a, weight)
+    if not gemm_casts_weight(a.shape[0], weight):
+        return None
+    return ops_gemm.tensor_core_gemm_cast_b(a, a_scale_inv, weight, w_scale, w_amax, fp8_dtype,
+                                            out_dtype, bias, write_w_t)

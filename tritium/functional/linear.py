@@ -69,7 +69,7 @@ from ..distributed.tensor_parallel import (TPSpec, all_gather_dim0, all_reduce,
                                            start_reduce_scatter_dim0)
 from ..fp8.autocast import FP8Region
 from ..fp8.cast import amax_into, cast_transpose, quantize_2d, quantize_pair, transpose_fp8
-from ..fp8.recipe import Float8CurrentScaling, Recipe
+from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from ..fp8 import recompute
 from ..fp8.recompute import FrozenScales
 from ..fp8.scaling import ScalingState, update_states
@@ -79,7 +79,8 @@ from . import block_sp
 from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands, grad_carriers
-from .gemm import fp8_dgrad_wgrad_on_one_launch, fp8_gemm_tn, fp8_gemm_tn_pair_on_one_launch
+from .gemm import (fp8_dgrad_wgrad_on_one_launch, fp8_gemm_tn, fp8_gemm_tn_casting_weight,
+                   fp8_gemm_tn_pair_on_one_launch, gemm_casts_weight)
 from .linear_sp import gathered_fp8
 
 
@@ -222,6 +223,29 @@ class FP8Plan:
             self.weight_cache.entry, self.weight_cache.key = wq, key
         return xq, wq if recast is None else (wq[0], recast, wq[2])
 
+    def casts_weight_in_gemm(self, weight: torch.Tensor, rows: int, need_transpose: bool) -> bool:
+        """Whether the forward GEMM of `rows` rows casts this weight in its own launch
+        (`functional.gemm.fp8_gemm_tn_casting_weight`: a small GEMM under delayed scaling with
+        live states, a high-precision weight cast now, no weight caching, its fp8 transpose
+        kept for dgrad)."""
+        cache = self.weight_cache
+        return (self.weight_ready is None and type(weight) in _PLAIN
+                and isinstance(self.recipe, DelayedScaling) and type(self.fwd) is ScalingState
+                and (cache is None or (cache.skip is None and self.is_first_microbatch is None))
+                and not recast_in_backward(weight, need_transpose, False)
+                and gemm_casts_weight(rows, weight))
+
+    def fprop_casting_weight(self, x8, x_si, weight, bias, need_transpose: bool, out_dtype):
+        """(out, (w8, w8^T, w_si)) of the forward GEMM with the weight cast in its launch (w8 is
+        None: never in memory), or None where it does not (`casts_weight_in_gemm`)."""
+        if not self.casts_weight_in_gemm(weight, x8.shape[0], need_transpose):
+            return None
+        slot = self.weight_slot
+        res = fp8_gemm_tn_casting_weight(
+            x8, x_si, weight.detach(), self.fwd.scale_slot(slot), self.fwd.amax_slot(slot),
+            self.recipe.fp8_format.forward_dtype, out_dtype, bias, need_transpose)
+        return None if res is None else (res[0], (None, res[1], res[2]))
+
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if self.weight_ready is not None:
             return self.weight_ready
@@ -264,14 +288,16 @@ class FP8Plan:
 
 
 def cast_weights_together(plans: Sequence[FP8Plan], weights: Sequence[torch.Tensor],
-                          need_transposes: Sequence[bool]) -> Sequence[FP8Plan]:
+                          need_transposes: Sequence[bool],
+                          rows: Optional[int] = None) -> Sequence[FP8Plan]:
     """Two GEMMs' weight casts (e.g. a LayerNormMLP's fc1 and fc2) in one launch, before the
     first GEMM runs: the plans come back with `weight_ready` set. The same values as two
     casts (forward scales change only at the autocast's exit; each weight's amax goes to its
     own slot). Only for the plain case, where each GEMM would cast its weight alone: FP8 on,
     a per-tensor recipe, live delayed-scaling states (no recompute) or current scaling, no
     weight caching, high-precision weights on one device, eager; the plans come back
-    unchanged otherwise."""
+    unchanged otherwise, and where both GEMMs, of `rows` fp8 input rows each, cast their
+    weights in their own launches (`FP8Plan.casts_weight_in_gemm`: small GEMMs)."""
     a, b = plans
     wa, wb = weights
     rec = a.recipe
@@ -282,6 +308,9 @@ def cast_weights_together(plans: Sequence[FP8Plan], weights: Sequence[torch.Tens
             and all(p.weight_cache is None or p.weight_cache.skip is None for p in plans)
             and type(wa) in _PLAIN and type(wb) in _PLAIN and wa.device == wb.device
             and not is_block_recipe(rec) and not torch.compiler.is_compiling()):
+        return plans
+    if rows is not None and all(p.casts_weight_in_gemm(w, rows, bool(t))
+                                for p, w, t in zip(plans, weights, need_transposes)):
         return plans
     jobs, recasts = [], []
     for plan, w, need_t in zip(plans, weights, need_transposes):
@@ -481,11 +510,17 @@ class _LinearFunction(torch.autograd.Function):
                 w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
             elif isinstance(x2d, Float8Tensor):  # written in fp8 by a fused norm / activation
                 x8, x8_t, x_si = fp8_operands(inp, need_wgrad)
-                w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
+                # a small GEMM casts its weight in its own launch
+                fused = plan.fprop_casting_weight(x8, x_si, weight, bias, need_dgrad, inp.dtype)
+                if fused is None:
+                    w8, w8_t, w_si = plan.weight_operands(weight, need_dgrad)
+                else:
+                    out, (w8, w8_t, w_si) = fused
             else:
                 (x8, x8_t, x_si), (w8, w8_t, w_si) = plan.forward_operands(
                     x2d, weight, need_wgrad, need_dgrad)
-            out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
+            if w8 is not None:
+                out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16
                 out = out[:tokens]
             # Kept as attributes, not saved tensors, so backward can drop each one as soon as

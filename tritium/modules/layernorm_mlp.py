@@ -36,6 +36,7 @@ set_parallel_mode the GEMMs run on the shards with no collective (the output is 
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import torch
@@ -190,8 +191,11 @@ class LayerNormMLP(FP8Module):
             # parallelism) and fc2's from the activation's: each would cast its weight (its
             # shard under TP) alone, so both weights are cast in one launch here
             grad_on = torch.is_grad_enabled()  # transposes for dgrad (unused ones: harmless)
+            # (small GEMMs cast their weights in their own launches instead: `rows`, the fp8
+            # input rows of both, where fc1's input is not all-gathered)
+            rows = None if sp_gather else -(-math.prod(inp.shape[:-1]) // 16) * 16
             fc1_plan, fc2_plan = cast_weights_together(
-                plans, (self.fc1_weight, self.fc2_weight), (grad_on, grad_on))
+                plans, (self.fc1_weight, self.fc2_weight), (grad_on, grad_on), rows)
         block_cast = None
         if not (self.checkpoint and torch.is_grad_enabled()):
             block_cast = self._block_casts(inp, fc1_plan, fc2_plan)

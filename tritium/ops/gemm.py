@@ -77,6 +77,13 @@ def _kernels():
     return kernel_gemm
 
 
+@functools.lru_cache(maxsize=None)
+def _small_kernels():
+    """tritium.kernels.small_gemm, imported on first use."""
+    from ..kernels import small_gemm
+    return small_gemm
+
+
 def tensor_core_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,
                      out_dtype: torch.dtype, bias: Optional[Tensor], fast_accum: bool,
                      out: Optional[Tensor], accumulate: bool = False) -> Tensor:
@@ -106,7 +113,7 @@ def tensor_core_gemm_pair(first: tuple, second: tuple, fast_accum: bool) -> Opti
     macs = (a0.shape[0] * b0.shape[0] * a0.shape[1], a1.shape[0] * b1.shape[0] * a1.shape[1])
     if not (_device.use_triton(a0) and _small_on_triton(macs, (a0, b0, a1, b1))):
         return None
-    return _kernels().fp8_gemm_tn_pair(first, second, fast_accum)
+    return _small_kernels().fp8_gemm_tn_pair(first, second, fast_accum)
 
 
 def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
@@ -120,8 +127,26 @@ def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
     if not (_device.use_triton(dy) and dy.stride(-1) == 1
             and _small_on_triton((t * n * k_in, n * k_in * t_padded), (w_t, x_t))):
         return None
-    return _kernels().fp8_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv, x_t,
-                                      x_scale_inv, dx_dtype, dw_dtype, dbias_dtype)
+    return _small_kernels().fp8_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
+                                            x_t, x_scale_inv, dx_dtype, dw_dtype, dbias_dtype)
+
+
+def casts_b_in_gemm(m: int, b: Tensor) -> bool:
+    """Whether `tensor_core_gemm_cast_b` takes a GEMM of m rows against the high-precision
+    b [N, K] by the rule (small, Triton allowed; a's TMA layout aside)."""
+    n, k = b.shape
+    return _device.use_triton(b) and b.stride(-1) == 1 and _small_on_triton((m * n * k,), ())
+
+
+def tensor_core_gemm_cast_b(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale: Tensor,
+                            b_amax: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                            bias: Optional[Tensor], write_b_t: bool) -> Optional[tuple]:
+    """`tritium.ref.gemm.fp8_gemm_tn_cast_b` as one Triton launch (b cast in the GEMM's loads)
+    where the GEMM is small; None otherwise."""
+    if not (casts_b_in_gemm(a.shape[0], b) and _tma_ok(a)):
+        return None
+    return _small_kernels().fp8_gemm_tn_cast_b(a, a_scale_inv, b, b_scale, b_amax, fp8_dtype,
+                                               out_dtype, bias, write_b_t)
 
 
 def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,

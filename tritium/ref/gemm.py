@@ -58,4 +58,19 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Ten
             fp8_gemm_tn(dy8_t, x_t, dy_scale_inv, x_scale_inv, dw_dtype), db)
 
 
-__all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad"]
+def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
+                       b_scale: torch.Tensor, b_amax: torch.Tensor, fp8_dtype: torch.dtype,
+                       out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                       write_b_t: bool = True) -> tuple:
+    """A small Linear's forward GEMM under delayed scaling with its weight b [N, K] in high
+    precision: b cast to fp8_dtype with b_scale (`tritium.ref.cast.cast_transpose`, its amax
+    max-recorded into b_amax, its transpose [K, N] with write_b_t), then out = a @ b8.T
+    (`fp8_gemm_tn`, fast accumulation, + bias): (out, b8^T or None, b's scale_inv). The kernel
+    casts b's tiles in registers as it loads them."""
+    b8, b8_t, b_scale_inv = ref_cast.cast_transpose(b, b_scale, b_amax, fp8_dtype,
+                                                    write_transpose=write_b_t)
+    out = fp8_gemm_tn(a, b8, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum=True)
+    return out, b8_t, b_scale_inv
+
+
+__all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "fp8_gemm_tn_cast_b"]
