@@ -229,11 +229,11 @@ class FP8Plan:
         live states, a high-precision weight cast now, no weight caching, its fp8 transpose
         kept for dgrad)."""
         cache = self.weight_cache
-        return (self.weight_ready is None and type(weight) in _PLAIN
+        return (gemm_casts_weight(rows, weight)  # first: False at once under torch.compile
+                and self.weight_ready is None and type(weight) in _PLAIN
                 and isinstance(self.recipe, DelayedScaling) and type(self.fwd) is ScalingState
                 and (cache is None or (cache.skip is None and self.is_first_microbatch is None))
-                and not recast_in_backward(weight, need_transpose, False)
-                and gemm_casts_weight(rows, weight))
+                and not recast_in_backward(weight, need_transpose, False))
 
     def fprop_casting_weight(self, x8, x_si, weight, bias, need_transpose: bool, out_dtype):
         """(out, (w8, w8^T, w_si)) of the forward GEMM with the weight cast in its launch (w8 is
