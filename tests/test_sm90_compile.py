@@ -145,11 +145,12 @@ KERNELS = {
         dict(PRECISE=True, SPLIT_STORE0=False, SPLIT_STORE1=True, BLOCK_M=128, BLOCK_N=128,
              BLOCK_K=128, GROUP_M=8),
         dict(num_warps=4, num_stages=2)),
-    ("small_gemm", "_fp8_gemm_tn_cast_b_kernel"): (
-        {"a_desc": _desc("fp8e4nv", (128, 128)), "b_ptr": BF16P, "b_t_ptr": E4P,
+    ("small_gemm", "_fp8_gemm_tn_cast_kernel"): (  # both operands bf16 (a Linear's proj)
+        {"a_ptr": BF16P, "a_t_ptr": E4P, "b_ptr": BF16P, "b_t_ptr": E4P,
          "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P},
-        dict(FP8_MAX=E4MAX, FP8_DTYPE=E4, WRITE_B_T=True, HAS_BIAS=True, SPLIT_STORE=False,
-             BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
+        dict(FP8_MAX=E4MAX, FP8_DTYPE=E4, A_HP=True, WRITE_A_T=True, WRITE_B_T=True,
+             HAS_BIAS=True, SPLIT_STORE=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
+             GROUP_M=8),
         dict(num_warps=8, num_stages=2)),
     ("small_gemm", "_fp8_dgrad_wgrad_kernel"): (
         {"dy_ptr": BF16P, "w_t_desc": _desc("fp8e4nv", (128, 128)),
@@ -337,6 +338,8 @@ VARIANTS = {
     ("cast", "_cast_transpose_kernel"): [
         dict(CURRENT=True, POW2=True, HAS_SKIP=True),
         dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],
+    ("small_gemm", "_fp8_gemm_tn_cast_kernel"): [  # a in fp8 already (a fused norm's cast)
+        dict(A_HP=False, WRITE_A_T=False, _types={"a_ptr": E4P})],
     # fp32 inputs: data_t from a transposed re-read, not the tile's bytes transposed
     ("act_cast", "_act_fp8_fwd_kernel"): [
         dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],

@@ -115,14 +115,17 @@ def _linear_gemm_choice(setenv, monkeypatch, tokens, in_features, out_features, 
     by name). The results agree to the accumulators' precision; the cast of dy records the
     same amaxes fused into the GEMMs' launch as alone."""
     calls, launches = [], []
-    real = {name: getattr(ksmall, name) for name in ("fp8_gemm_tn_pair", "fp8_dgrad_wgrad")}
+    # the one-launch forms: their GEMMs' fast_accum flags (the backward's two are precise)
+    flags = {"fp8_gemm_tn_pair": [False, False], "fp8_dgrad_wgrad": [False, False],
+             "fp8_gemm_tn_cast_ab": [True], "fp8_gemm_tn_cast_b": [True]}
+    real = {name: getattr(ksmall, name) for name in flags}
     real_gemm = kgemm.fp8_gemm_tn
     monkeypatch.setattr(kgemm, "fp8_gemm_tn",
                         lambda *a, **k: calls.append(a[6] if len(a) > 6 else k["fast_accum"])
                         or real_gemm(*a, **k))
     for name in real:
         def one_launch(*a, _name=name, **k):
-            calls.extend([False, False])  # both precise (backward)
+            calls.extend(flags[_name])
             launches.append(_name)
             return real[_name](*a, **k)
         monkeypatch.setattr(ksmall, name, one_launch)
@@ -164,15 +167,17 @@ def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
 def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch, scaling):
     """auto: a Linear whose GEMMs are at most HOST_BOUND_MACS multiply-adds (256 tokens,
     512 -> 640) runs fprop, dgrad and wgrad on the Triton kernels (host-bound: a launch is the
-    cheaper call), dgrad and wgrad in one launch, which under delayed scaling also casts dy
-    (same amaxes recorded); the results agree with TRITIUM_FP8_GEMM=cublas."""
+    cheaper call), dgrad and wgrad in one launch; under delayed scaling the forward casts x and
+    the weight in its GEMM's launch and the backward casts dy in its (same amaxes recorded);
+    the results agree with TRITIUM_FP8_GEMM=cublas."""
     from tritium.ops import gemm as ops_gemm
     assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS < 1000 * 1024 * 768
     rec = recipe.Float8CurrentScaling() if scaling == "current" else None
     calls, _, _, launches = _linear_gemm_choice(setenv, monkeypatch, 256, 512, 640, rec)
     assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
-    one_launch = "fp8_dgrad_wgrad" if scaling == "delayed" else "fp8_gemm_tn_pair"
-    assert launches == [one_launch] * 2, "dgrad and wgrad: one launch per step"
+    per_step = (["fp8_gemm_tn_cast_ab", "fp8_dgrad_wgrad"] if scaling == "delayed"
+                else ["fp8_gemm_tn_pair"])
+    assert launches == per_step * 2, "one launch for the forward (delayed) and the backward"
 
 
 def test_small_layernorm_linear_casts_its_weight_in_the_gemm(setenv, monkeypatch):

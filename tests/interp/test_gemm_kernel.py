@@ -186,3 +186,33 @@ def test_gemm_cast_b_kernel_equals_its_twin_bits(m, n, k, w_dtype, bias):
             assert_same_bits(got[1].view(torch.uint8), want[1].view(torch.uint8), "b_t")
         else:
             assert got[1] is None and want[1] is None
+
+
+@pytest.mark.parametrize("m,n,k", [(40, 32, 80), (16, 48, 48)])
+@pytest.mark.parametrize("hp_dtype", [torch.bfloat16, torch.float32])
+def test_gemm_cast_ab_kernel_equals_its_twin_bits(m, n, k, hp_dtype):
+    """Both operands in high precision, both cast in the GEMM's loads: out, both fp8
+    transposes (a's zero-padded past M to 16 rows), scale_invs and amaxes as the twin's, bit
+    for bit on exact sums; row-sliced operands (row strides > K)."""
+    gen = torch.Generator().manual_seed(hash((m, n, k, str(hp_dtype))) % 2**31)
+    a = torch.randint(-8, 9, (m, k + 4), generator=gen).to(hp_dtype)[:, 2:2 + k]
+    b = torch.randint(-8, 9, (n, k + 8), generator=gen).to(hp_dtype)[:, 8:]
+    a_scale, b_scale = torch.tensor([0.5]), torch.tensor([2.0])
+    bias_t = torch.randn(n, generator=gen).to(torch.bfloat16)
+    for write_t in (True, False):
+        amaxes = [torch.tensor([0.5]) for _ in range(4)]
+        got = ksmall.fp8_gemm_tn_cast_ab(a, a_scale, amaxes[0], b, b_scale, amaxes[1], E4M3,
+                                         torch.bfloat16, bias_t, write_t, write_t)
+        want = rgemm.fp8_gemm_tn_cast_ab(a, a_scale, amaxes[2], b, b_scale, amaxes[3], E4M3,
+                                         torch.bfloat16, bias_t, write_t, write_t)
+        assert amaxes[2].item() == a.abs().max().item() and amaxes[3].item() > 0.5
+        assert_same_bits(amaxes[0], amaxes[2], "a amax")
+        assert_same_bits(amaxes[1], amaxes[3], "b amax")
+        assert got[0].shape == (m, n) and got[0].abs().max() > 0
+        for i, name in ((0, "out"), (2, "a scale_inv"), (4, "b scale_inv")):
+            assert_same_bits(got[i], want[i], name)
+        for i, name in ((1, "a8^T"), (3, "b8^T")):
+            if write_t:
+                assert_same_bits(got[i].view(torch.uint8), want[i].view(torch.uint8), name)
+            else:
+                assert got[i] is None and want[i] is None

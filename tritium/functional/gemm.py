@@ -116,3 +116,19 @@ def fp8_gemm_tn_casting_weight(a: torch.Tensor, a_scale_inv: torch.Tensor,
         return None
     return ops_gemm.tensor_core_gemm_cast_b(a, a_scale_inv, weight, w_scale, w_amax, fp8_dtype,
                                             out_dtype, bias, write_w_t)
+
+
+def fp8_gemm_tn_casting_both(x: torch.Tensor, x_scale: torch.Tensor, x_amax: torch.Tensor,
+                             weight: torch.Tensor, w_scale: torch.Tensor, w_amax: torch.Tensor,
+                             fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                             bias: Optional[torch.Tensor], write_x_t: bool,
+                             write_w_t: bool) -> Optional[tuple]:
+    """`fp8_gemm_tn_casting_weight` with the input x [T, K] in high precision too: (out,
+    x8^T or None, x's scale_inv, w8^T or None, w's scale_inv) as
+    `tritium.ref.gemm.fp8_gemm_tn_cast_ab`, both cast in the GEMM's loads; None where that does
+    not run. x's rows need not be a multiple of 16 (x8^T is padded); the caller checked the
+    rest of FP8's shape rules."""
+    if not gemm_casts_weight(-(-x.shape[0] // 16) * 16, weight):
+        return None
+    return ops_gemm.tensor_core_gemm_cast_ab(x, x_scale, x_amax, weight, w_scale, w_amax,
+                                             fp8_dtype, out_dtype, bias, write_x_t, write_w_t)

@@ -79,8 +79,9 @@ from . import block_sp
 from ._recast import WeightRecast, cast_weight_t, dgrad_weight, recast_in_backward
 from .block_linear import apply_block_linear, is_block_recipe
 from .fused_cast import fp8_operands, grad_carriers
-from .gemm import (fp8_dgrad_wgrad_on_one_launch, fp8_gemm_tn, fp8_gemm_tn_casting_weight,
-                   fp8_gemm_tn_pair_on_one_launch, gemm_casts_weight)
+from .gemm import (fp8_dgrad_wgrad_on_one_launch, fp8_gemm_tn, fp8_gemm_tn_casting_both,
+                   fp8_gemm_tn_casting_weight, fp8_gemm_tn_pair_on_one_launch,
+                   gemm_casts_weight)
 from .linear_sp import gathered_fp8
 
 
@@ -229,9 +230,10 @@ class FP8Plan:
         live states, a high-precision weight cast now, no weight caching, its fp8 transpose
         kept for dgrad)."""
         cache = self.weight_cache
-        return (gemm_casts_weight(rows, weight)  # first: False at once under torch.compile
+        return (isinstance(self.recipe, DelayedScaling)
+                and gemm_casts_weight(rows, weight)  # False at once under torch.compile
                 and self.weight_ready is None and type(weight) in _PLAIN
-                and isinstance(self.recipe, DelayedScaling) and type(self.fwd) is ScalingState
+                and type(self.fwd) is ScalingState
                 and (cache is None or (cache.skip is None and self.is_first_microbatch is None))
                 and not recast_in_backward(weight, need_transpose, False))
 
@@ -245,6 +247,24 @@ class FP8Plan:
             x8, x_si, weight.detach(), self.fwd.scale_slot(slot), self.fwd.amax_slot(slot),
             self.recipe.fp8_format.forward_dtype, out_dtype, bias, need_transpose)
         return None if res is None else (res[0], (None, res[1], res[2]))
+
+    def fprop_casting_both(self, x2d, weight, bias, need_wgrad: bool, need_dgrad: bool,
+                           out_dtype):
+        """(out, (x8, x8^T, x_si), (w8, w8^T, w_si)) of the forward GEMM with the
+        high-precision input and weight both cast in its launch (x8 and w8 are None: never
+        in memory), or None where it does not (`casts_weight_in_gemm`, x's layout)."""
+        rows = -(-x2d.shape[0] // 16) * 16
+        if not (x2d.stride(-1) == 1 and self.casts_weight_in_gemm(weight, rows, need_dgrad)):
+            return None
+        fwd, dtype = self.fwd, self.recipe.fp8_format.forward_dtype
+        res = fp8_gemm_tn_casting_both(
+            x2d, fwd.scale_slot(self.input_slot), fwd.amax_slot(self.input_slot),
+            weight.detach(), fwd.scale_slot(self.weight_slot), fwd.amax_slot(self.weight_slot),
+            dtype, out_dtype, bias, need_wgrad, need_dgrad)
+        if res is None:
+            return None
+        out, x8_t, x_si, w8_t, w_si = res
+        return out, (None, x8_t, x_si), (None, w8_t, w_si)
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if self.weight_ready is not None:
@@ -517,8 +537,14 @@ class _LinearFunction(torch.autograd.Function):
                 else:
                     out, (w8, w8_t, w_si) = fused
             else:
-                (x8, x8_t, x_si), (w8, w8_t, w_si) = plan.forward_operands(
-                    x2d, weight, need_wgrad, need_dgrad)
+                # a small GEMM casts its input and weight in its own launch
+                fused = plan.fprop_casting_both(x2d, weight, bias, need_wgrad, need_dgrad,
+                                                inp.dtype)
+                if fused is None:
+                    (x8, x8_t, x_si), (w8, w8_t, w_si) = plan.forward_operands(
+                        x2d, weight, need_wgrad, need_dgrad)
+                else:
+                    out, (x8, x8_t, x_si), (w8, w8_t, w_si) = fused
             if w8 is not None:
                 out = fp8_gemm_tn(x8, w8, x_si, w_si, inp.dtype, bias, fast_accum=True)
             if out.shape[0] != tokens:  # drop the zero rows that padded tokens to 16

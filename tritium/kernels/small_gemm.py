@@ -139,58 +139,91 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
 
 
 @triton.jit
-def _fp8_gemm_tn_cast_b_kernel(a_desc, b_ptr, b_scale_ptr, b_amax_ptr, b_t_ptr,
-                               b_scale_inv_ptr, c_desc, a_scale_inv_ptr, bias_ptr, M, N, K,
-                               stride_b, num_programs, FP8_MAX: tl.constexpr,
-                               FP8_DTYPE: tl.constexpr, WRITE_B_T: tl.constexpr,
-                               HAS_BIAS: tl.constexpr, SPLIT_STORE: tl.constexpr,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+def _cast_tile(x_ptr, stride_x, R, K, off_r, ki, scale, amax_ptr, x_t_ptr, R_T, record,
+               FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, WRITE_T: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """x[off_r:, ki * BLOCK_K:] of a high-precision x [R, K] cast to fp8 (zeros outside x);
+    where `record`: the tile's amax max-recorded and (WRITE_T) its fp8 values stored transposed
+    into x_t [K, R_T] (indices mapped, no transpose of fp8 values; columns R..R_T get zeros)."""
+    rr = off_r + tl.arange(0, BLOCK_R)
+    rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+    valid = (rr[:, None] < R) & (rk[None, :] < K)
+    x = tl.load(x_ptr + rr[:, None].to(tl.int64) * stride_x + rk[None, :], mask=valid,
+                other=0.0).to(tl.float32)
+    x8 = _scaled_fp8(x, scale, valid, FP8_MAX, FP8_DTYPE)
+    if record:
+        tl.atomic_max(amax_ptr, _abs_max_nan(x))
+        if WRITE_T:
+            tl.store(x_t_ptr + rk[None, :].to(tl.int64) * R_T + rr[:, None], x8,
+                     mask=(rr[:, None] < R_T) & (rk[None, :] < K))
+    return x8
+
+
+@triton.jit
+def _fp8_gemm_tn_cast_kernel(a_ptr, a_scale_ptr, a_amax_ptr, a_t_ptr, a_scale_inv_ptr,
+                             b_ptr, b_scale_ptr, b_amax_ptr, b_t_ptr, b_scale_inv_ptr, c_desc,
+                             bias_ptr, M, N, K, M_T, stride_a, stride_b, num_programs,
+                             FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                             A_HP: tl.constexpr, WRITE_A_T: tl.constexpr,
+                             WRITE_B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             SPLIT_STORE: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP_M: tl.constexpr):
     """A small Linear's forward GEMM under delayed scaling, its weight b [N, K] in high
-    precision: each B tile cast in registers as it is loaded (the cast kernel's arithmetic),
-    b's amax recorded and (WRITE_B_T) its fp8 transpose b_t [K, N] written by the first row of
-    tiles (each element of b once), b's scale_inv by program 0; out = a @ fp8(b).T * scales
-    (+ bias), fast accumulation."""
+    precision: each B tile cast in registers as it is loaded, b's amax recorded and
+    (WRITE_B_T) its fp8 transpose b_t [K, N] written by the first row of tiles (each element
+    of b once), its scale_inv by program 0; out = a @ fp8(b).T * scales (+ bias), fast
+    accumulation. a [M, K]: fp8 with its scale_inv given (a_scale_inv_ptr), or (A_HP) high
+    precision, cast the same way with its scale (a_scale_ptr) by the first column of tiles,
+    a_t [K, M_T] (WRITE_A_T) and its scale_inv written."""
     b_scale = tl.load(b_scale_ptr)
     b_scale_inv = tl.math.div_rn(1.0, b_scale)  # what the cast kernel would write
+    if A_HP:
+        a_scale = tl.load(a_scale_ptr)
+        a_scale_inv = tl.math.div_rn(1.0, a_scale)
+        if tl.program_id(0) == 0:
+            tl.store(a_scale_inv_ptr, a_scale_inv)
+    else:
+        a_scale = 1.0
+        a_scale_inv = tl.load(a_scale_inv_ptr)
     if tl.program_id(0) == 0:
         tl.store(b_scale_inv_ptr, b_scale_inv)
-    scale = tl.load(a_scale_inv_ptr) * b_scale_inv
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
     for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, num_programs):
         off_m, off_n = tile_offsets(tile, tiles_m, tiles_n, BLOCK_M, BLOCK_N, GROUP_M)
-        rn = off_n + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BLOCK_K)):
-            rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
-            valid = (rn[:, None] < N) & (rk[None, :] < K)
-            b = tl.load(b_ptr + rn[:, None].to(tl.int64) * stride_b + rk[None, :], mask=valid,
-                        other=0.0).to(tl.float32)
-            b8 = _scaled_fp8(b, b_scale, valid, FP8_MAX, FP8_DTYPE)
-            if off_m == 0:
-                tl.atomic_max(b_amax_ptr, _abs_max_nan(b))
-                if WRITE_B_T:  # b_t[k, n] = b8[n, k]: indices mapped, no transpose of fp8
-                    tl.store(b_t_ptr + rk[None, :].to(tl.int64) * N + rn[:, None], b8,
-                             mask=valid)
-            acc = tl.dot(a_desc.load([off_m, ki * BLOCK_K]), b8.T, acc)
-        c = acc * scale
+            b8 = _cast_tile(b_ptr, stride_b, N, K, off_n, ki, b_scale, b_amax_ptr, b_t_ptr, N,
+                            off_m == 0, FP8_MAX, FP8_DTYPE, WRITE_B_T, BLOCK_N, BLOCK_K)
+            if A_HP:
+                a8 = _cast_tile(a_ptr, stride_a, M, K, off_m, ki, a_scale, a_amax_ptr, a_t_ptr,
+                                M_T, off_n == 0, FP8_MAX, FP8_DTYPE, WRITE_A_T, BLOCK_M,
+                                BLOCK_K)
+            else:
+                rm = off_m + tl.arange(0, BLOCK_M)
+                rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
+                a8 = tl.load(a_ptr + rm[:, None].to(tl.int64) * stride_a + rk[None, :],
+                             mask=(rm[:, None] < M) & (rk[None, :] < K), other=0.0)
+            acc = tl.dot(a8, b8.T, acc)
+        c = acc * (a_scale_inv * b_scale_inv)
         if HAS_BIAS:
+            rn = off_n + tl.arange(0, BLOCK_N)
             c += tl.load(bias_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         _store_tile(c_desc, c, off_m, off_n, SPLIT_STORE, BLOCK_M, BLOCK_N)
 
 
 _launch_gemm_pair = Launcher(_fp8_gemm_tn_pair_kernel)
 _launch_dgrad_wgrad = Launcher(_fp8_dgrad_wgrad_kernel)
-_launch_gemm_cast_b = Launcher(_fp8_gemm_tn_cast_b_kernel)
+_launch_gemm_cast = Launcher(_fp8_gemm_tn_cast_kernel)
 
 # The pair kernels stage each GEMM's operands in shared memory of their own (two branches),
 # and their GEMMs are small (the rule's): smaller tiles, more of them on the SMs, two stages.
 # BLOCK_K stays 128, CONFIGS[False]'s: precise accumulation promotes every BLOCK_K of K, so
 # the products equal the one-GEMM kernel's bit for bit (eager and compiled steps agree).
 PAIR_CONFIG = (128, 128, 128, 8, 4, 2)
-# Casting B in registers holds a 16-bit B tile beside the accumulator: 128 x 128 tiles.
-CAST_B_CONFIG = (128, 128, 128, 8, 8, 2)
+# Casting in registers holds 16-bit operand tiles beside the accumulator: 128 x 128 tiles.
+CAST_CONFIG = (128, 128, 128, 8, 8, 2)
 
 
 def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> tuple:
@@ -241,30 +274,58 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Ten
     return dx, dw, db
 
 
+def _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax, fp8_dtype,
+               out_dtype, bias, write_b_t) -> tuple:
+    """The launch of both forms below: (out, a8^T or None, b8^T or None)."""
+    m, k = a.shape
+    n = b.shape[0]
+    a_hp = a_scale is not None
+    bm, bn, bk, group_m, warps, stages = CAST_CONFIG if a.is_cuda else _INTERPRET_CONFIG
+    dev = a.device
+    out = torch.empty(m, n, dtype=out_dtype, device=dev)
+    m_t = -(-m // 16) * 16  # a8^T's columns: rows padded to 16 (FP8 GEMMs need it)
+    a_t = torch.empty(k, m_t, dtype=fp8_dtype, device=dev) if a_hp and write_a_t else None
+    b_t = torch.empty(k, n, dtype=fp8_dtype, device=dev) if write_b_t else None
+    b_scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
+    split = out.element_size() == 4
+    tiles = -(-m // bm) * -(-n // bn)
+    programs = min(tiles, num_sms(a.get_device())) if a.is_cuda else tiles
+    unused_t = b_t if b_t is not None else a_t if a_t is not None else out  # never written
+    _launch_gemm_cast(
+        (programs,), a, a_scale if a_hp else a_scale_inv, a_amax if a_hp else a_scale_inv,
+        a_t if a_t is not None else unused_t, a_scale_inv, b, b_scale, b_amax,
+        b_t if b_t is not None else unused_t, b_scale_inv,
+        TensorDesc(out, (bm, bn // 2 if split else bn)),
+        bias if bias is not None else b_scale, m, n, k, m_t, a.stride(0), b.stride(0), programs,
+        FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], A_HP=a_hp,
+        WRITE_A_T=a_t is not None, WRITE_B_T=write_b_t, HAS_BIAS=bias is not None,
+        SPLIT_STORE=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
+        num_warps=warps, num_stages=stages)
+    return out, a_t, b_t, b_scale_inv
+
+
 def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
                        b_scale: torch.Tensor, b_amax: torch.Tensor, fp8_dtype: torch.dtype,
                        out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
                        write_b_t: bool = True) -> tuple:
     """See `tritium.ref.gemm.fp8_gemm_tn_cast_b`: b's cast and the GEMM, one launch."""
-    m, k = a.shape
-    n = b.shape[0]
-    bm, bn, bk, group_m, warps, stages = CAST_B_CONFIG if a.is_cuda else _INTERPRET_CONFIG
-    out = torch.empty(m, n, dtype=out_dtype, device=a.device)
-    b_t = torch.empty(k, n, dtype=fp8_dtype, device=a.device) if write_b_t else None
-    b_scale_inv = torch.empty(1, dtype=torch.float32, device=a.device)
-    split = out.element_size() == 4
-    tiles = -(-m // bm) * -(-n // bn)
-    programs = min(tiles, num_sms(a.get_device())) if a.is_cuda else tiles
-    _launch_gemm_cast_b(
-        (programs,), TensorDesc(a, (bm, bk)), b, b_scale, b_amax,
-        b_t if b_t is not None else b_scale_inv, b_scale_inv,
-        TensorDesc(out, (bm, bn // 2 if split else bn)), a_scale_inv,
-        bias if bias is not None else a_scale_inv, m, n, k, b.stride(0), programs,
-        FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], WRITE_B_T=write_b_t,
-        HAS_BIAS=bias is not None, SPLIT_STORE=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-        GROUP_M=group_m, num_warps=warps, num_stages=stages)
+    out, _, b_t, b_scale_inv = _gemm_cast(a, None, None, a_scale_inv, False, b, b_scale, b_amax,
+                                          fp8_dtype, out_dtype, bias, write_b_t)
     return out, b_t, b_scale_inv
 
 
-__all__ = ["fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "fp8_gemm_tn_cast_b", "PAIR_CONFIG",
-           "CAST_B_CONFIG"]
+def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+                        b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor,
+                        fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                        bias: Optional[torch.Tensor] = None, write_a_t: bool = True,
+                        write_b_t: bool = True) -> tuple:
+    """See `tritium.ref.gemm.fp8_gemm_tn_cast_ab`: both casts and the GEMM, one launch."""
+    a_scale_inv = torch.empty(1, dtype=torch.float32, device=a.device)
+    out, a_t, b_t, b_scale_inv = _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b,
+                                            b_scale, b_amax, fp8_dtype, out_dtype, bias,
+                                            write_b_t)
+    return out, a_t, a_scale_inv, b_t, b_scale_inv
+
+
+__all__ = ["fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "fp8_gemm_tn_cast_b", "fp8_gemm_tn_cast_ab",
+           "PAIR_CONFIG", "CAST_CONFIG"]

@@ -132,8 +132,8 @@ def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
 
 
 def casts_b_in_gemm(m: int, b: Tensor) -> bool:
-    """Whether `tensor_core_gemm_cast_b` takes a GEMM of m rows against the high-precision
-    b [N, K] by the rule (small, Triton allowed; a's TMA layout aside)."""
+    """Whether `tensor_core_gemm_cast_b` / `_cast_ab` take a GEMM of m rows against the
+    high-precision b [N, K] by the rule (small, Triton allowed; a's layout aside)."""
     n, k = b.shape
     return _device.use_triton(b) and b.stride(-1) == 1 and _small_on_triton((m * n * k,), ())
 
@@ -143,10 +143,23 @@ def tensor_core_gemm_cast_b(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale: 
                             bias: Optional[Tensor], write_b_t: bool) -> Optional[tuple]:
     """`tritium.ref.gemm.fp8_gemm_tn_cast_b` as one Triton launch (b cast in the GEMM's loads)
     where the GEMM is small; None otherwise."""
-    if not (casts_b_in_gemm(a.shape[0], b) and _tma_ok(a)):
+    if not (a.stride(-1) == 1 and casts_b_in_gemm(a.shape[0], b)):
         return None
     return _small_kernels().fp8_gemm_tn_cast_b(a, a_scale_inv, b, b_scale, b_amax, fp8_dtype,
                                                out_dtype, bias, write_b_t)
+
+
+def tensor_core_gemm_cast_ab(a: Tensor, a_scale: Tensor, a_amax: Tensor, b: Tensor,
+                             b_scale: Tensor, b_amax: Tensor, fp8_dtype: torch.dtype,
+                             out_dtype: torch.dtype, bias: Optional[Tensor], write_a_t: bool,
+                             write_b_t: bool) -> Optional[tuple]:
+    """`tritium.ref.gemm.fp8_gemm_tn_cast_ab` as one Triton launch where the GEMM is small;
+    None otherwise."""
+    if not (a.stride(-1) == 1 and casts_b_in_gemm(-(-a.shape[0] // 16) * 16, b)):
+        return None
+    return _small_kernels().fp8_gemm_tn_cast_ab(a, a_scale, a_amax, b, b_scale, b_amax,
+                                                fp8_dtype, out_dtype, bias, write_a_t,
+                                                write_b_t)
 
 
 def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,

@@ -73,4 +73,20 @@ def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     return out, b8_t, b_scale_inv
 
 
-__all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "fp8_gemm_tn_cast_b"]
+def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
+                        b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor,
+                        fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                        bias: Optional[torch.Tensor] = None, write_a_t: bool = True,
+                        write_b_t: bool = True) -> tuple:
+    """`fp8_gemm_tn_cast_b` with a [M, K] in high precision too: a cast with a_scale (rows
+    padded to 16, its amax into a_amax, its transpose [K, M padded] with write_a_t), then the
+    GEMM: (out [M, N], a8^T or None, a's scale_inv, b8^T or None, b's scale_inv)."""
+    a8, a8_t, a_scale_inv = ref_cast.cast_transpose(a, a_scale, a_amax, fp8_dtype,
+                                                    pad_rows_to=16, write_transpose=write_a_t)
+    out, b8_t, b_scale_inv = fp8_gemm_tn_cast_b(a8, a_scale_inv, b, b_scale, b_amax, fp8_dtype,
+                                                out_dtype, bias, write_b_t)
+    return out[:a.shape[0]], a8_t, a_scale_inv, b8_t, b_scale_inv
+
+
+__all__ = ["fp8_gemm_tn", "fp8_gemm_tn_pair", "fp8_dgrad_wgrad", "fp8_gemm_tn_cast_b",
+           "fp8_gemm_tn_cast_ab"]
