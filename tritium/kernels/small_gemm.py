@@ -276,7 +276,9 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Ten
 
 def _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax, fp8_dtype,
                out_dtype, bias, write_b_t) -> tuple:
-    """The launch of both forms below: (out, a8^T or None, b8^T or None)."""
+    """The launch of both forms below (a_scale None: a is fp8 with its a_scale_inv; else a is
+    high precision and a_scale_inv is written): (out, a8^T or None, b8^T or None, b's
+    scale_inv)."""
     m, k = a.shape
     n = b.shape[0]
     a_hp = a_scale is not None
