@@ -421,7 +421,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     one_launch = parts == 1 and need_dgrad and need_wgrad and dgrad_ready is None and \
         isinstance(w8_t, torch.Tensor)
     if one_launch and dyq is None and type(plan.bwd) is ScalingState and \
-            not isinstance(plan.recipe, Float8CurrentScaling):
+            isinstance(plan.recipe, DelayedScaling):
         res = fp8_dgrad_wgrad_on_one_launch(
             dy2d, plan.bwd.scale_slot(plan.grad_slot), plan.bwd.amax_slot(plan.grad_slot),
             bwd_dtype, w8_t, w_si, x8_t, x_si, dy2d.dtype, wgrad_dtype, dbias_dtype)
