@@ -109,11 +109,10 @@ def fp8_gemm_tn_casting_weight(a: torch.Tensor, a_scale_inv: torch.Tensor,
                                write_w_t: bool) -> Optional[tuple]:
     """A small Linear's forward under delayed scaling with its weight in high precision:
     (out, w8^T or None, w's scale_inv) as `tritium.ref.gemm.fp8_gemm_tn_cast_b`, the weight
-    cast in the GEMM's loads (`tritium.ops.gemm.tensor_core_gemm_cast_b`); None where that does
-    not run (`gemm_casts_weight`, a's layout): the caller casts the weight and runs the GEMM."""
+    cast in the GEMM's loads (`tritium.ops.gemm.tensor_core_gemm_cast_b`). For callers that
+    checked `gemm_casts_weight` (device, eager); None where the op's own rule or a's layout
+    says no: the caller casts the weight and runs the GEMM."""
     check_fp8_gemm_operands(a, weight)
-    if not gemm_casts_weight(a.shape[0], weight):
-        return None
     return ops_gemm.tensor_core_gemm_cast_b(a, a_scale_inv, weight, w_scale, w_amax, fp8_dtype,
                                             out_dtype, bias, write_w_t)
 
@@ -125,10 +124,8 @@ def fp8_gemm_tn_casting_both(x: torch.Tensor, x_scale: torch.Tensor, x_amax: tor
                              write_w_t: bool) -> Optional[tuple]:
     """`fp8_gemm_tn_casting_weight` with the input x [T, K] in high precision too: (out,
     x8^T or None, x's scale_inv, w8^T or None, w's scale_inv) as
-    `tritium.ref.gemm.fp8_gemm_tn_cast_ab`, both cast in the GEMM's loads; None where that does
-    not run. x's rows need not be a multiple of 16 (x8^T is padded); the caller checked the
-    rest of FP8's shape rules."""
-    if not gemm_casts_weight(-(-x.shape[0] // 16) * 16, weight):
-        return None
+    `tritium.ref.gemm.fp8_gemm_tn_cast_ab`, both cast in the GEMM's loads. For callers that
+    checked `gemm_casts_weight` and FP8's shape rules (x's rows need not be a multiple of 16:
+    x8^T is padded); None where the op's own rule or x's layout says no."""
     return ops_gemm.tensor_core_gemm_cast_ab(x, x_scale, x_amax, weight, w_scale, w_amax,
                                              fp8_dtype, out_dtype, bias, write_x_t, write_w_t)
