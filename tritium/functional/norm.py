@@ -55,10 +55,19 @@ def _impl_fp8(t: torch.Tensor):
     return ref_norm
 
 
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """t as 2D [rows, hidden] (2D t itself: a view op costs host time on every call)."""
+    return t if t.dim() == 2 else t.reshape(-1, t.shape[-1])
+
+
+def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    return t if len(shape) == 2 else t.view(shape)
+
+
 def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
     """y, or the Float8Tensor (and y) of a fused cast."""
     if cast is None:
-        return y.view(x.shape)
+        return _shaped(y, x.shape)
     data, data_t, scale_inv = fp8_out
     if torch.compiler.is_compiling():  # no Float8Tensor output in a traced Function
         if return_hp:
@@ -70,7 +79,7 @@ def _outputs(ctx, x, y, fp8_out, cast: Optional[CastSpec], return_hp: bool):
     if not return_hp:
         return out
     ctx.set_materialize_grads(False)  # d(out) + 0 would turn a -0.0 gradient into +0.0
-    return out, y.view(x.shape)
+    return out, _shaped(y, x.shape)
 
 
 def _block_forward(ctx, x, x2d, weight, bias, eps, zero_centered_gamma, is_rms,
@@ -109,7 +118,7 @@ def _fp8_result(out, cast: Optional[CastSpec], x):
 class _LayerNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, zero_centered_gamma, cast=None, return_hp=False):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _rows(x)
         ctx.zero_centered_gamma = zero_centered_gamma
         ctx.x_shape, ctx.bias = x.shape, bias is not None
         ctx.bias_dtype = bias.dtype if bias is not None else None
@@ -132,20 +141,20 @@ class _LayerNormFunction(torch.autograd.Function):
         if dy is None:
             return None, None, None, None, None, None, None
         x2d, weight, mean, rstd = ctx.saved_tensors
-        dy2d = dy.reshape(x2d.shape)
+        dy2d = _rows(dy)
         need_db = ctx.bias and ctx.needs_input_grad[2]
         dx, dw, db = _impl(dy2d).layernorm_bwd(dy2d, x2d, weight, mean, rstd,
                                                ctx.zero_centered_gamma, need_bias_grad=need_db)
         if db is not None and db.dtype != ctx.bias_dtype:
             db = db.to(ctx.bias_dtype)
-        return (dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, db, None, None,
+        return (_shaped(dx, ctx.x_shape), dw if ctx.needs_input_grad[1] else None, db, None, None,
                 None, None)
 
 
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps, zero_centered_gamma, cast=None, return_hp=False):
-        x2d = x.reshape(-1, x.shape[-1])
+        x2d = _rows(x)
         ctx.zero_centered_gamma, ctx.x_shape = zero_centered_gamma, x.shape
         if isinstance(cast, BlockCastSpec):
             return _block_forward(ctx, x, x2d, weight, None, eps, zero_centered_gamma, True,
@@ -166,9 +175,9 @@ class _RMSNormFunction(torch.autograd.Function):
         if dy is None:
             return None, None, None, None, None, None
         x2d, weight, rstd = ctx.saved_tensors
-        dy2d = dy.reshape(x2d.shape)
+        dy2d = _rows(dy)
         dx, dw = _impl(dy2d).rmsnorm_bwd(dy2d, x2d, weight, rstd, ctx.zero_centered_gamma)
-        return dx.view(ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None, None, None
+        return _shaped(dx, ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None, None, None
 
 
 _apply_layer_norm = fast_apply(_LayerNormFunction)

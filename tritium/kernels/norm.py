@@ -50,7 +50,7 @@ MAX_HIDDEN = 65536
 _TILE = 4096                # elements per forward/backward tile when hidden is small
 _BWD_PROGRAMS_PER_SM = 2    # persistent backward grid: G = programs per SM x SMs
 _BWD_PREFETCH = True        # backward loads tile t + G while tile t computes
-_SUM_BLOCK_G, _SUM_BLOCK_N = 32, 128
+_SUM_BLOCK_G, _SUM_BLOCK_N = 64, 32   # 128 programs at hidden 4096, rows of 128 bytes
 
 
 @triton.jit
@@ -115,7 +115,7 @@ def _norm_bwd_load(dy_ptr, x_ptr, mean_ptr, rstd_ptr, tile, rows, stride_dy, str
 
 
 @triton.jit
-def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_ptr, db_part_ptr,
+def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
                      rows, N, n, stride_dy, stride_x,
                      IS_RMS: tl.constexpr, HAS_DB: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                      BLOCK_ROWS: tl.constexpr, BLOCK_N: tl.constexpr, PREFETCH: tl.constexpr):
@@ -161,16 +161,17 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, dw_part_p
         dw_acc += dy * xhat
         if HAS_DB:
             db_acc += dy
-    part = pid.to(tl.int64) * N + c
-    tl.store(dw_part_ptr + part, tl.sum(dw_acc, axis=0), mask=cmask)
+    part = pid.to(tl.int64) * N + c  # dweight's partial sums, then (HAS_DB) dbias's
+    tl.store(part_ptr + part, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_DB:
-        tl.store(db_part_ptr + part, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(part_ptr + num_progs.to(tl.int64) * N + part, tl.sum(db_acc, axis=0), mask=cmask)
 
 
 @triton.jit
-def _partial_sum_kernel(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, G, N,
+def _partial_sum_kernel(part_ptr, dw_ptr, db_ptr, G, N,
                         HAS_DB: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dw[c] = sum_g dw_part[g, c] (and db), in fp32, stored in the output's dtype."""
+    """dw[c] = sum_g part[0, g, c] (and db[c] = sum_g part[1, g, c]), in fp32, stored in the
+    output's dtype."""
     c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cmask = c < N
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -179,9 +180,9 @@ def _partial_sum_kernel(dw_part_ptr, db_part_ptr, dw_ptr, db_ptr, G, N,
         g = g0 + tl.arange(0, BLOCK_G)
         offs = g.to(tl.int64)[:, None] * N + c[None, :]
         mask = (g[:, None] < G) & cmask[None, :]
-        dw += tl.sum(tl.load(dw_part_ptr + offs, mask=mask, other=0.0), axis=0)
+        dw += tl.sum(tl.load(part_ptr + offs, mask=mask, other=0.0), axis=0)
         if HAS_DB:
-            db += tl.sum(tl.load(db_part_ptr + offs, mask=mask, other=0.0), axis=0)
+            db += tl.sum(tl.load(part_ptr + G * N + offs, mask=mask, other=0.0), axis=0)
     tl.store(dw_ptr + c, dw.to(dw_ptr.dtype.element_ty), mask=cmask)
     if HAS_DB:
         tl.store(db_ptr + c, db.to(db_ptr.dtype.element_ty), mask=cmask)
@@ -223,13 +224,12 @@ def _fwd(x, weight, bias, eps, zero_centered_gamma, is_rms):
     bias = bias.contiguous() if bias is not None else None
     rows, n = x.shape
     y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    mean = torch.empty(rows if not is_rms else 0, dtype=torch.float32, device=x.device)
     rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    mean = rstd if is_rms else torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block_rows, block_n, warps = _tile(n, not x.is_cuda)
         _launch_fwd(((rows + block_rows - 1) // block_rows,),
-                    x, weight, bias if bias is not None else weight, y,
-                    rstd if is_rms else mean, rstd, rows, n, float(n), x.stride(0), float(eps),
+                    x, weight, bias if bias is not None else weight, y, mean, rstd, rows, n, float(n), x.stride(0), float(eps),
                     IS_RMS=is_rms, HAS_BIAS=bias is not None,
                     ZERO_CENTERED=bool(zero_centered_gamma),
                     BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)
@@ -253,14 +253,14 @@ def _bwd(dy, x, weight, mean, rstd, zero_centered_gamma, is_rms, need_bias_grad)
         programs = min(tiles, _BWD_PROGRAMS_PER_SM * num_sms(index))
     else:
         programs = min(tiles, 3)  # interpreter: a few programs that each loop over tiles
-    dw_part = torch.empty((programs, n), dtype=torch.float32, device=dev)
-    db_part = torch.empty((programs, n), dtype=torch.float32, device=dev) if db is not None \
-        else dw_part
-    _launch_bwd((programs,), dy, x, weight, rstd if is_rms else mean, rstd, dx, dw_part, db_part,
+    # dweight's per-program partial sums, then dbias's: one buffer, one allocation
+    parts = torch.empty(((2 if db is not None else 1) * programs, n), dtype=torch.float32,
+                        device=dev)
+    _launch_bwd((programs,), dy, x, weight, rstd if is_rms else mean, rstd, dx, parts,
                 rows, n, float(n), dy.stride(0), x.stride(0),
                 IS_RMS=is_rms, HAS_DB=db is not None, ZERO_CENTERED=bool(zero_centered_gamma),
                 BLOCK_ROWS=block_rows, BLOCK_N=block_n, PREFETCH=_BWD_PREFETCH, num_warps=warps)
-    _launch_sum(((n + _SUM_BLOCK_N - 1) // _SUM_BLOCK_N,), dw_part, db_part, dw,
+    _launch_sum(((n + _SUM_BLOCK_N - 1) // _SUM_BLOCK_N,), parts, dw,
                 db if db is not None else dw, programs, n,
                 HAS_DB=db is not None, BLOCK_G=_SUM_BLOCK_G, BLOCK_N=_SUM_BLOCK_N,
                 num_warps=4)

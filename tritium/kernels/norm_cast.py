@@ -97,8 +97,8 @@ def _fwd_fp8(x, weight, bias, eps, zero_centered_gamma, is_rms, scale, amax, fp8
     data = torch.empty(rows_p, n, dtype=fp8_dtype, device=dev)
     data_t = torch.empty(n, rows_p, dtype=fp8_dtype, device=dev) if write_transpose else None
     scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
-    mean = torch.empty(rows if not is_rms else 0, dtype=torch.float32, device=dev)
     rstd = torch.empty(rows, dtype=torch.float32, device=dev)
+    mean = rstd if is_rms else torch.empty(rows, dtype=torch.float32, device=dev)
     interpret = not x.is_cuda
     block_rows, block_n, warps = _tile(n, interpret)
     # the transpose wants _BLOCK_M rows per program (full sectors); without it a few tiles
@@ -109,7 +109,7 @@ def _fwd_fp8(x, weight, bias, eps, zero_centered_gamma, is_rms, scale, amax, fp8
     block_tn = 16 if interpret else _BLOCK_TN
     grid = (max(-(-rows_p // block_m), 1),)
     _launch(grid, x, weight, bias if bias is not None else weight,
-            y if y is not None else data, rstd if is_rms else mean, rstd,
+            y if y is not None else data, mean, rstd,
             data, data_t if data_t is not None else data, scale,
             amax if amax is not None else scale_inv, scale_inv,
             rows, rows_p, n, float(n), x.stride(0), float(eps),
