@@ -9,7 +9,8 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
   host [CASE ...]     wall and host-enqueue time per step with the GPU kept busy, the kernels'
                       own time (torch.profiler) and the profiler's table of host-side ops and
                       CUDA calls by self CPU time, all threads. Cases: linear4096 linear_tiny
-                      layernorm rmsnorm graphs_fp8 graphs_bf16 (bench_graphs' eager step;
+                      layernorm rmsnorm (bench_norm's fwd+bwd; torch_layernorm torch_rmsnorm:
+                      torch.nn's) graphs_fp8 graphs_bf16 (bench_graphs' eager step;
                       default all).
   cputime [CASE ...] [--rounds R --steps N]
                       host CPU time per step of the cases (default graphs_fp8 graphs_bf16:
@@ -95,8 +96,10 @@ _launch = importlib.import_module("tritium.kernels._launch")
 
 # ---- host -----------------------------------------------------------------------------------
 
-def _norm_step(kind):
-    mod = getattr(te, kind)(4096, params_dtype=torch.bfloat16, device="cuda")
+def _norm_step(kind, torch_eager=False):
+    """bench_norm's fwd+bwd step at 16384 x 4096 bf16: tritium's module or torch.nn's."""
+    mod = (getattr(torch.nn, kind)(4096, eps=1e-5, device="cuda", dtype=torch.bfloat16)
+           if torch_eager else getattr(te, kind)(4096, params_dtype=torch.bfloat16, device="cuda"))
     x = torch.randn(16384, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn_like(x)
     params = list(mod.parameters()) + [x]
@@ -119,6 +122,8 @@ HOST_CASES = {"linear4096": lambda: fp8_linear_step(8192, 4096, 4096),
               "linear_tiny": lambda: fp8_linear_step(256, 512, 512),
               "layernorm": lambda: _norm_step("LayerNorm"),
               "rmsnorm": lambda: _norm_step("RMSNorm"),
+              "torch_layernorm": lambda: _norm_step("LayerNorm", torch_eager=True),
+              "torch_rmsnorm": lambda: _norm_step("RMSNorm", torch_eager=True),
               "graphs_fp8": lambda: _graphs_step(True), "graphs_bf16": lambda: _graphs_step(False)}
 
 
