@@ -124,6 +124,8 @@ KERNELS = {
              BLOCK_N=128),
         dict(num_warps=4)),
     ("cast", "_amax_kernel"): ({"x_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=8)),
+    ("cast", "_amax_pair_kernel"): (
+        {"x_ptr": BF16P, "y_ptr": BF16P}, dict(BLOCK=4096), dict(num_warps=8)),
     ("cast", "_transpose_kernel"): (
         {"src_ptr": "*u8", "dst_ptr": "*u8"}, dict(BLOCK_M=128, BLOCK_N=128), dict(num_warps=8)),
     ("cast", "_dequantize_kernel"): (
@@ -148,7 +150,8 @@ KERNELS = {
     ("small_gemm", "_fp8_gemm_tn_cast_kernel"): (  # both operands bf16 (a Linear's proj)
         {"a_ptr": BF16P, "a_t_ptr": E4P, "b_ptr": BF16P, "b_t_ptr": E4P,
          "c_desc": _desc("bf16", (128, 128)), "bias_ptr": BF16P},
-        dict(FP8_MAX=E4MAX, FP8_DTYPE=E4, A_HP=True, WRITE_A_T=True, WRITE_B_T=True,
+        dict(FP8_MAX=E4MAX, FP8_DTYPE=E4, CURRENT=False, EPS=0.0, POW2=False, A_HP=True,
+             WRITE_A_T=True, WRITE_B_T=True,
              HAS_BIAS=True, SPLIT_STORE=False, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128,
              GROUP_M=8),
         dict(num_warps=8, num_stages=2)),
@@ -156,7 +159,8 @@ KERNELS = {
         {"dy_ptr": BF16P, "w_t_desc": _desc("fp8e4nv", (128, 128)),
          "dx_desc": _desc("bf16", (128, 128)), "x_t_desc": _desc("fp8e4nv", (128, 128)),
          "dw_desc": _desc("fp32", (128, 64)), "dbias_ptr": BF16P},
-        dict(FP8_MAX=57344.0, FP8_DTYPE=tl.float8e5, SPLIT_DX=False, SPLIT_DW=True,
+        dict(FP8_MAX=57344.0, FP8_DTYPE=tl.float8e5, CURRENT=False, EPS=0.0, POW2=False,
+             SPLIT_DX=False, SPLIT_DW=True,
              HAS_DBIAS=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8),
         dict(num_warps=4, num_stages=2)),
     ("grouped_gemm", "_grouped_cast_kernel"): (
@@ -339,7 +343,9 @@ VARIANTS = {
         dict(CURRENT=True, POW2=True, HAS_SKIP=True),
         dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],
     ("small_gemm", "_fp8_gemm_tn_cast_kernel"): [  # a in fp8 already (a fused norm's cast)
-        dict(A_HP=False, WRITE_A_T=False, _types={"a_ptr": E4P})],
+        dict(A_HP=False, WRITE_A_T=False, _types={"a_ptr": E4P}),
+        dict(CURRENT=True, POW2=True)],  # Float8CurrentScaling: scales from measured amaxes
+    ("small_gemm", "_fp8_dgrad_wgrad_kernel"): [dict(CURRENT=True)],
     # fp32 inputs: data_t from a transposed re-read, not the tile's bytes transposed
     ("act_cast", "_act_fp8_fwd_kernel"): [
         dict(TRANS_T=False, _types={"x_ptr": F32P, "data_t_ptr": E4P})],

@@ -167,17 +167,17 @@ def test_linear_runs_fprop_on_the_triton_gemm_by_default(setenv, monkeypatch):
 def test_small_linear_runs_every_gemm_on_triton(setenv, monkeypatch, scaling):
     """auto: a Linear whose GEMMs are at most HOST_BOUND_MACS multiply-adds (256 tokens,
     512 -> 640) runs fprop, dgrad and wgrad on the Triton kernels (host-bound: a launch is the
-    cheaper call), dgrad and wgrad in one launch; under delayed scaling the forward casts x and
-    the weight in its GEMM's launch and the backward casts dy in its (same amaxes recorded);
-    the results agree with TRITIUM_FP8_GEMM=cublas."""
+    cheaper call), dgrad and wgrad in one launch; the forward casts x and the weight in its
+    GEMM's launch and the backward casts dy in its (delayed scaling: the same amaxes recorded;
+    current scaling: after the launch that measures the amaxes); the results agree with
+    TRITIUM_FP8_GEMM=cublas."""
     from tritium.ops import gemm as ops_gemm
     assert 256 * 640 * 512 <= ops_gemm.HOST_BOUND_MACS < 1000 * 1024 * 768
     rec = recipe.Float8CurrentScaling() if scaling == "current" else None
     calls, _, _, launches = _linear_gemm_choice(setenv, monkeypatch, 256, 512, 640, rec)
     assert sorted(calls) == [False] * 4 + [True] * 2  # per step: fprop fast, dgrad and wgrad
-    per_step = (["fp8_gemm_tn_cast_ab", "fp8_dgrad_wgrad"] if scaling == "delayed"
-                else ["fp8_gemm_tn_pair"])
-    assert launches == per_step * 2, "one launch for the forward (delayed) and the backward"
+    assert launches == ["fp8_gemm_tn_cast_ab", "fp8_dgrad_wgrad"] * 2, \
+        "one launch for the forward's casts and GEMM, one for the backward's"
 
 
 def test_small_layernorm_linear_casts_its_weight_in_the_gemm(setenv, monkeypatch):

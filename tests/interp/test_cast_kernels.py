@@ -217,6 +217,22 @@ def test_amax_into(shape, in_dtype, prefill, gen):
     assert ka[0].item() == max(own.item(), amax.item())
 
 
+@pytest.mark.parametrize("shapes", [((17, 48), (1000,)), ((7,), (80, 33)), ((0, 4), (300,))],
+                         ids=["2d+1d", "small+wide", "empty+1d"])
+def test_amax_pair_into(shapes, gen):
+    """Two tensors' amaxes in one launch == amax_into of each (prefilled below one, above the
+    other; NaN in the second's last block): the first programs walk x, the rest y."""
+    x, y = (wide_randn(s, torch.bfloat16, gen) for s in shapes)
+    if y.numel() > 4:
+        y.view(-1)[-1] = float("nan")
+    own_x = x.float().abs().max().item() if x.numel() else 0.0
+    amax = torch.tensor([own_x * 0.5, 1e30])
+    (_, _), (ka, ra) = run_both("amax_pair_into", x, y, amax)
+    assert_same_bits(ka[1], ra[1], "amaxes")
+    assert ka[1][0].item() == max(own_x, amax[0].item())
+    assert ka[1][1].isnan().item() == (y.numel() > 4)
+
+
 @pytest.mark.parametrize("special", ["inf", "nan", "nan+inf", "-inf", "late nan"])
 def test_amax_into_inf_nan(special, gen):
     """Under the interpreter 1000 elements are 4 blocks for 3 programs: program 0 walks blocks 0

@@ -9,6 +9,8 @@ Tiles are 16x16x32 under the interpreter, so the odd shapes cross tile edges in 
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -216,3 +218,57 @@ def test_gemm_cast_ab_kernel_equals_its_twin_bits(m, n, k, hp_dtype):
                 assert_same_bits(got[i].view(torch.uint8), want[i].view(torch.uint8), name)
             else:
                 assert got[i] is None and want[i] is None
+
+
+@pytest.mark.parametrize("top,pow2", [(224.0, False), (300.0, True)])
+@pytest.mark.parametrize("grad_fp8", [E5M2, E4M3])
+def test_one_launch_forms_under_current_scaling_equal_their_twins(top, pow2, grad_fp8):
+    """Float8CurrentScaling (`current=(amax_epsilon, power_2_scale)`, no scale given): each
+    one-launch form measures its high-precision operands' amaxes first (a and b in one launch),
+    derives the scales as the cast kernel does and records nothing; outputs, fp8 transposes,
+    scale_invs and dbias as the twins', bit for bit (the largest |value| `top` makes every
+    scale a power of two: the fp8 values stay integers and the sums exact)."""
+    gen = torch.Generator().manual_seed(int(top) + pow2 + (grad_fp8 == E4M3))
+    current = (0.0, pow2)
+
+    def hp(rows, cols, dtype=torch.bfloat16):
+        x = torch.randint(-8, 9, (rows, cols), generator=gen).to(dtype)
+        x[rows // 2, cols // 3] = -top
+        return x
+
+    t, n, k_in = 40, 48, 32
+    dy = hp(t, n + 4)[:, 2:2 + n]  # a column slice: row stride > N
+    w_t = _integer_fp8(k_in, n, E4M3, gen)
+    x_t = torch.cat([_integer_fp8(k_in, t, E4M3, gen),
+                     torch.zeros(k_in, -(-t // 16) * 16 - t).to(E4M3)], 1)
+    w_si, x_si = _scales(gen)
+    got = ksmall.fp8_dgrad_wgrad(dy, None, None, grad_fp8, w_t, w_si, x_t, x_si,
+                                torch.bfloat16, torch.float32, torch.bfloat16, current=current)
+    want = rgemm.fp8_dgrad_wgrad(dy, None, None, grad_fp8, w_t, w_si, x_t, x_si,
+                                 torch.bfloat16, torch.float32, torch.bfloat16, current=current)
+    for name, g, w in zip(("dx", "dw", "dbias"), got, want):
+        assert g.abs().max() > 0
+        assert_same_bits(g, w, name)
+
+    m, n, k = 40, 32, 80
+    a, b = hp(m, k), hp(n, k + 8, torch.float32)[:, 8:]
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16)
+    got = ksmall.fp8_gemm_tn_cast_ab(a, None, None, b, None, None, E4M3, torch.bfloat16, bias,
+                                     current=current)
+    want = rgemm.fp8_gemm_tn_cast_ab(a, None, None, b, None, None, E4M3, torch.bfloat16, bias,
+                                     current=current)
+    scale = 448.0 / top if not pow2 else 2.0 ** math.floor(math.log2(448.0 / top))
+    assert got[0].abs().max() > 0 and got[2].item() == 1.0 / scale  # the scale from a's amax
+    for i, name in ((0, "out"), (2, "a scale_inv"), (4, "b scale_inv")):
+        assert_same_bits(got[i], want[i], name)
+    for i, name in ((1, "a8^T"), (3, "b8^T")):
+        assert_same_bits(got[i].view(torch.uint8), want[i].view(torch.uint8), name)
+
+    a8 = _integer_fp8(m, k, E4M3, gen)
+    got = ksmall.fp8_gemm_tn_cast_b(a8, w_si, b, None, None, E4M3, torch.bfloat16,
+                                   current=current)
+    want = rgemm.fp8_gemm_tn_cast_b(a8, w_si, b, None, None, E4M3, torch.bfloat16,
+                                    current=current)
+    for i, name in ((0, "out"), (2, "b scale_inv")):
+        assert_same_bits(got[i], want[i], name)
+    assert_same_bits(got[1].view(torch.uint8), want[1].view(torch.uint8), "b8^T")

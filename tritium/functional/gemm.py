@@ -77,22 +77,23 @@ def fp8_gemm_tn_pair_on_one_launch(first: tuple, second: tuple,
     return ops_gemm.tensor_core_gemm_pair(first, second, fast_accum)
 
 
-def fp8_dgrad_wgrad_on_one_launch(dy: torch.Tensor, dy_scale: torch.Tensor,
-                                  dy_amax: torch.Tensor, fp8_dtype: torch.dtype,
+def fp8_dgrad_wgrad_on_one_launch(dy: torch.Tensor, dy_scale: Optional[torch.Tensor],
+                                  dy_amax: Optional[torch.Tensor], fp8_dtype: torch.dtype,
                                   w_t: torch.Tensor, w_scale_inv: torch.Tensor,
                                   x_t: torch.Tensor, x_scale_inv: torch.Tensor,
-                                  dx_dtype: torch.dtype,
-                                  dw_dtype: torch.dtype,
-                                  dbias_dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
-    """A small Linear's backward under delayed scaling, (dx, dw, dbias or None) as
+                                  dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+                                  dbias_dtype: Optional[torch.dtype] = None,
+                                  current: Optional[tuple] = None) -> Optional[tuple]:
+    """A small Linear's backward, (dx, dw, dbias or None) as
     `tritium.ref.gemm.fp8_dgrad_wgrad`, in one launch that casts dy in its GEMMs' loads
-    (`tritium.ops.gemm.tensor_core_dgrad_wgrad`); None where that does not run (emulation,
-    torch.compile, GEMMs above the small-GEMM rule): the caller casts dy and runs the GEMMs."""
+    (`tritium.ops.gemm.tensor_core_dgrad_wgrad`; under current scaling after the launch that
+    measures dy's amax); None where that does not run (emulation, torch.compile, GEMMs above
+    the small-GEMM rule): the caller casts dy and runs the GEMMs."""
     if torch.compiler.is_compiling() or not _device.fp8_tensor_cores(dy):
         return None
     return ops_gemm.tensor_core_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
                                             x_t, x_scale_inv, dx_dtype, dw_dtype,
-                                            dbias_dtype)
+                                            dbias_dtype, current)
 
 
 def gemm_casts_weight(rows: int, weight: torch.Tensor) -> bool:
@@ -103,29 +104,32 @@ def gemm_casts_weight(rows: int, weight: torch.Tensor) -> bool:
 
 
 def fp8_gemm_tn_casting_weight(a: torch.Tensor, a_scale_inv: torch.Tensor,
-                               weight: torch.Tensor, w_scale: torch.Tensor,
-                               w_amax: torch.Tensor, fp8_dtype: torch.dtype,
+                               weight: torch.Tensor, w_scale: Optional[torch.Tensor],
+                               w_amax: Optional[torch.Tensor], fp8_dtype: torch.dtype,
                                out_dtype: torch.dtype, bias: Optional[torch.Tensor],
-                               write_w_t: bool) -> Optional[tuple]:
-    """A small Linear's forward under delayed scaling with its weight in high precision:
+                               write_w_t: bool,
+                               current: Optional[tuple] = None) -> Optional[tuple]:
+    """A small Linear's forward with its weight in high precision:
     (out, w8^T or None, w's scale_inv) as `tritium.ref.gemm.fp8_gemm_tn_cast_b`, the weight
     cast in the GEMM's loads (`tritium.ops.gemm.tensor_core_gemm_cast_b`). For callers that
     checked `gemm_casts_weight` (device, eager); None where the op's own rule or a's layout
     says no: the caller casts the weight and runs the GEMM."""
     check_fp8_gemm_operands(a, weight)
     return ops_gemm.tensor_core_gemm_cast_b(a, a_scale_inv, weight, w_scale, w_amax, fp8_dtype,
-                                            out_dtype, bias, write_w_t)
+                                            out_dtype, bias, write_w_t, current)
 
 
-def fp8_gemm_tn_casting_both(x: torch.Tensor, x_scale: torch.Tensor, x_amax: torch.Tensor,
-                             weight: torch.Tensor, w_scale: torch.Tensor, w_amax: torch.Tensor,
+def fp8_gemm_tn_casting_both(x: torch.Tensor, x_scale: Optional[torch.Tensor],
+                             x_amax: Optional[torch.Tensor], weight: torch.Tensor,
+                             w_scale: Optional[torch.Tensor], w_amax: Optional[torch.Tensor],
                              fp8_dtype: torch.dtype, out_dtype: torch.dtype,
-                             bias: Optional[torch.Tensor], write_x_t: bool,
-                             write_w_t: bool) -> Optional[tuple]:
+                             bias: Optional[torch.Tensor], write_x_t: bool, write_w_t: bool,
+                             current: Optional[tuple] = None) -> Optional[tuple]:
     """`fp8_gemm_tn_casting_weight` with the input x [T, K] in high precision too: (out,
     x8^T or None, x's scale_inv, w8^T or None, w's scale_inv) as
     `tritium.ref.gemm.fp8_gemm_tn_cast_ab`, both cast in the GEMM's loads. For callers that
     checked `gemm_casts_weight` and FP8's shape rules (x's rows need not be a multiple of 16:
     x8^T is padded); None where the op's own rule or x's layout says no."""
     return ops_gemm.tensor_core_gemm_cast_ab(x, x_scale, x_amax, weight, w_scale, w_amax,
-                                             fp8_dtype, out_dtype, bias, write_x_t, write_w_t)
+                                             fp8_dtype, out_dtype, bias, write_x_t, write_w_t,
+                                             current)

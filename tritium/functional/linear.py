@@ -106,9 +106,9 @@ class WeightCache:
                           torch.empty(k, n, dtype=fp8_dtype, device=dev),
                           torch.empty(1, dtype=torch.float32, device=dev))
             self.key = key
-        if isinstance(plan.recipe, Float8CurrentScaling):
+        current = plan.current_scaling()
+        if current is not None:
             scale = amax = None
-            current = (plan.recipe.amax_epsilon, plan.recipe.power_2_scale)
         else:
             scale, current = plan.fwd.scale_slot(plan.weight_slot), None
             amax = plan.fwd.amax_slot(plan.weight_slot)
@@ -149,6 +149,13 @@ class FP8Plan:
         fwd = None if self.fwd is None else FrozenScales(self.fwd)
         return dataclasses.replace(self, fwd=fwd)
 
+    def current_scaling(self) -> Optional[tuple]:
+        """(amax_epsilon, power_2_scale) under Float8CurrentScaling (the casts' `current`
+        argument), else None."""
+        rec = self.recipe
+        return (rec.amax_epsilon, rec.power_2_scale) if isinstance(rec, Float8CurrentScaling) \
+            else None
+
     def with_weight_ready(self, ready: tuple) -> "FP8Plan":
         """dataclasses.replace(self, weight_ready=ready) without its walk over every field
         (two plans per LayerNormMLP call): a shallow copy, then the one field set."""
@@ -161,14 +168,15 @@ class FP8Plan:
                  write_data=True, write_transpose=False, tensor_amax=None):
         """Cast one GEMM operand. `tensor_amax` (current scaling only): the amax of the whole
         tensor that x2d is a block of, so that every block gets the tensor's one scale."""
-        if isinstance(self.recipe, Float8CurrentScaling):
-            current, scale, amax = (self.recipe.amax_epsilon, self.recipe.power_2_scale), None, None
+        current = self.current_scaling()
+        if current is not None:
+            scale = amax = None
             if tensor_amax is not None:
                 return cast_transpose(x2d, None, tensor_amax, fp8_dtype, pad_rows_to=pad_rows_to,
                                       write_data=write_data, write_transpose=write_transpose,
                                       current=current)
         else:
-            current, scale = None, state.scale_slot(slot)
+            scale = state.scale_slot(slot)
             amax = state.amax_slot(slot) if record else None
         return quantize_2d(x2d, fp8_dtype, scale=scale, amax=amax, current=current,
                            pad_rows_to=pad_rows_to, write_data=write_data,
@@ -208,12 +216,12 @@ class FP8Plan:
                     self.weight_operands(weight, need_dgrad))
         keep = key is not None and self.is_first_microbatch is not None
         recast = self._recast(weight, need_dgrad, keep)
-        if isinstance(self.recipe, Float8CurrentScaling):
-            current = (self.recipe.amax_epsilon, self.recipe.power_2_scale)
+        current = self.current_scaling()
+        if current is not None:
             x_scale = x_amax = w_scale = None
             w_amax = None if recast is None else recast.amax  # measured already: keep it
         else:
-            current, fwd = None, self.fwd
+            fwd = self.fwd
             x_scale, x_amax = fwd.scale_slot(self.input_slot), fwd.amax_slot(self.input_slot)
             w_scale, w_amax = fwd.scale_slot(self.weight_slot), fwd.amax_slot(self.weight_slot)
         xq, wq = quantize_pair((x2d, x_scale, x_amax, 16, True, need_wgrad),
@@ -227,13 +235,13 @@ class FP8Plan:
     def casts_weight_in_gemm(self, weight: torch.Tensor, rows: int, need_transpose: bool) -> bool:
         """Whether the forward GEMM of `rows` rows casts this weight in its own launch
         (`functional.gemm.fp8_gemm_tn_casting_weight`: a small GEMM under delayed scaling with
-        live states, a high-precision weight cast now, no weight caching, its fp8 transpose
-        kept for dgrad)."""
+        live states or under current scaling, a high-precision weight cast now, no weight
+        caching, its fp8 transpose kept for dgrad)."""
         cache = self.weight_cache
-        return (isinstance(self.recipe, DelayedScaling)
+        return ((isinstance(self.recipe, Float8CurrentScaling)
+                 or (isinstance(self.recipe, DelayedScaling) and type(self.fwd) is ScalingState))
                 and gemm_casts_weight(rows, weight)  # False at once under torch.compile
                 and self.weight_ready is None and type(weight) in _PLAIN
-                and type(self.fwd) is ScalingState
                 and (cache is None or (cache.skip is None and self.is_first_microbatch is None))
                 and not recast_in_backward(weight, need_transpose, False))
 
@@ -242,10 +250,10 @@ class FP8Plan:
         None: never in memory), or None where it does not (`casts_weight_in_gemm`)."""
         if not self.casts_weight_in_gemm(weight, x8.shape[0], need_transpose):
             return None
-        slot = self.weight_slot
+        scale, amax = self._fwd_slots(self.weight_slot)
         res = fp8_gemm_tn_casting_weight(
-            x8, x_si, weight.detach(), self.fwd.scale_slot(slot), self.fwd.amax_slot(slot),
-            self.recipe.fp8_format.forward_dtype, out_dtype, bias, need_transpose)
+            x8, x_si, weight.detach(), scale, amax, self.recipe.fp8_format.forward_dtype,
+            out_dtype, bias, need_transpose, self.current_scaling())
         return None if res is None else (res[0], (None, res[1], res[2]))
 
     def fprop_casting_both(self, x2d, weight, bias, need_wgrad: bool, need_dgrad: bool,
@@ -256,15 +264,21 @@ class FP8Plan:
         rows = -(-x2d.shape[0] // 16) * 16
         if not (x2d.stride(-1) == 1 and self.casts_weight_in_gemm(weight, rows, need_dgrad)):
             return None
-        fwd, dtype = self.fwd, self.recipe.fp8_format.forward_dtype
         res = fp8_gemm_tn_casting_both(
-            x2d, fwd.scale_slot(self.input_slot), fwd.amax_slot(self.input_slot),
-            weight.detach(), fwd.scale_slot(self.weight_slot), fwd.amax_slot(self.weight_slot),
-            dtype, out_dtype, bias, need_wgrad, need_dgrad)
+            x2d, *self._fwd_slots(self.input_slot), weight.detach(),
+            *self._fwd_slots(self.weight_slot), self.recipe.fp8_format.forward_dtype, out_dtype,
+            bias, need_wgrad, need_dgrad, self.current_scaling())
         if res is None:
             return None
         out, x8_t, x_si, w8_t, w_si = res
         return out, (None, x8_t, x_si), (None, w8_t, w_si)
+
+    def _fwd_slots(self, slot: int) -> tuple:
+        """(scale, amax) of a forward slot under delayed scaling; (None, None) under current
+        scaling (the one-launch forms measure the amaxes)."""
+        if self.fwd is None:
+            return None, None
+        return self.fwd.scale_slot(slot), self.fwd.amax_slot(slot)
 
     def weight_operands(self, weight: torch.Tensor, need_transpose: bool):
         if self.weight_ready is not None:
@@ -420,11 +434,13 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
     # starts between them (dgrad_ready) or the weight is cast again (a large layer's recast)
     one_launch = parts == 1 and need_dgrad and need_wgrad and dgrad_ready is None and \
         isinstance(w8_t, torch.Tensor)
-    if one_launch and dyq is None and type(plan.bwd) is ScalingState and \
-            isinstance(plan.recipe, DelayedScaling):
-        res = fp8_dgrad_wgrad_on_one_launch(
-            dy2d, plan.bwd.scale_slot(plan.grad_slot), plan.bwd.amax_slot(plan.grad_slot),
-            bwd_dtype, w8_t, w_si, x8_t, x_si, dy2d.dtype, wgrad_dtype, dbias_dtype)
+    current = plan.current_scaling()
+    if one_launch and dyq is None and (current is not None or (
+            type(plan.bwd) is ScalingState and isinstance(plan.recipe, DelayedScaling))):
+        scale, amax = (None, None) if current is not None else (
+            plan.bwd.scale_slot(plan.grad_slot), plan.bwd.amax_slot(plan.grad_slot))
+        res = fp8_dgrad_wgrad_on_one_launch(dy2d, scale, amax, bwd_dtype, w8_t, w_si, x8_t,
+                                            x_si, dy2d.dtype, wgrad_dtype, dbias_dtype, current)
         if res is not None:
             return res
     if parts == 1:
@@ -452,7 +468,7 @@ def _fp8_backward(plan: FP8Plan, dy2d, operands, in_features, need_dgrad, need_w
         return (dx if dx is None or dx.shape[0] == tokens else dx[:tokens]), dw, None
     tensor_amax = None
     # current scaling: one scale for all blocks of dy
-    if isinstance(plan.recipe, Float8CurrentScaling):
+    if current is not None:
         tensor_amax = torch.zeros(1, dtype=torch.float32, device=dy2d.device)
         amax_into(dy2d, tensor_amax)
     if need_dgrad:  # dx row block = dy row block @ w, written in place

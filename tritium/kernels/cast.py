@@ -165,18 +165,37 @@ def _cast_pair_kernel(a_ptr, a_data_ptr, a_data_t_ptr, a_scale_ptr, a_amax_ptr, 
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, numel, num_programs, BLOCK: tl.constexpr):
-    """max|x| of x[:numel] into amax_ptr. Each program walks blocks pid, pid + P, ... keeping an
-    elementwise running max (a NaN sticks: it wins every later comparison), then reduces once
-    and does one atomic max: a few programs per SM instead of one tiny program (and one atomic
-    on the same address) per BLOCK elements."""
+def _walk_amax(x_ptr, numel, program, num_programs, BLOCK: tl.constexpr):
+    """max|x| over the blocks program, program + P, ... of x[:numel] (NaN if any is NaN): an
+    elementwise running max (a NaN sticks: it wins every later comparison), reduced once."""
     run = tl.zeros([BLOCK], tl.float32)
     step = num_programs * BLOCK
-    for start in tl.range(tl.program_id(0).to(tl.int64) * BLOCK, numel, step):
+    for start in tl.range(program.to(tl.int64) * BLOCK, numel, step):
         offs = start + tl.arange(0, BLOCK)
         a = tl.abs(tl.load(x_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32))
         run = tl.where((a > run) | (a != a), a, run)
-    tl.atomic_max(amax_ptr, _abs_max_nan(run))
+    return _abs_max_nan(run)
+
+
+@triton.jit
+def _amax_kernel(x_ptr, amax_ptr, numel, num_programs, BLOCK: tl.constexpr):
+    """max|x| of x[:numel] into amax_ptr: each program walks its blocks, then does one atomic
+    max (a few programs per SM instead of one tiny program, and one atomic on the same
+    address, per BLOCK elements)."""
+    tl.atomic_max(amax_ptr, _walk_amax(x_ptr, numel, tl.program_id(0), num_programs, BLOCK))
+
+
+@triton.jit
+def _amax_pair_kernel(x_ptr, x_numel, x_programs, y_ptr, y_numel, y_programs, amax_ptr,
+                      BLOCK: tl.constexpr):
+    """_amax_kernel of two tensors in one launch: programs 0 .. x_programs - 1 walk x into
+    amax_ptr[0], the rest walk y into amax_ptr[1]."""
+    pid = tl.program_id(0)
+    if pid < x_programs:
+        tl.atomic_max(amax_ptr, _walk_amax(x_ptr, x_numel, pid, x_programs, BLOCK))
+    else:
+        tl.atomic_max(amax_ptr + 1, _walk_amax(y_ptr, y_numel, pid - x_programs, y_programs,
+                                               BLOCK))
 
 
 @triton.jit
@@ -201,6 +220,7 @@ _launch_cast_transpose = Launcher(_cast_transpose_kernel)
 _launch_transpose = Launcher(_transpose_kernel)
 _launch_cast_pair = Launcher(_cast_pair_kernel)
 _launch_amax = Launcher(_amax_kernel)
+_launch_amax_pair = Launcher(_amax_pair_kernel)
 _launch_dequantize = Launcher(_dequantize_kernel)
 
 
@@ -210,17 +230,36 @@ def _tile(m: int, n: int, interpret: bool) -> tuple[int, int, int]:
     return 64, 128, 8
 
 
+def _amax_grid(x: torch.Tensor) -> tuple:
+    """(BLOCK, programs, num_warps) of an amax walk over x. CUDA: up to 8 programs per SM of
+    4096 elements a step; the interpreter: at most 3 programs, so that the tests walk several
+    blocks per program."""
+    block, cap, warps = (4096, 8 * num_sms(x.get_device()), 8) if x.is_cuda else (256, 3, 1)
+    return block, min(-(-x.numel() // block), cap), warps
+
+
 def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
     """amax[0] = max(amax[0], max|x|)."""
     x = x.contiguous()
     n = x.numel()
     if n == 0:
         return
-    # CUDA: 8 programs per SM of 4096 elements a step; the interpreter: at most 3 programs, so
-    # the tests walk several blocks per program
-    block, cap, warps = (4096, 8 * num_sms(x.get_device()), 8) if x.is_cuda else (256, 3, 1)
-    programs = min(-(-n // block), cap)
+    block, programs, warps = _amax_grid(x)
     _launch_amax((programs,), x, amax, n, programs, BLOCK=block, num_warps=warps)
+
+
+def amax_pair_into(x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor) -> None:
+    """amax_into(x, amax[0:1]) and amax_into(y, amax[1:2]), one launch (amax: [2] fp32)."""
+    x, y = x.contiguous(), y.contiguous()
+    if x.numel() == 0 or y.numel() == 0:  # a walk of nothing: the one that is left, alone
+        for i, t in enumerate((x, y)):
+            if t.numel():
+                amax_into(t, amax[i:i + 1])
+        return
+    block, x_programs, warps = _amax_grid(x)
+    y_programs = _amax_grid(y)[1]
+    _launch_amax_pair((x_programs + y_programs,), x, x.numel(), x_programs, y, y.numel(),
+                      y_programs, amax, BLOCK=block, num_warps=warps)
 
 
 def _trans_in_registers(x: torch.Tensor, write_transpose: bool) -> bool:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from ..fp8.formats import fp8_max
 from ._launch import Launcher, TensorDesc, num_sms
-from .cast import _TL_FP8, _abs_max_nan, _scaled_fp8
+from .cast import _TL_FP8, _abs_max_nan, _current_scale, _scaled_fp8, amax_into, amax_pair_into
 from .gemm import _INTERPRET_CONFIG, _store_tile, _tile_product, tile_offsets
 
 
@@ -90,6 +90,7 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
                             w_scale_inv_ptr, x_t_desc, dw_desc, x_scale_inv_ptr, dbias_ptr,
                             T, N, K_IN, T_PADDED, stride_dy, num_programs,
                             FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                            CURRENT: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                             SPLIT_DX: tl.constexpr, SPLIT_DW: tl.constexpr,
                             HAS_DBIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -99,8 +100,13 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
     in registers as each A tile is loaded (no fp8 copy of dy in memory), its amax recorded
     by dx's first column of tiles (each element of dy once). Precise accumulation.
     HAS_DBIAS: dbias = dy.sum(0), summed in fp32 from dy's tiles by dw's first column of
-    tiles (each walks all of T for its rows of dy^T) and rounded once."""
-    scale = tl.load(dy_scale_ptr)
+    tiles (each walks all of T for its rows of dy^T) and rounded once. CURRENT (Float8CurrentScaling): dy_amax holds
+    max|dy| already, the scale is derived from it as the cast kernel derives it, and nothing
+    is recorded."""
+    if CURRENT:
+        scale = _current_scale(tl.load(dy_amax_ptr), FP8_MAX, EPS, POW2)
+    else:
+        scale = tl.load(dy_scale_ptr)
     dy_scale_inv = tl.math.div_rn(1.0, scale)  # what the cast kernel would write
     tiles_m0 = tl.cdiv(T, BLOCK_M)
     tiles_n0 = tl.cdiv(K_IN, BLOCK_N)
@@ -113,7 +119,7 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
             for ki in range(tl.cdiv(N, BLOCK_K)):
                 a, x = _dy_tile(dy_ptr, stride_dy, T, N, off_m, ki, scale, False, FP8_MAX,
                                 FP8_DTYPE, BLOCK_M, BLOCK_K)
-                if off_n == 0:
+                if off_n == 0 and not CURRENT:
                     tl.atomic_max(dy_amax_ptr, _abs_max_nan(x))
                 b = w_t_desc.load([off_n, ki * BLOCK_K])
                 acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
@@ -141,10 +147,11 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
 @triton.jit
 def _cast_tile(x_ptr, stride_x, R, K, off_r, ki, scale, amax_ptr, x_t_ptr, R_T, record,
                FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr, WRITE_T: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+               RECORD_AMAX: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """x[off_r:, ki * BLOCK_K:] of a high-precision x [R, K] cast to fp8 (zeros outside x);
-    where `record`: the tile's amax max-recorded and (WRITE_T) its fp8 values stored transposed
-    into x_t [K, R_T] (indices mapped, no transpose of fp8 values; columns R..R_T get zeros)."""
+    where `record`: the tile's amax max-recorded (RECORD_AMAX) and (WRITE_T) its fp8 values
+    stored transposed into x_t [K, R_T] (indices mapped, no transpose of fp8 values; columns
+    R..R_T get zeros)."""
     rr = off_r + tl.arange(0, BLOCK_R)
     rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
     valid = (rr[:, None] < R) & (rk[None, :] < K)
@@ -152,7 +159,8 @@ def _cast_tile(x_ptr, stride_x, R, K, off_r, ki, scale, amax_ptr, x_t_ptr, R_T, 
                 other=0.0).to(tl.float32)
     x8 = _scaled_fp8(x, scale, valid, FP8_MAX, FP8_DTYPE)
     if record:
-        tl.atomic_max(amax_ptr, _abs_max_nan(x))
+        if RECORD_AMAX:
+            tl.atomic_max(amax_ptr, _abs_max_nan(x))
         if WRITE_T:
             tl.store(x_t_ptr + rk[None, :].to(tl.int64) * R_T + rr[:, None], x8,
                      mask=(rr[:, None] < R_T) & (rk[None, :] < K))
@@ -164,6 +172,7 @@ def _fp8_gemm_tn_cast_kernel(a_ptr, a_scale_ptr, a_amax_ptr, a_t_ptr, a_scale_in
                              b_ptr, b_scale_ptr, b_amax_ptr, b_t_ptr, b_scale_inv_ptr, c_desc,
                              bias_ptr, M, N, K, M_T, stride_a, stride_b, num_programs,
                              FP8_MAX: tl.constexpr, FP8_DTYPE: tl.constexpr,
+                             CURRENT: tl.constexpr, EPS: tl.constexpr, POW2: tl.constexpr,
                              A_HP: tl.constexpr, WRITE_A_T: tl.constexpr,
                              WRITE_B_T: tl.constexpr, HAS_BIAS: tl.constexpr,
                              SPLIT_STORE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -175,11 +184,19 @@ def _fp8_gemm_tn_cast_kernel(a_ptr, a_scale_ptr, a_amax_ptr, a_t_ptr, a_scale_in
     of b once), its scale_inv by program 0; out = a @ fp8(b).T * scales (+ bias), fast
     accumulation. a [M, K]: fp8 with its scale_inv given (a_scale_inv_ptr), or (A_HP) high
     precision, cast the same way with its scale (a_scale_ptr) by the first column of tiles,
-    a_t [K, M_T] (WRITE_A_T) and its scale_inv written."""
-    b_scale = tl.load(b_scale_ptr)
+    a_t [K, M_T] (WRITE_A_T) and its scale_inv written. CURRENT (Float8CurrentScaling): the
+    amax pointers hold the operands' amaxes already, the scales are derived from them as the
+    cast kernel derives them, and no amax is recorded."""
+    if CURRENT:
+        b_scale = _current_scale(tl.load(b_amax_ptr), FP8_MAX, EPS, POW2)
+    else:
+        b_scale = tl.load(b_scale_ptr)
     b_scale_inv = tl.math.div_rn(1.0, b_scale)  # what the cast kernel would write
     if A_HP:
-        a_scale = tl.load(a_scale_ptr)
+        if CURRENT:
+            a_scale = _current_scale(tl.load(a_amax_ptr), FP8_MAX, EPS, POW2)
+        else:
+            a_scale = tl.load(a_scale_ptr)
         a_scale_inv = tl.math.div_rn(1.0, a_scale)
         if tl.program_id(0) == 0:
             tl.store(a_scale_inv_ptr, a_scale_inv)
@@ -195,11 +212,12 @@ def _fp8_gemm_tn_cast_kernel(a_ptr, a_scale_ptr, a_amax_ptr, a_t_ptr, a_scale_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for ki in range(tl.cdiv(K, BLOCK_K)):
             b8 = _cast_tile(b_ptr, stride_b, N, K, off_n, ki, b_scale, b_amax_ptr, b_t_ptr, N,
-                            off_m == 0, FP8_MAX, FP8_DTYPE, WRITE_B_T, BLOCK_N, BLOCK_K)
+                            off_m == 0, FP8_MAX, FP8_DTYPE, WRITE_B_T, not CURRENT, BLOCK_N,
+                            BLOCK_K)
             if A_HP:
                 a8 = _cast_tile(a_ptr, stride_a, M, K, off_m, ki, a_scale, a_amax_ptr, a_t_ptr,
-                                M_T, off_n == 0, FP8_MAX, FP8_DTYPE, WRITE_A_T, BLOCK_M,
-                                BLOCK_K)
+                                M_T, off_n == 0, FP8_MAX, FP8_DTYPE, WRITE_A_T, not CURRENT,
+                                BLOCK_M, BLOCK_K)
             else:
                 rm = off_m + tl.arange(0, BLOCK_M)
                 rk = ki * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -248,12 +266,30 @@ def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> t
     return outs[0], outs[1]
 
 
-def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Tensor,
-                    fp8_dtype: torch.dtype, w_t: torch.Tensor, w_scale_inv: torch.Tensor,
-                    x_t: torch.Tensor, x_scale_inv: torch.Tensor, dx_dtype: torch.dtype,
-                    dw_dtype: torch.dtype, dbias_dtype: Optional[torch.dtype] = None) -> tuple:
+def _measured(x: torch.Tensor, amax: Optional[torch.Tensor]) -> torch.Tensor:
+    """Current scaling: x's amax as given, or measured now (`kernels.cast.amax_into`)."""
+    if amax is None:
+        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+        amax_into(x, amax)
+    return amax
+
+
+def _current_constexprs(current: Optional[tuple]) -> dict:
+    eps, pow2 = current if current is not None else (0.0, False)
+    return dict(CURRENT=current is not None, EPS=float(eps), POW2=bool(pow2))
+
+
+def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: Optional[torch.Tensor],
+                    dy_amax: Optional[torch.Tensor], fp8_dtype: torch.dtype,
+                    w_t: torch.Tensor, w_scale_inv: torch.Tensor, x_t: torch.Tensor,
+                    x_scale_inv: torch.Tensor, dx_dtype: torch.dtype, dw_dtype: torch.dtype,
+                    dbias_dtype: Optional[torch.dtype] = None,
+                    current: Optional[tuple] = None) -> tuple:
     """See `tritium.ref.gemm.fp8_dgrad_wgrad`: the cast of dy and both GEMMs (and dbias),
-    one launch."""
+    one launch (under current scaling, after the launch that measures dy's amax)."""
+    if current is not None:
+        dy_amax = _measured(dy, dy_amax)
+        dy_scale = dy_amax  # unread
     t, n = dy.shape
     k_in, t_padded = x_t.shape
     bm, bn, bk, group_m, warps, stages = PAIR_CONFIG if dy.is_cuda else _INTERPRET_CONFIG
@@ -268,20 +304,22 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: torch.Tensor, dy_amax: torch.Ten
         TensorDesc(dx, (bm, bn // 2 if split_dx else bn)), w_scale_inv,
         TensorDesc(x_t, (bn, bk)), TensorDesc(dw, (bm, bn // 2 if split_dw else bn)),
         x_scale_inv, db if db is not None else dx, t, n, k_in, t_padded, dy.stride(0),
-        programs, FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], SPLIT_DX=split_dx,
+        programs, FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype],
+        **_current_constexprs(current), SPLIT_DX=split_dx,
         SPLIT_DW=split_dw, HAS_DBIAS=db is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
         GROUP_M=group_m, num_warps=warps, num_stages=stages)
     return dx, dw, db
 
 
-def _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax, fp8_dtype,
-               out_dtype, bias, write_b_t) -> tuple:
-    """The launch of both forms below (a_scale None: a is fp8 with its a_scale_inv; else a is
-    high precision and a_scale_inv is written): (out, a8^T or None, b8^T or None, b's
-    scale_inv)."""
+def _gemm_cast(a, a_hp, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax,
+               fp8_dtype, out_dtype, bias, write_b_t, current) -> tuple:
+    """The launch of both forms below (a_hp False: a is fp8 with its a_scale_inv; else a is
+    high precision and a_scale_inv is written; under current scaling the amaxes are given,
+    measured, and the scales unread): (out, a8^T or None, b8^T or None, b's scale_inv)."""
     m, k = a.shape
     n = b.shape[0]
-    a_hp = a_scale is not None
+    if current is not None:
+        a_scale, b_scale = a_amax, b_amax  # unread
     bm, bn, bk, group_m, warps, stages = CAST_CONFIG if a.is_cuda else _INTERPRET_CONFIG
     dev = a.device
     out = torch.empty(m, n, dtype=out_dtype, device=dev)
@@ -299,7 +337,8 @@ def _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax, f
         b_t if b_t is not None else unused_t, b_scale_inv,
         TensorDesc(out, (bm, bn // 2 if split else bn)),
         bias if bias is not None else b_scale, m, n, k, m_t, a.stride(0), b.stride(0), programs,
-        FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype], A_HP=a_hp,
+        FP8_MAX=fp8_max(fp8_dtype), FP8_DTYPE=_TL_FP8[fp8_dtype],
+        **_current_constexprs(current), A_HP=a_hp,
         WRITE_A_T=a_t is not None, WRITE_B_T=write_b_t, HAS_BIAS=bias is not None,
         SPLIT_STORE=split, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=group_m,
         num_warps=warps, num_stages=stages)
@@ -307,25 +346,36 @@ def _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b, b_scale, b_amax, f
 
 
 def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tensor,
-                       b_scale: torch.Tensor, b_amax: torch.Tensor, fp8_dtype: torch.dtype,
-                       out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-                       write_b_t: bool = True) -> tuple:
-    """See `tritium.ref.gemm.fp8_gemm_tn_cast_b`: b's cast and the GEMM, one launch."""
-    out, _, b_t, b_scale_inv = _gemm_cast(a, None, None, a_scale_inv, False, b, b_scale, b_amax,
-                                          fp8_dtype, out_dtype, bias, write_b_t)
+                       b_scale: Optional[torch.Tensor], b_amax: Optional[torch.Tensor],
+                       fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                       bias: Optional[torch.Tensor] = None, write_b_t: bool = True,
+                       current: Optional[tuple] = None) -> tuple:
+    """See `tritium.ref.gemm.fp8_gemm_tn_cast_b`: b's cast and the GEMM, one launch (under
+    current scaling, after the launch that measures b's amax)."""
+    if current is not None:
+        b_amax = _measured(b, b_amax)
+    out, _, b_t, b_scale_inv = _gemm_cast(a, False, None, a_scale_inv, a_scale_inv, False, b,
+                                          b_scale, b_amax, fp8_dtype, out_dtype, bias,
+                                          write_b_t, current)
     return out, b_t, b_scale_inv
 
 
-def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: torch.Tensor, a_amax: torch.Tensor,
-                        b: torch.Tensor, b_scale: torch.Tensor, b_amax: torch.Tensor,
+def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: Optional[torch.Tensor],
+                        a_amax: Optional[torch.Tensor], b: torch.Tensor,
+                        b_scale: Optional[torch.Tensor], b_amax: Optional[torch.Tensor],
                         fp8_dtype: torch.dtype, out_dtype: torch.dtype,
                         bias: Optional[torch.Tensor] = None, write_a_t: bool = True,
-                        write_b_t: bool = True) -> tuple:
-    """See `tritium.ref.gemm.fp8_gemm_tn_cast_ab`: both casts and the GEMM, one launch."""
+                        write_b_t: bool = True, current: Optional[tuple] = None) -> tuple:
+    """See `tritium.ref.gemm.fp8_gemm_tn_cast_ab`: both casts and the GEMM, one launch (under
+    current scaling, after one launch that measures both amaxes)."""
+    if current is not None and (a_amax is None or b_amax is None):
+        amaxes = torch.zeros(2, dtype=torch.float32, device=a.device)
+        amax_pair_into(a, b, amaxes)
+        a_amax, b_amax = amaxes[0:1], amaxes[1:2]
     a_scale_inv = torch.empty(1, dtype=torch.float32, device=a.device)
-    out, a_t, b_t, b_scale_inv = _gemm_cast(a, a_scale, a_amax, a_scale_inv, write_a_t, b,
-                                            b_scale, b_amax, fp8_dtype, out_dtype, bias,
-                                            write_b_t)
+    out, a_t, b_t, b_scale_inv = _gemm_cast(a, True, a_scale, a_amax, a_scale_inv, write_a_t,
+                                            b, b_scale, b_amax, fp8_dtype, out_dtype, bias,
+                                            write_b_t, current)
     return out, a_t, a_scale_inv, b_t, b_scale_inv
 
 

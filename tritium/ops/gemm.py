@@ -116,11 +116,11 @@ def tensor_core_gemm_pair(first: tuple, second: tuple, fast_accum: bool) -> Opti
     return _small_kernels().fp8_gemm_tn_pair(first, second, fast_accum)
 
 
-def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
+def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Optional[Tensor], dy_amax: Optional[Tensor],
                             fp8_dtype: torch.dtype, w_t: Tensor, w_scale_inv: Tensor,
                             x_t: Tensor, x_scale_inv: Tensor, dx_dtype: torch.dtype,
-                            dw_dtype: torch.dtype,
-                            dbias_dtype: Optional[torch.dtype] = None) -> Optional[tuple]:
+                            dw_dtype: torch.dtype, dbias_dtype: Optional[torch.dtype] = None,
+                            current: Optional[tuple] = None) -> Optional[tuple]:
     """`tritium.ref.gemm.fp8_dgrad_wgrad` as one Triton launch (dy cast in the GEMMs' loads)
     where both GEMMs are small; None otherwise."""
     (t, n), (k_in, t_padded) = dy.shape, x_t.shape
@@ -128,7 +128,8 @@ def tensor_core_dgrad_wgrad(dy: Tensor, dy_scale: Tensor, dy_amax: Tensor,
             and _small_on_triton((t * n * k_in, n * k_in * t_padded), (w_t, x_t))):
         return None
     return _small_kernels().fp8_dgrad_wgrad(dy, dy_scale, dy_amax, fp8_dtype, w_t, w_scale_inv,
-                                            x_t, x_scale_inv, dx_dtype, dw_dtype, dbias_dtype)
+                                            x_t, x_scale_inv, dx_dtype, dw_dtype, dbias_dtype,
+                                            current)
 
 
 def casts_b_in_gemm(m: int, b: Tensor) -> bool:
@@ -138,28 +139,31 @@ def casts_b_in_gemm(m: int, b: Tensor) -> bool:
     return _device.use_triton(b) and b.stride(-1) == 1 and _small_on_triton((m * n * k,), ())
 
 
-def tensor_core_gemm_cast_b(a: Tensor, a_scale_inv: Tensor, b: Tensor, b_scale: Tensor,
-                            b_amax: Tensor, fp8_dtype: torch.dtype, out_dtype: torch.dtype,
-                            bias: Optional[Tensor], write_b_t: bool) -> Optional[tuple]:
+def tensor_core_gemm_cast_b(a: Tensor, a_scale_inv: Tensor, b: Tensor,
+                            b_scale: Optional[Tensor], b_amax: Optional[Tensor],
+                            fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                            bias: Optional[Tensor], write_b_t: bool,
+                            current: Optional[tuple] = None) -> Optional[tuple]:
     """`tritium.ref.gemm.fp8_gemm_tn_cast_b` as one Triton launch (b cast in the GEMM's loads)
     where the GEMM is small; None otherwise."""
     if not (a.stride(-1) == 1 and casts_b_in_gemm(a.shape[0], b)):
         return None
     return _small_kernels().fp8_gemm_tn_cast_b(a, a_scale_inv, b, b_scale, b_amax, fp8_dtype,
-                                               out_dtype, bias, write_b_t)
+                                               out_dtype, bias, write_b_t, current)
 
 
-def tensor_core_gemm_cast_ab(a: Tensor, a_scale: Tensor, a_amax: Tensor, b: Tensor,
-                             b_scale: Tensor, b_amax: Tensor, fp8_dtype: torch.dtype,
-                             out_dtype: torch.dtype, bias: Optional[Tensor], write_a_t: bool,
-                             write_b_t: bool) -> Optional[tuple]:
+def tensor_core_gemm_cast_ab(a: Tensor, a_scale: Optional[Tensor], a_amax: Optional[Tensor],
+                             b: Tensor, b_scale: Optional[Tensor], b_amax: Optional[Tensor],
+                             fp8_dtype: torch.dtype, out_dtype: torch.dtype,
+                             bias: Optional[Tensor], write_a_t: bool, write_b_t: bool,
+                             current: Optional[tuple] = None) -> Optional[tuple]:
     """`tritium.ref.gemm.fp8_gemm_tn_cast_ab` as one Triton launch where the GEMM is small;
     None otherwise."""
     if not (a.stride(-1) == 1 and casts_b_in_gemm(-(-a.shape[0] // 16) * 16, b)):
         return None
     return _small_kernels().fp8_gemm_tn_cast_ab(a, a_scale, a_amax, b, b_scale, b_amax,
                                                 fp8_dtype, out_dtype, bias, write_a_t,
-                                                write_b_t)
+                                                write_b_t, current)
 
 
 def cublas_gemm(a: Tensor, b: Tensor, a_scale_inv: Tensor, b_scale_inv: Tensor,

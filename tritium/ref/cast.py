@@ -45,6 +45,13 @@ def amax_into(x: torch.Tensor, amax: torch.Tensor) -> None:
         amax.copy_(_nan_max(amax, x.detach().abs().amax().float().reshape(1)))
 
 
+def amax_pair_into(x: torch.Tensor, y: torch.Tensor, amax: torch.Tensor) -> None:
+    """amax_into(x, amax[0:1]) and amax_into(y, amax[1:2]) (amax: [2] fp32; the kernel walks
+    both tensors in one launch)."""
+    amax_into(x, amax[0:1])
+    amax_into(y, amax[1:2])
+
+
 def cast_transpose(x: torch.Tensor, scale: Optional[torch.Tensor], amax: Optional[torch.Tensor],
                    fp8_dtype: torch.dtype, *, pad_rows_to: int = 1, write_data: bool = True,
                    write_transpose: bool = False, current: Optional[tuple] = None,
