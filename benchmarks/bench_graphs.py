@@ -12,6 +12,8 @@ every variant, as they must. Variants:
   * two micro-batches per step with FP8 weight caching (eager is_first_microbatch vs the graphed
     device flag), graphed with the optimizer captured;
   * bf16 eager and graphed for reference;
+  * "fp8 current eager": the eager step under Float8CurrentScaling instead (no amax history,
+    each cast's scale measured now), timed in the same rounds as the FP8 / bf16 pair;
   * "fp8 eager" and "bf16 eager" again with the backward on the calling thread
     (`torch.autograd.set_multithreading_enabled(False)` around the step, docs/performance.md:
     a Python backward on the autograd engine's device thread is the host's slow part);
@@ -23,10 +25,11 @@ every variant, as they must. Variants:
     memory a later replay overwrites. A graph break, a CUDA graph skipped by inductor (a silent
     eager fallback otherwise) or a recompile in the timed steps is an error row.
 Timing: triton.testing.do_bench median of whole steps (see harness.py); the one-micro-batch
-eager steps, host-bound, are compared as pairs (FP8 and bf16 of each case) timed in 15
-alternating rounds (harness.interleaved_rounds): each row's ms is its median over the rounds,
-and the bf16 row's `paired_speedup` the median of the rounds' FP8 / bf16 ratios (each round's
-pair ran back to back, so the host's drift between rounds cancels; issue 19's target reads it).
+eager steps, host-bound, are compared as pairs (FP8 and bf16 of each case, and FP8 current
+beside them in the first) timed in 15 alternating rounds (harness.interleaved_rounds): each
+row's ms is its median over the rounds, and each row's `paired_speedup` the median of the
+rounds' FP8 (delayed) / its own ratios (each round's steps ran back to back, so the host's
+drift between rounds cancels; issue 19's target reads the bf16 row's).
 """
 from __future__ import annotations
 
@@ -62,12 +65,15 @@ class Model(torch.nn.Module):
         return x
 
 
-def make_step(fp8: bool, graph, capture_opt: bool, micro_batches: int = 1):
-    """One training step; graph: False (eager), True (make_graphed_callables) or
+def make_step(fp8, graph, capture_opt: bool, micro_batches: int = 1):
+    """One training step; fp8: False (bf16), True (DelayedScaling) or "current"
+    (Float8CurrentScaling); graph: False (eager), True (make_graphed_callables) or
     "reduce-overhead" (torch.compile)."""
     torch.manual_seed(0)
     model = Model()
-    rec = recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+    rec = recipe.Float8CurrentScaling() if fp8 == "current" else \
+        recipe.DelayedScaling(amax_history_len=16, amax_compute_algo="max")
+    fp8 = bool(fp8)
     shape = (SEQ, BATCH, H)
     xs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16) for _ in range(micro_batches)]
     dy = torch.randn(shape, device="cuda", dtype=torch.bfloat16)
@@ -142,6 +148,7 @@ def main():
         ("1 micro-batch", "fp8 graphed fwd+bwd", True, True, False, 1),
         ("1 micro-batch", "fp8 graphed fwd+bwd+adam", True, True, True, 1),
         ("1 micro-batch", "bf16 eager", False, False, False, 1),
+        ("1 micro-batch", "fp8 current eager", "current", False, False, 1),
         ("1 micro-batch", "bf16 graphed fwd+bwd+adam", False, True, True, 1),
         ("2 micro-batches, weight caching", "fp8 eager", True, False, False, 2),
         ("2 micro-batches, weight caching", "fp8 graphed fwd+bwd+adam", True, True, True, 2),

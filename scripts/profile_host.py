@@ -10,7 +10,8 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
                       own time (torch.profiler) and the profiler's table of host-side ops and
                       CUDA calls by self CPU time, all threads. Cases: linear4096 linear_tiny
                       layernorm rmsnorm (bench_norm's fwd+bwd; torch_layernorm torch_rmsnorm:
-                      torch.nn's) graphs_fp8 graphs_bf16 (bench_graphs' eager step;
+                      torch.nn's) graphs_fp8 graphs_bf16 graphs_fp8_current (bench_graphs'
+                      eager step: delayed scaling, bf16, current scaling;
                       default all).
   cputime [CASE ...] [--rounds R --steps N]
                       host CPU time per step of the cases (default graphs_fp8 graphs_bf16:
@@ -111,8 +112,9 @@ def _norm_step(kind, torch_eager=False):
     return step
 
 
-def _graphs_step(fp8: bool):
-    """bench_graphs' eager step (4 TransformerLayers, hidden 512, fwd + bwd + FusedAdam)."""
+def _graphs_step(fp8):
+    """bench_graphs' eager step (4 TransformerLayers, hidden 512, fwd + bwd + FusedAdam); fp8:
+    False, True (delayed scaling) or "current"."""
     profile_host_cpu.benchmarks_on_path()
     import bench_graphs
     return bench_graphs.make_step(fp8, False, False, 1)
@@ -124,7 +126,8 @@ HOST_CASES = {"linear4096": lambda: fp8_linear_step(8192, 4096, 4096),
               "rmsnorm": lambda: _norm_step("RMSNorm"),
               "torch_layernorm": lambda: _norm_step("LayerNorm", torch_eager=True),
               "torch_rmsnorm": lambda: _norm_step("RMSNorm", torch_eager=True),
-              "graphs_fp8": lambda: _graphs_step(True), "graphs_bf16": lambda: _graphs_step(False)}
+              "graphs_fp8": lambda: _graphs_step(True), "graphs_bf16": lambda: _graphs_step(False),
+              "graphs_fp8_current": lambda: _graphs_step("current")}
 
 
 def cmd_host(args):
