@@ -177,7 +177,8 @@ class _RMSNormFunction(torch.autograd.Function):
         x2d, weight, rstd = ctx.saved_tensors
         dy2d = _rows(dy)
         dx, dw = _impl(dy2d).rmsnorm_bwd(dy2d, x2d, weight, rstd, ctx.zero_centered_gamma)
-        return _shaped(dx, ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None, None, None
+        return (_shaped(dx, ctx.x_shape), dw if ctx.needs_input_grad[1] else None, None, None,
+                None, None)
 
 
 _apply_layer_norm = fast_apply(_LayerNormFunction)

@@ -1,6 +1,7 @@
-"""Triton FP8 casts: cast + amax, cast + transpose + amax in one pass, amax alone, dequantize,
-and the transpose of data already in FP8 (`transpose_fp8`: FSDP2 gathers a weight's FP8 bytes and
-dgrad needs them K-major; torch's strided 1-byte copy runs at a few percent of bandwidth).
+"""Triton FP8 casts: cast + amax, cast + transpose + amax in one pass, amax alone (of one tensor,
+or of two in one launch), dequantize, and the transpose of data already in FP8
+(`transpose_fp8`: FSDP2 gathers a weight's FP8 bytes and dgrad needs them K-major; torch's
+strided 1-byte copy runs at a few percent of bandwidth).
 
 Twins: `tritium.ref.cast` (same names, same signatures, same bits). Layout assumptions: the input
 is a 2D tensor whose last dim is contiguous; outputs are fresh contiguous tensors, rows padded

@@ -164,7 +164,8 @@ def _norm_bwd_kernel(dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr, dx_ptr, part_ptr,
     part = pid.to(tl.int64) * N + c  # dweight's partial sums, then (HAS_DB) dbias's
     tl.store(part_ptr + part, tl.sum(dw_acc, axis=0), mask=cmask)
     if HAS_DB:
-        tl.store(part_ptr + num_progs.to(tl.int64) * N + part, tl.sum(db_acc, axis=0), mask=cmask)
+        tl.store(part_ptr + num_progs.to(tl.int64) * N + part, tl.sum(db_acc, axis=0),
+                 mask=cmask)
 
 
 @triton.jit
@@ -229,7 +230,8 @@ def _fwd(x, weight, bias, eps, zero_centered_gamma, is_rms):
     if rows:
         block_rows, block_n, warps = _tile(n, not x.is_cuda)
         _launch_fwd(((rows + block_rows - 1) // block_rows,),
-                    x, weight, bias if bias is not None else weight, y, mean, rstd, rows, n, float(n), x.stride(0), float(eps),
+                    x, weight, bias if bias is not None else weight, y, mean, rstd, rows, n,
+                    float(n), x.stride(0), float(eps),
                     IS_RMS=is_rms, HAS_BIAS=bias is not None,
                     ZERO_CENTERED=bool(zero_centered_gamma),
                     BLOCK_ROWS=block_rows, BLOCK_N=block_n, num_warps=warps)

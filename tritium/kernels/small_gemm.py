@@ -10,6 +10,9 @@ each A tile is loaded (amax recorded once per element) and summing dbias from th
 The forward: `fp8_gemm_tn_cast_b` casts the high-precision weight in registers as each B tile
 is loaded (amax, scale_inv and the fp8 transpose dgrad needs written by the first row of
 tiles). Twins: `tritium.ref.gemm.fp8_gemm_tn_pair` / `fp8_dgrad_wgrad` / `fp8_gemm_tn_cast_b`.
+Under current scaling (`current=(amax_epsilon, power_2_scale)`) the same kernels run after one
+launch that measures the high-precision operands' amaxes (`kernels.cast.amax_into`, or
+`amax_pair_into` for both of the forward's), and derive the scales from them in-kernel.
 
 Numerics: every cast is `tritium.kernels.cast`'s arithmetic on the same values (`_scaled_fp8`,
 `_abs_max_nan`, scale_inv by `div_rn`), so the fp8 operands, amaxes and scale_invs are the
@@ -100,9 +103,9 @@ def _fp8_dgrad_wgrad_kernel(dy_ptr, dy_scale_ptr, dy_amax_ptr, w_t_desc, dx_desc
     in registers as each A tile is loaded (no fp8 copy of dy in memory), its amax recorded
     by dx's first column of tiles (each element of dy once). Precise accumulation.
     HAS_DBIAS: dbias = dy.sum(0), summed in fp32 from dy's tiles by dw's first column of
-    tiles (each walks all of T for its rows of dy^T) and rounded once. CURRENT (Float8CurrentScaling): dy_amax holds
-    max|dy| already, the scale is derived from it as the cast kernel derives it, and nothing
-    is recorded."""
+    tiles (each walks all of T for its rows of dy^T) and rounded once. CURRENT
+    (Float8CurrentScaling): dy_amax holds max|dy| already, the scale is derived from it as
+    the cast kernel derives it, and nothing is recorded."""
     if CURRENT:
         scale = _current_scale(tl.load(dy_amax_ptr), FP8_MAX, EPS, POW2)
     else:
