@@ -17,6 +17,7 @@ pytestmark = pytest.mark.cpu
 
 # The module (tritium.functional re-exports the function `linear` under the same name).
 fl = importlib.import_module("tritium.functional.linear")
+fplan = importlib.import_module("tritium.functional.fp8_plan")  # where the casts are made
 
 
 def test_wrong_input_dtype(randn):
@@ -60,7 +61,8 @@ def test_fp8_feature_sizes_must_be_multiples_of_16(randn, monkeypatch, in_f, out
     x = randn(5, in_f, requires_grad=True)
     with monkeypatch.context() as m:
         m.setattr(fl, "fp8_gemm_tn", lambda *a, **k: calls.append("gemm"))
-        m.setattr(fl, "quantize_2d", lambda *a, **k: calls.append("cast"))
+        m.setattr(fplan, "quantize_2d", lambda *a, **k: calls.append("cast"))
+        m.setattr(fplan, "quantize_pair", lambda *a, **k: calls.append("cast"))
         with pytest.raises(ValueError) as info:
             with te.fp8_autocast(fp8_recipe=rcp):
                 lin(x)

@@ -41,7 +41,8 @@ from ..ops.grouped_gemm import impl as grouped_gemm_impl
 from ..ref import grouped_gemm as ref_grouped
 from ._apply import fast_apply
 from .block_linear import is_block_recipe
-from .linear import FP8Plan, MainGradTarget, linear
+from .fp8_plan import FP8Plan
+from .linear import MainGradTarget, linear
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,7 @@ from ..fp8.tensor import Float8Tensor
 from .fused_cast import pad16
 
 if TYPE_CHECKING:
-    from .linear import FP8Plan
+    from .fp8_plan import FP8Plan
 
 
 _one_scale_checked: set = set()

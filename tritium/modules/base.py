@@ -30,7 +30,7 @@ from ..fp8.quantized_tensor import QuantizedTensor
 from ..fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Recipe
 from ..fp8.scaling import FP8Meta
 from ..fp8.tensor import Float8Tensor
-from ..functional.linear import FP8Plan, WeightCache
+from ..functional.fp8_plan import FP8Plan, WeightCache
 from ..ref.cast import current_scale
 from ..ref.scaling import compute_scale
 

@@ -50,7 +50,8 @@ from ..functional.activation import ACTIVATIONS, GATED, activation as apply_acti
 from ..functional.block_sp import norm_fusable_under_sp
 from ..functional.fused_cast import BlockGradCastSpec, CastSpec, GradCastSpec, block_fusable, \
     block_input_spec, fusable_state
-from ..functional.linear import cast_weights_together, linear
+from ..functional.fp8_plan import cast_weights_together
+from ..functional.linear import linear
 from ._norm_params import norm_cast_spec, norm_then_gemm_input, register_norm_params, \
     reset_norm_params
 from .base import FP8Module, check_fp8_dims, check_input
