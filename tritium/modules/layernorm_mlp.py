@@ -17,7 +17,7 @@ activation's backward writes fc1's fp8 grad_output (+ transpose, amax; plus the 
 grad only when fc1_bias needs a gradient). Bit-identical to the unfused chain; with
 checkpoint=True the recompute's activation cast uses the frozen scales and records nothing.
 With both inputs fused (and no checkpoint or weight caching; tensor parallelism included) the
-two weights are cast in one launch before fc1 (`functional.linear.cast_weights_together`).
+two weights are cast in one launch before fc1 (`functional.fp8_plan.cast_weights_together`).
 Under Float8BlockScaling the norm writes fc1's 1x128 input blocks (`kernels.norm_block_cast`),
 the activation writes fc2's 1x128 input blocks instead of its bf16 output, and its backward
 writes fc1's 1x128 grad_output blocks (plus the high-precision grad only when fc1_bias needs a
