@@ -269,11 +269,10 @@ def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> t
     return outs[0], outs[1]
 
 
-def _measured(x: torch.Tensor, amax: Optional[torch.Tensor]) -> torch.Tensor:
-    """Current scaling: x's amax as given, or measured now (`kernels.cast.amax_into`)."""
-    if amax is None:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        amax_into(x, amax)
+def _measured(x: torch.Tensor) -> torch.Tensor:
+    """Current scaling: max|x| measured now, a [1] fp32 tensor (`kernels.cast.amax_into`)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    amax_into(x, amax)
     return amax
 
 
@@ -291,7 +290,7 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: Optional[torch.Tensor],
     """See `tritium.ref.gemm.fp8_dgrad_wgrad`: the cast of dy and both GEMMs (and dbias),
     one launch (under current scaling, after the launch that measures dy's amax)."""
     if current is not None:
-        dy_amax = _measured(dy, dy_amax)
+        dy_amax = _measured(dy)
         dy_scale = dy_amax  # unread
     t, n = dy.shape
     k_in, t_padded = x_t.shape
@@ -356,7 +355,7 @@ def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     """See `tritium.ref.gemm.fp8_gemm_tn_cast_b`: b's cast and the GEMM, one launch (under
     current scaling, after the launch that measures b's amax)."""
     if current is not None:
-        b_amax = _measured(b, b_amax)
+        b_amax = _measured(b)
     out, _, b_t, b_scale_inv = _gemm_cast(a, False, None, a_scale_inv, a_scale_inv, False, b,
                                           b_scale, b_amax, fp8_dtype, out_dtype, bias,
                                           write_b_t, current)
@@ -371,7 +370,7 @@ def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: Optional[torch.Tensor],
                         write_b_t: bool = True, current: Optional[tuple] = None) -> tuple:
     """See `tritium.ref.gemm.fp8_gemm_tn_cast_ab`: both casts and the GEMM, one launch (under
     current scaling, after one launch that measures both amaxes)."""
-    if current is not None and (a_amax is None or b_amax is None):
+    if current is not None:
         amaxes = torch.zeros(2, dtype=torch.float32, device=a.device)
         amax_pair_into(a, b, amaxes)
         a_amax, b_amax = amaxes[0:1], amaxes[1:2]

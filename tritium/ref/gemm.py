@@ -39,11 +39,10 @@ def fp8_gemm_tn_pair(first: tuple, second: tuple, fast_accum: bool = False) -> t
     return tuple(fp8_gemm_tn(*job, fast_accum=fast_accum) for job in (first, second))
 
 
-def _measured(x: torch.Tensor, amax: Optional[torch.Tensor]) -> torch.Tensor:
-    """Current scaling: x's amax as given, or measured now (`ref.cast.amax_into`)."""
-    if amax is None:
-        amax = torch.zeros(1, dtype=torch.float32, device=x.device)
-        ref_cast.amax_into(x, amax)
+def _measured(x: torch.Tensor) -> torch.Tensor:
+    """Current scaling: max|x| measured now, a [1] fp32 tensor (`ref.cast.amax_into`)."""
+    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    ref_cast.amax_into(x, amax)
     return amax
 
 
@@ -60,11 +59,11 @@ def fp8_dgrad_wgrad(dy: torch.Tensor, dy_scale: Optional[torch.Tensor],
     dbias_dtype also dbias = dy.sum(0) (of the unquantized dy, summed in fp32, rounded once):
     (dx [T, K_in], dw [N, K_in], dbias [N] or None). The kernel casts dy's tiles in registers
     as it loads them, and sums dbias from the same tiles. Under current scaling
-    (`current=(amax_epsilon, power_2_scale)`, dy_scale None): dy's scale comes from dy_amax,
-    max|dy| (measured here when None), as `ref.cast.cast_transpose` derives it."""
+    (`current=(amax_epsilon, power_2_scale)`, dy_scale and dy_amax None): dy's scale comes
+    from max|dy|, measured here first, as `ref.cast.cast_transpose` derives it."""
     t_padded = x_t.shape[1]
     if current is not None:
-        dy_amax = _measured(dy, dy_amax)
+        dy_amax = _measured(dy)
     dy8, dy8_t, dy_scale_inv = ref_cast.cast_transpose(
         dy, dy_scale, dy_amax, fp8_dtype, pad_rows_to=max(t_padded, 1), write_transpose=True,
         current=current)
@@ -82,10 +81,10 @@ def fp8_gemm_tn_cast_b(a: torch.Tensor, a_scale_inv: torch.Tensor, b: torch.Tens
     precision: b cast to fp8_dtype with b_scale (`tritium.ref.cast.cast_transpose`, its amax
     max-recorded into b_amax, its transpose [K, N] with write_b_t), then out = a @ b8.T
     (`fp8_gemm_tn`, fast accumulation, + bias): (out, b8^T or None, b's scale_inv). The kernel
-    casts b's tiles in registers as it loads them. Under current scaling (b_scale None): b's
-    scale from b_amax, max|b| (measured here when None), as in `fp8_dgrad_wgrad`."""
+    casts b's tiles in registers as it loads them. Under current scaling (b_scale and b_amax
+    None): b's scale from max|b|, measured here first, as in `fp8_dgrad_wgrad`."""
     if current is not None:
-        b_amax = _measured(b, b_amax)
+        b_amax = _measured(b)
     b8, b8_t, b_scale_inv = ref_cast.cast_transpose(b, b_scale, b_amax, fp8_dtype,
                                                     write_transpose=write_b_t, current=current)
     out = fp8_gemm_tn(a, b8, a_scale_inv, b_scale_inv, out_dtype, bias, fast_accum=True)
@@ -101,9 +100,9 @@ def fp8_gemm_tn_cast_ab(a: torch.Tensor, a_scale: Optional[torch.Tensor],
     """`fp8_gemm_tn_cast_b` with a [M, K] in high precision too: a cast with a_scale (rows
     padded to 16, its amax into a_amax, its transpose [K, M padded] with write_a_t), then the
     GEMM: (out [M, N], a8^T or None, a's scale_inv, b8^T or None, b's scale_inv). Under
-    current scaling both amaxes are measured first where not given (the kernel's form: one
-    launch for both, `ref.cast.amax_pair_into`)."""
-    if current is not None and (a_amax is None or b_amax is None):
+    current scaling (scales and amaxes None) both amaxes are measured first (the kernel's
+    form: one launch for both, `ref.cast.amax_pair_into`)."""
+    if current is not None:
         amaxes = torch.zeros(2, dtype=torch.float32, device=a.device)
         ref_cast.amax_pair_into(a, b, amaxes)
         a_amax, b_amax = amaxes[0:1], amaxes[1:2]
