@@ -160,7 +160,8 @@ SPECS = {
     "graphs": Spec(
         "CUDA graphs (make_graphed_callables; torch.compile mode=\"reduce-overhead\"): one FP8 "
         "training step of 4 TransformerLayers (hidden 512)",
-        tritium=("fp8 graphed fwd+bwd", "fp8 graphed fwd+bwd+adam", GRAPHS_COMPILED),
+        tritium=("fp8 graphed fwd+bwd", "fp8 graphed fwd+bwd+adam", GRAPHS_COMPILED,
+                 "fp8 current eager"),
         peers=("bf16 eager", "bf16 graphed fwd+bwd+adam"),
         # the eager pairs' rounds: each round's FP8 / bf16 ratio, their median ("paired")
         cells=("{time} ({speedup:.2f}x; paired {paired_speedup:.2f}x)", DEFAULT_CELL),
