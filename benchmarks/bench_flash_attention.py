@@ -38,6 +38,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
+    python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, e.g. --cfg fwd_fp8=128,128,4,3,1)
@@ -467,7 +468,8 @@ def main():
     ap.add_argument("--cfg", action="append", default=[],
                     help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
                          "(kind: fwd, dkdv, dq, fwd_fp8; D=128)")
-    ap.add_argument("--sweep", action="store_true", help="sweep the configs (both modes) first")
+    ap.add_argument("--sweep", nargs="?", const="both", choices=("both", "nosplit", "split"),
+                    help="sweep the configs first (both modes, or the one named)")
     ap.add_argument("--sweep-fp8", action="store_true",
                     help="sweep the FP8 forward's configs first")
     args = ap.parse_args()
@@ -477,9 +479,9 @@ def main():
         kind, split, cfg = _parse_cfg(spec)
         FA.GPU_CFG[kind][_cfg_key(kind, split)] = cfg
     settle_gpu()
-    if args.sweep:
-        sweep(False)
-        sweep(True)
+    for split in (False, True):
+        if args.sweep in ("both", "split" if split else "nosplit"):
+            sweep(split)
     if args.sweep_fp8:
         sweep_fp8()
     rows = []
