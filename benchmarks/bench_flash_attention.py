@@ -325,31 +325,29 @@ def _cfg_arg(kind, cfg, split=False):
 
 # speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
 # stages, tma, ws, atomic_dq)). 8 warps only where each product has >= 128 output rows (forward
-# and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel.
+# and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel;
+# none above the sm90's 227 KB of shared memory (scripts/flash_regs.py).
 T = True
-SWEEP_FWD = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 2, T),
-             Cfg(128, 128, 8, 2, T), Cfg(128, 128, 8, 3, T), Cfg(64, 64, 4, 3, T),
-             Cfg(64, 128, 4, 2, T), Cfg(128, 64, 8, 3, T, T), Cfg(128, 128, 8, 2, T, T),
-             Cfg(128, 64, 8, 3)]
-SWEEP_DKDV = [Cfg(32, 128, 8, 2, T), Cfg(32, 128, 8, 3, T), Cfg(64, 128, 8, 2, T),
-              Cfg(64, 128, 8, 3, T), Cfg(32, 64, 4, 3, T), Cfg(32, 64, 4, 2, T),
-              Cfg(64, 64, 4, 2, T), Cfg(32, 128, 8, 2)]
-SWEEP_ATOMIC = [Cfg(32, 128, 8, 2, T, atomic_dq=T), Cfg(32, 128, 8, 3, T, atomic_dq=T),
-                Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(32, 64, 4, 3, T, atomic_dq=T),
-                Cfg(64, 64, 4, 2, T, atomic_dq=T)]
-SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 2, T), Cfg(128, 64, 8, 4, T),
-            Cfg(128, 32, 8, 3, T), Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T),
-            Cfg(64, 32, 4, 3, T), Cfg(128, 32, 8, 3)]
+SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 128, 8, 2, T), Cfg(128, 64, 8, 3, T),
+             Cfg(128, 64, 8, 4, T), Cfg(64, 64, 4, 3, T), Cfg(128, 128, 8, 3, T, T),
+             Cfg(128, 128, 8, 3)]
+SWEEP_DKDV = [Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T), Cfg(64, 64, 4, 4, T),
+              Cfg(128, 64, 4, 2, T), Cfg(32, 64, 4, 3, T), Cfg(64, 128, 8, 3, T),
+              Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2)]
+SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(64, 64, 4, 2, T, atomic_dq=T)]
+SWEEP_DQ = [Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 5, T),
+            Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 4, T), Cfg(64, 64, 4, 3, T),
+            Cfg(128, 64, 8, 4)]
 # split mode (context parallelism's exact mode): today's pointer configs (first) against TMA
 # ones (ptxas: the pointer forward spills 556 bytes, dk/dv 1324); no atomic dq (exact mode's
 # sums stay in a fixed order)
 SWEEPS = {
     False: dict(fwd=SWEEP_FWD, dkdv=SWEEP_DKDV, dq=SWEEP_DQ, atomic=SWEEP_ATOMIC),
     True: dict(fwd=[Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3, T),
-                    Cfg(128, 64, 8, 2, T)],
-               dkdv=[Cfg(64, 64, 4, 2), Cfg(32, 128, 8, 2, T), Cfg(32, 64, 4, 2, T),
-                     Cfg(64, 64, 4, 2, T)],
-               dq=[Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T), Cfg(128, 32, 8, 3, T),
+                    Cfg(128, 128, 8, 3, T)],
+               dkdv=[Cfg(64, 64, 4, 2), Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T),
+                     Cfg(32, 64, 4, 2, T)],
+               dq=[Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T),
                    Cfg(64, 64, 4, 3, T)],
                atomic=[])}
 

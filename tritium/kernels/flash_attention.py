@@ -71,22 +71,24 @@ class Cfg(NamedTuple):
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
 # --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
-# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode): TMA loads,
-# chosen by what Triton 3.6 makes of them for sm90 (scripts/flash_regs.py; no GPU timing yet).
-# Two rules: 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq,
-# BLOCK_N of dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the
-# second warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles:
-# 255 registers at the tiles below). D=128: forward 128 x 64 169 registers, no spill; dk/dv
-# 128 keys x 32 query rows 255 registers, 100 bytes spilled (dk + dv accumulators alone are 128
-# registers a thread; 64 rows: 340); dq 128 x 64 173 registers. D=64: forward 128 x 128 161,
-# dk/dv 241, dq 123, none spilling. D=256 forward 128 x 64: 572 bytes spilled.
+# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode) at D=128
+# from the first GPU sweep of that mode (H100, 2026-11-28, B4 H32 S4096 MHA, causal + no mask):
+# forward 128 x 128 at 8 warps, 3 stages (3.21 -> 2.93 ms; 128 x 64: 169 registers, the choice
+# of scripts/flash_regs.py before any timing), dk/dv 64 keys x 64 query rows at 4 warps, 2
+# stages (12.85 -> 10.13 ms with dq: 128 keys x 32 rows at 8 warps spilled), dq 128 x 64 at 8
+# warps, 4 stages (10.25); dq by atomic adds from dk/dv lost at every tile (12.7+ ms). Two rules:
+# 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq, BLOCK_N of
+# dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the second
+# warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles; a 128 x
+# 128 forward tile spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv
+# 241, dq 123, none spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
-    "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+    "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 128, 8, 3, tma=True),
             (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
             (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(128, 64, 8, 2, tma=True)},
-    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(32, 128, 8, 2, tma=True),
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(64, 64, 4, 2, tma=True),
              (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
-    "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+    "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 4, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
 # FP8 forward by head dim, from a sweep on an H100 (2026-11-26, B4 S4096, V keys-contiguous):
