@@ -338,16 +338,16 @@ SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(64, 64, 4, 2, T, atomic_
 SWEEP_DQ = [Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 5, T),
             Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 4, T), Cfg(64, 64, 4, 3, T),
             Cfg(128, 64, 8, 4)]
-# split mode (context parallelism's exact mode): today's pointer configs (first) against TMA
-# ones (ptxas: the pointer forward spills 556 bytes, dk/dv 1324); no atomic dq (exact mode's
-# sums stay in a fixed order)
+# split mode (context parallelism's exact mode): the TMA defaults (first) against pointer loads
+# (ptxas: the pointer forward spills 556 bytes, dk/dv 1308) and other tiles; no atomic dq (exact
+# mode's sums stay in a fixed order)
 SWEEPS = {
     False: dict(fwd=SWEEP_FWD, dkdv=SWEEP_DKDV, dq=SWEEP_DQ, atomic=SWEEP_ATOMIC),
-    True: dict(fwd=[Cfg(64, 64, 4, 3), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3, T),
+    True: dict(fwd=[Cfg(64, 64, 4, 3, T), Cfg(64, 64, 4, 3), Cfg(128, 64, 8, 3, T),
                     Cfg(128, 128, 8, 3, T)],
-               dkdv=[Cfg(64, 64, 4, 2), Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T),
+               dkdv=[Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 2), Cfg(64, 64, 4, 3, T),
                      Cfg(32, 64, 4, 2, T)],
-               dq=[Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T),
+               dq=[Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 3), Cfg(128, 64, 8, 3, T),
                    Cfg(64, 64, 4, 3, T)],
                atomic=[])}
 

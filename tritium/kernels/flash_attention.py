@@ -70,8 +70,10 @@ class Cfg(NamedTuple):
 
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
-# --cfg / --sweep) may replace entries. split=True at D=128 from a sweep on an H100 (2026-11-22,
-# one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms). split=False (the speed mode) at D=128
+# --cfg / --sweep) may replace entries. split=True at D=128: TMA loads at the tiles of an H100
+# sweep of pointer loads (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms); the
+# TMA loads, chosen by the 2026-11-28 sweep, ran 1.02-1.07x faster than those pointer loads on
+# every case of the table (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). split=False (the speed mode) at D=128
 # from the first GPU sweep of that mode (H100, 2026-11-28, B4 H32 S4096 MHA, causal + no mask):
 # forward 128 x 128 at 8 warps, 3 stages (3.21 -> 2.93 ms; 128 x 64: 169 registers, the choice
 # of scripts/flash_regs.py before any timing), dk/dv 64 keys x 64 query rows at 4 warps, 2
@@ -83,12 +85,12 @@ class Cfg(NamedTuple):
 # 128 forward tile spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv
 # 241, dq 123, none spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
-    "fwd": {(128, True): Cfg(64, 64, 4, 3), (128, False): Cfg(128, 128, 8, 3, tma=True),
+    "fwd": {(128, True): Cfg(64, 64, 4, 3, tma=True), (128, False): Cfg(128, 128, 8, 3, tma=True),
             (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
             (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(128, 64, 8, 2, tma=True)},
-    "dkdv": {(128, True): Cfg(64, 64, 4, 2), (128, False): Cfg(64, 64, 4, 2, tma=True),
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2, tma=True), (128, False): Cfg(64, 64, 4, 2, tma=True),
              (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
-    "dq": {(128, True): Cfg(128, 64, 8, 3), (128, False): Cfg(128, 64, 8, 3, tma=True),
+    "dq": {(128, True): Cfg(128, 64, 8, 4, tma=True), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
 # FP8 forward by head dim, from a sweep on an H100 (2026-11-26, B4 S4096, V keys-contiguous):
