@@ -568,12 +568,12 @@ class EfficientBackend(_Backend):
 # (compute capability major, head dim, mask class) where the triton backend measured faster,
 # fwd+bwd, than the backend auto takes otherwise (benchmarks/bench_flash_attention.py). The mask
 # classes: "causal" and "no_mask" (dense, against cuDNN at B4 H32 S4096 bf16, MHA and GQA-8: not
-# faster yet, 0.75x / 0.69x on an H100), "window" (a band: sliding window or causal off the
+# faster yet, 0.83-0.86x on an H100), "window" (a band: sliding window or causal off the
 # top-left corner; against flash, the only other backend that takes a window) and "thd" (packed
 # sequences; against flash varlen), which run other paths of the kernel and are measured on their
-# own (--window / --varlen). H100 80GB HBM3, 2026-11-27, 9375b03: window 4096 at B1 H32 KV8
-# S16384 D128 9.13 ms vs flash 11.37 (1.24x); thd 16 sequences of 512..4096 tokens H32 KV8 D128
-# causal 12.17 ms vs flash varlen 14.10 (1.16x; cuDNN one call per sequence 11.97).
+# own (--window / --varlen). H100 80GB HBM3, 2026-11-28, 076d41a: window 4096 at B1 H32 KV8
+# S16384 D128 7.74 ms vs flash 11.37 (1.47x); thd 16 sequences of 512..4096 tokens H32 KV8 D128
+# causal 11.42 ms vs flash varlen 14.06 (1.23x; cuDNN one call per sequence 13.26).
 MEASURED_FASTER: frozenset = frozenset({(9, 128, "window"), (9, 128, "thd")})
 
 
