@@ -40,7 +40,8 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
-      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
+      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq[,group]]]], D=128, nosplit unless
+       split:; group: heads whose tiles interleave in launch order, default 1;
        kind fwd_fp8: the FP8 forward, e.g. --cfg fwd_fp8=128,128,4,3,1)
 """
 from __future__ import annotations
@@ -300,15 +301,16 @@ def _run(rows, args):
 
 
 def _parse_cfg(spec: str):
-    """"[split:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq]]]" -> (kind, split, Cfg)."""
+    """"[split:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq[,group]]]]" -> (kind, split, Cfg)."""
     kind, _, vals = spec.partition("=")
     split = kind.startswith("split:")
     kind = kind.removeprefix("split:")
     nums = [int(x) for x in vals.split(",")]
-    if kind not in FA.GPU_CFG or not 4 <= len(nums) <= 7:
+    if kind not in FA.GPU_CFG or not 4 <= len(nums) <= 8 or (len(nums) == 8 and nums[7] < 1):
         raise SystemExit(f"--cfg {spec!r}: want [split:]kind=BLOCK_M,BLOCK_N,warps,stages"
-                         f"[,tma[,ws[,atomic_dq]]] with kind in {sorted(FA.GPU_CFG)}")
-    return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
+                         f"[,tma[,ws[,atomic_dq[,group >= 1]]]] with kind in "
+                         f"{sorted(FA.GPU_CFG)}")
+    return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:7]), *nums[7:])
 
 
 def _cfg_key(kind: str, split: bool):
@@ -318,26 +320,28 @@ def _cfg_key(kind: str, split: bool):
 
 def _cfg_arg(kind, cfg, split=False):
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
+    if cfg.group != 1:
+        flags.append(cfg.group)
     while flags and not flags[-1]:
         flags.pop()
     return f"--cfg {'split:' if split else ''}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
 
 
 # speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
-# stages, tma, ws, atomic_dq)). 8 warps only where each product has >= 128 output rows (forward
+# stages, tma, ws, atomic_dq, group)), the grouped launch orders at the default tiles. 8 warps only where each product has >= 128 output rows (forward
 # and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel;
 # none above the sm90's 227 KB of shared memory (scripts/flash_regs.py).
 T = True
-SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 128, 8, 2, T), Cfg(128, 64, 8, 3, T),
-             Cfg(128, 64, 8, 4, T), Cfg(64, 64, 4, 3, T), Cfg(128, 128, 8, 3, T, T),
-             Cfg(128, 128, 8, 3)]
-SWEEP_DKDV = [Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T), Cfg(64, 64, 4, 4, T),
-              Cfg(128, 64, 4, 2, T), Cfg(32, 64, 4, 3, T), Cfg(64, 128, 8, 3, T),
-              Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2)]
-SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(64, 64, 4, 2, T, atomic_dq=T)]
-SWEEP_DQ = [Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 5, T),
-            Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 4, T), Cfg(64, 64, 4, 3, T),
-            Cfg(128, 64, 8, 4)]
+SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 64, 8, 3, T), Cfg(64, 64, 4, 3, T),
+             Cfg(128, 128, 8, 3, T, T), Cfg(128, 128, 8, 3),
+             *(Cfg(128, 128, 8, 3, T, group=g) for g in (4, 8, 16))]
+SWEEP_DKDV = [Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T), Cfg(32, 64, 4, 3, T),
+              Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2),
+              *(Cfg(64, 64, 4, 2, T, group=g) for g in (4, 8, 16))]
+SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T)]
+SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 5, T),
+            Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3),
+            *(Cfg(128, 64, 8, 3, T, group=g) for g in (4, 8, 16))]
 # split mode (context parallelism's exact mode): the TMA defaults (first) against pointer loads
 # (ptxas: the pointer forward spills 556 bytes, dk/dv 1308) and other tiles; no atomic dq (exact
 # mode's sums stay in a fixed order)
@@ -356,7 +360,8 @@ SWEEPS = {
 SWEEP_FP8 = [Cfg(128, 128, 4, 3, T), Cfg(128, 128, 4, 4, T), Cfg(128, 128, 4, 2, T),
              Cfg(128, 64, 4, 3, T), Cfg(128, 64, 4, 4, T), Cfg(64, 128, 4, 3, T),
              Cfg(64, 64, 4, 4, T), Cfg(128, 128, 8, 3, T), Cfg(128, 128, 8, 3, T, T),
-             Cfg(256, 128, 8, 2, T), Cfg(128, 128, 4, 3)]
+             Cfg(256, 128, 8, 2, T), Cfg(128, 128, 4, 3),
+             *(Cfg(128, 128, 4, 3, T, group=g) for g in (8, 16))]
 
 
 def _rel_err(got, want):
@@ -464,7 +469,7 @@ def main():
     ap.add_argument("--varlen", action="store_true",
                     help="also packed sequences (thd, 16 of 512..4096 tokens)")
     ap.add_argument("--cfg", action="append", default=[],
-                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]] "
+                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq[,group]]]] "
                          "(kind: fwd, dkdv, dq, fwd_fp8; D=128)")
     ap.add_argument("--sweep", nargs="?", const="both", choices=("both", "nosplit", "split"),
                     help="sweep the configs first (both modes, or the one named)")

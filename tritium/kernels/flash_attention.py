@@ -59,7 +59,9 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class Cfg(NamedTuple):
     """One kernel's launch: tile sizes, warps, pipeline stages, q/k/v/dO loads through TMA
     descriptors, warp specialization of the forward's unmasked loop (fwd, with tma), dq by fp32
-    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
+    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv), the launch order (group:
+    1, each head's tiles in turn; g > 1, g heads' tiles interleaved, busiest first:
+    flash_attention_tiles._program)."""
     block_m: int
     block_n: int
     warps: int
@@ -67,6 +69,7 @@ class Cfg(NamedTuple):
     tma: bool = False
     ws: bool = False
     atomic_dq: bool = False
+    group: int = 1
 
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
@@ -233,7 +236,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                           lay.cu_kv if varlen else lse, CAUSAL=causal, SPLIT=bool(split),
                           PREC=_prec(q.dtype), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           TMA=tma, WS=cfg.ws and tma, WINDOW=window, VARLEN=varlen is not None,
-                          num_warps=cfg.warps, num_stages=cfg.stages)
+                          GROUP=cfg.group, num_warps=cfg.warps, num_stages=cfg.stages)
     return (out, lse) if varlen is None else (out[0], lse[0])
 
 
@@ -300,7 +303,8 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       *lse.stride(), band_lo, band_hi, lse, lse, CAUSAL=causal, SPLIT=False,
                       PREC="tf32", D=d, WINDOW=window,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
-                      FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
+                      FP8=True, VT=True, GROUP=cfg.group, num_warps=cfg.warps,
+                      num_stages=cfg.stages)
     return out, lse
 
 
@@ -366,7 +370,8 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
         *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
+        TMA=tma, ATOMIC_DQ=atomic, GROUP=cfg.group, num_warps=cfg.warps,
+        num_stages=cfg.stages)
     if atomic:
         return unbatch(dq.to(grad_dtype), dk, dv)
 
@@ -374,7 +379,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
     _dq_kernel[(triton.cdiv(lay.s_q, cfg.block_m), lay.batch * h)](
         *srcs, lse, delta, dq, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
+        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, GROUP=cfg.group,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return unbatch(dq, dk, dv)
 
