@@ -328,9 +328,10 @@ def _cfg_arg(kind, cfg, split=False):
 
 
 # speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
-# stages, tma, ws, atomic_dq, group)), the grouped launch orders at the default tiles. 8 warps only where each product has >= 128 output rows (forward
-# and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel;
-# none above the sm90's 227 KB of shared memory (scripts/flash_regs.py).
+# stages, tma, ws, atomic_dq, group)) and the grouped launch orders at the default tiles. 8 warps
+# only where each product has >= 128 output rows (forward and dq: block_m, dk/dv: block_n; see
+# GPU_CFG's note); pointer loads (tma False) once per kernel; none above the sm90's 227 KB of
+# shared memory (scripts/flash_regs.py).
 T = True
 SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 64, 8, 3, T), Cfg(64, 64, 4, 3, T),
              Cfg(128, 128, 8, 3, T, T), Cfg(128, 128, 8, 3),

@@ -73,25 +73,27 @@ class Cfg(NamedTuple):
 
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
-# --cfg / --sweep) may replace entries. split=True at D=128: TMA loads at the tiles of an H100
-# sweep of pointer loads (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms); the
-# TMA loads, chosen by the 2026-11-28 sweep, ran 1.02-1.07x faster than those pointer loads on
-# every case of the table (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). split=False (the speed mode) at D=128
-# from the first GPU sweep of that mode (H100, 2026-11-28, B4 H32 S4096 MHA, causal + no mask):
-# forward 128 x 128 at 8 warps, 3 stages (3.21 -> 2.93 ms; 128 x 64: 169 registers, the choice
-# of scripts/flash_regs.py before any timing), dk/dv 64 keys x 64 query rows at 4 warps, 2
-# stages (12.85 -> 10.13 ms with dq: 128 keys x 32 rows at 8 warps spilled), dq 128 x 64 at 8
-# warps, 4 stages (10.25); dq by atomic adds from dk/dv lost at every tile (12.7+ ms). Two rules:
+# --cfg / --sweep) may replace entries. D=128 from two sweeps on H100s (2026-11-28, B4 H32 S4096
+# MHA, causal + no mask summed; the speed mode's first). split=False (the speed mode): forward
+# 128 x 128 at 8 warps, 3 stages (3.21 -> 2.90 ms; 128 x 64, chosen before any timing by
+# scripts/flash_regs.py: 169 registers); dk/dv 64 keys x 64 query rows at 4 warps, 2 stages
+# (12.85 -> 9.85 ms with delta and dq; 128 keys x 32 rows at 8 warps spilled more); dq 128 x 64
+# at 8 warps, 3 stages (4 stages: first in one sweep, 4% behind in the other); dq by atomic adds
+# from dk/dv lost at every tile (12.6+ ms). split=True: the tiles of a sweep of pointer loads
+# (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x
+# faster on every case of the table (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules:
 # 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq, BLOCK_N of
 # dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the second
 # warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles; a 128 x
 # 128 forward tile spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv
 # 241, dq 123, none spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
-    "fwd": {(128, True): Cfg(64, 64, 4, 3, tma=True), (128, False): Cfg(128, 128, 8, 3, tma=True),
+    "fwd": {(128, True): Cfg(64, 64, 4, 3, tma=True),
+            (128, False): Cfg(128, 128, 8, 3, tma=True),
             (64, True): Cfg(128, 64, 4, 3), (64, False): Cfg(128, 128, 8, 3, tma=True),
             (256, True): Cfg(64, 32, 4, 2), (256, False): Cfg(128, 64, 8, 2, tma=True)},
-    "dkdv": {(128, True): Cfg(64, 64, 4, 2, tma=True), (128, False): Cfg(64, 64, 4, 2, tma=True),
+    "dkdv": {(128, True): Cfg(64, 64, 4, 2, tma=True),
+             (128, False): Cfg(64, 64, 4, 2, tma=True),
              (64, True): Cfg(64, 128, 8, 2), (64, False): Cfg(64, 128, 8, 2, tma=True)},
     "dq": {(128, True): Cfg(128, 64, 8, 4, tma=True), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
