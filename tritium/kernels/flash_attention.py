@@ -77,7 +77,7 @@ class Cfg(NamedTuple):
 # MHA, causal + no mask summed; the speed mode's first). split=False (the speed mode): forward
 # 128 x 128 at 8 warps, 3 stages (3.21 -> 2.90 ms; 128 x 64, chosen before any timing by
 # scripts/flash_regs.py: 169 registers); dk/dv 64 keys x 64 query rows at 4 warps, 2 stages
-# (12.85 -> 9.85 ms with delta and dq; 128 keys x 32 rows at 8 warps spilled more); dq 128 x 64
+# (12.85 -> 9.85 ms with delta and dq; it spills 328 bytes, 128 keys x 32 rows 100); dq 128 x 64
 # at 8 warps, 3 stages (4 stages: first in one sweep, 4% behind in the other); dq by atomic adds
 # from dk/dv lost at every tile (12.6+ ms). split=True: the tiles of a sweep of pointer loads
 # (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x
