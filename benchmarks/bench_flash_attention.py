@@ -470,8 +470,8 @@ def main():
     ap.add_argument("--varlen", action="store_true",
                     help="also packed sequences (thd, 16 of 512..4096 tokens)")
     ap.add_argument("--cfg", action="append", default=[],
-                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq[,group]]]] "
-                         "(kind: fwd, dkdv, dq, fwd_fp8; D=128)")
+                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages"
+                         "[,tma[,ws[,atomic_dq[,group]]]] (kind: fwd, dkdv, dq, fwd_fp8; D=128)")
     ap.add_argument("--sweep", nargs="?", const="both", choices=("both", "nosplit", "split"),
                     help="sweep the configs first (both modes, or the one named)")
     ap.add_argument("--sweep-fp8", action="store_true",
