@@ -369,10 +369,13 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     cfg = dkdv_cfg
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
+    reduce = atomic and tma and cuda  # dq reduced tile by tile through TMA
+    dq_dst = TensorDescriptor(dq, [b, t_q, h * d], [t_q * h * d, h * d, 1],
+                              [1, cfg.block_m, d]) if reduce else dq
     _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
-        *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
+        *srcs, lse, delta, dk, dv, dq_dst, lay.s_q, lay.s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        TMA=tma, ATOMIC_DQ=atomic, GROUP=cfg.group, num_warps=cfg.warps,
+        TMA=tma, ATOMIC_DQ=atomic, DQ_REDUCE=reduce, GROUP=cfg.group, num_warps=cfg.warps,
         num_stages=cfg.stages)
     if atomic:
         return unbatch(dq.to(grad_dtype), dk, dv)
