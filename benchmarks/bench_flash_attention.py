@@ -339,9 +339,7 @@ SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 64, 8, 3, T), Cfg(64, 64, 4, 3, T)
 SWEEP_DKDV = [Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T), Cfg(32, 64, 4, 3, T),
               Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2),
               *(Cfg(64, 64, 4, 2, T, group=g) for g in (4, 8, 16))]
-SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T), Cfg(64, 128, 8, 3, T, atomic_dq=T),
-                Cfg(32, 128, 8, 2, T, atomic_dq=T), Cfg(64, 128, 8, 2, atomic_dq=T),
-                Cfg(64, 128, 8, 2, T, atomic_dq=T, group=8)]
+SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T)]
 SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 5, T),
             Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3),
             *(Cfg(128, 64, 8, 3, T, group=g) for g in (4, 8, 16))]

@@ -273,9 +273,8 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
         types[src] = f"tensordesc<bf16[1, {rows}, {d}]>" if cfg.tma else BF16P
     if split:
         types.update({n: F32P for n in ("o_ptr", "dq_ptr", "dk_ptr", "dv_ptr")})
-    if name == "_dkdv_kernel":  # DQ_REDUCE: a descriptor of dq's [b, s, h * d] view
-        types["dq_ptr"] = (f"tensordesc<fp32[1, {cfg.block_m}, {d}]>"
-                           if cfg.atomic_dq and cfg.tma else F32P)
+    if name == "_dkdv_kernel":
+        types["dq_ptr"] = F32P
     return {k: v for k, v in types.items() if k in getattr(_fa, name).arg_names}
 
 
@@ -285,8 +284,7 @@ _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
     _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False, VARLEN=False),
-              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, DQ_REDUCE=_c.atomic_dq and _c.tma,
-                           WINDOW=False, VARLEN=False),
+              "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False, VARLEN=False),
               "dq": dict(WINDOW=False, VARLEN=False)}
     KERNELS[("flash_attention_tiles", _name)] = (
         _fa_types(_name, _c),
@@ -370,9 +368,7 @@ VARIANTS = {
     + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
        dict(_fa_fp8(128), WINDOW=True, CAUSAL=False)],
     ("flash_attention_tiles", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
-    + [dict(ATOMIC_DQ=True, DQ_REDUCE=False),
-       dict(ATOMIC_DQ=True, DQ_REDUCE=True, _types=_fa_types(
-           "_dkdv_kernel", _FA_CFG["_dkdv_kernel"]._replace(tma=True, atomic_dq=True)))],
+    + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention_tiles", "_dq_kernel"): _fa_variants("_dq_kernel"),
     ("norm", "_norm_fwd_kernel"): [dict(IS_RMS=False, HAS_BIAS=True, ZERO_CENTERED=True)],
     ("moe", "_router_fwd_kernel"): [dict(SIGMOID=True, PRE=True, AUX=True, NUM_GROUPS=4,

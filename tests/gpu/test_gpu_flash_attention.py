@@ -135,8 +135,7 @@ _SPEED_OPTIONS = {
     "tma-ws": {"fwd": (128, 64, 8, 3, True, True), "dkdv": (64, 128, 8, 2, True),
                "dq": (128, 32, 8, 3, True)},
     "pointers": {"fwd": (128, 64, 8, 3), "dkdv": (32, 128, 8, 2), "dq": (128, 32, 8, 3)},
-    "atomic-dq": {"dkdv": (32, 128, 8, 2, True, False, True)},  # TMA reduce-add
-    "pointer-atomic-dq": {"dkdv": (64, 128, 8, 2, False, False, True)},
+    "atomic-dq": {"dkdv": (32, 128, 8, 2, True, False, True)},
     "narrow-atomic-dq": {"fwd": (64, 64, 4, 3, True), "dkdv": (32, 64, 4, 3, True, False, True)},
 }
 

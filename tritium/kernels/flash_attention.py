@@ -79,7 +79,9 @@ class Cfg(NamedTuple):
 # scripts/flash_regs.py: 169 registers); dk/dv 64 keys x 64 query rows at 4 warps, 2 stages
 # (12.85 -> 9.85 ms with delta and dq; it spills 328 bytes, 128 keys x 32 rows 100); dq 128 x 64
 # at 8 warps, 3 stages (4 stages: first in one sweep, 4% behind in the other); dq by atomic adds
-# from dk/dv lost at every tile (12.6+ ms). split=True: the tiles of a sweep of pointer loads
+# from dk/dv lost at every tile (12.6+ ms; 11.9-12.9 with one TMA bulk reduce-add per tile, so
+# not the atomics' cost: the fused kernel's registers). Grouped launch orders (group 4 / 8 / 16)
+# stayed within the runs' +-3% spread for every kernel in two sweeps: group 1 kept. split=True: the tiles of a sweep of pointer loads
 # (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x
 # faster on every case of the table (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules:
 # 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq, BLOCK_N of
@@ -369,13 +371,10 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     cfg = dkdv_cfg
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
-    reduce = atomic and tma and cuda  # dq reduced tile by tile through TMA
-    dq_dst = TensorDescriptor(dq, [b, t_q, h * d], [t_q * h * d, h * d, 1],
-                              [1, cfg.block_m, d]) if reduce else dq
     _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
-        *srcs, lse, delta, dk, dv, dq_dst, lay.s_q, lay.s_kv, h_kv, h // h_kv,
+        *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        TMA=tma, ATOMIC_DQ=atomic, DQ_REDUCE=reduce, GROUP=cfg.group, num_warps=cfg.warps,
+        TMA=tma, ATOMIC_DQ=atomic, GROUP=cfg.group, num_warps=cfg.warps,
         num_stages=cfg.stages)
     if atomic:
         return unbatch(dq.to(grad_dtype), dk, dv)

@@ -357,11 +357,10 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
                offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls, dq_rows, qk_scale, scale,
                band_lo, band_hi,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, TMA: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, DQ_REDUCE: tl.constexpr, D: tl.constexpr,
-               BLOCK_M: tl.constexpr, WINDOW: tl.constexpr):
+               ATOMIC_DQ: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr,
+               WINDOW: tl.constexpr):
     """dk, dv += one query block's share (S^T = K Q^T: no fp32 tile is transposed); with
-    ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds (DQ_REDUCE: one
-    TMA bulk reduce-add of the tile through dq_base, a descriptor)."""
+    ATOMIC_DQ also dq (fp32) += scale * dS K for these rows, by atomic adds."""
     rows = m0 + tl.arange(0, BLOCK_M)
     m_ok = rows < s_q
     q = _rows(q_src, b, h, sqb, sqh, sqs, sqd, m0, s_q, offs_d, True, TMA, BLOCK_M, D)
@@ -381,13 +380,9 @@ def _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0, 
     dst = pt * (dpt - delta[None, :])
     dk = _mm(dst, q, dk, SPLIT, PREC)
     if ATOMIC_DQ:
-        dq = _mm_t(dst, k, tl.zeros([BLOCK_M, D], tl.float32), SPLIT, PREC) * scale
-        if DQ_REDUCE:  # one bulk reduce-add of the tile (rows past s_q clipped by the descriptor)
-            dq_base.atomic_add([b.to(tl.int32), m0, (h * D).to(tl.int32)],
-                               dq.reshape(1, BLOCK_M, D))
-        else:
-            tl.atomic_add(dq_base + rows[:, None] * dq_rows + offs_d[None, :], dq,
-                          mask=m_ok[:, None], sem="relaxed")
+        dq = _mm_t(dst, k, tl.zeros([BLOCK_M, D], tl.float32), SPLIT, PREC)
+        tl.atomic_add(dq_base + rows[:, None] * dq_rows + offs_d[None, :], dq * scale,
+                      mask=m_ok[:, None], sem="relaxed")
     return dk, dv
 
 
@@ -400,12 +395,10 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, WINDOW: tl.constexpr = False,
-                 VARLEN: tl.constexpr = False, GROUP: tl.constexpr = 1,
-                 DQ_REDUCE: tl.constexpr = False):
+                 VARLEN: tl.constexpr = False, GROUP: tl.constexpr = 1):
     """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
     its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
-    (contiguous like q; DQ_REDUCE: dq_ptr is a TMA descriptor of its [b, s_q, h * d] view with
-    [1, BLOCK_M, D] boxes, CUDA only: Triton 3.6's interpreter has no descriptor reduce)."""
+    (contiguous like q)."""
     tile, bh = _program(GROUP)
     start_n = tile * BLOCK_N
     b, hk, _ = _heads(bh, H_KV, 1)
@@ -441,15 +434,12 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
         h = hk * G + g
         l_base = lse_ptr + b * slb + h * slh
         dl_base = delta_ptr + (b * (H_KV * G) + h) * s_delta
-        if DQ_REDUCE:  # dq_ptr: a descriptor of fp32 dq's [b, s_q, h * d] view
-            dq_base = dq_ptr
-        else:
-            dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
+        dq_base = dq_ptr + b * (s_q * H_KV * G * D) + h * D
         for m0 in range(lo, hi, BLOCK_M):
             dk, dv = _dkdv_step(k, v, dk, dv, q_src, do_src, l_base, dl_base, dq_base, b, h, m0,
                                 s_q, offs_n, offs_d, sqb, sqs, sqh, sqd, sdb, sds, sdh, sdd, sls,
                                 H_KV * G * D, qk_scale, scale, band_lo, band_hi, CAUSAL, SPLIT,
-                                PREC, TMA, ATOMIC_DQ, DQ_REDUCE, D, BLOCK_M, WINDOW)
+                                PREC, TMA, ATOMIC_DQ, D, BLOCK_M, WINDOW)
 
     out_off = b * (s_kv * H_KV * D) + hk * D + offs_n[:, None] * (H_KV * D) + offs_d[None, :]
     tl.store(dk_ptr + out_off, (dk * scale).to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
