@@ -374,8 +374,7 @@ class DotProductAttention(torch.nn.Module):
         self.cp_stream, self.cp_comm_type = cp_stream, cp_comm_type
         self.cp_size, self.cp_rank = size, rank
         # attention/cp precision knobs (merge.py): fp32 merge/accumulation, and "auto" |
-        # "exact" (fp32 partials) | "precise" (exact, P / dS in two 16-bit parts) | "fast"
-        # (fused 16-bit blocks); plain attributes, set freely
+        # "exact" (fp32 partials) | "fast" (fused 16-bit blocks); plain attributes, set freely
         if not hasattr(self, "cp_mode"):
             self.cp_mode, self.cp_fp32_accumulation = "auto", True
 

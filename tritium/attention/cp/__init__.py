@@ -14,12 +14,8 @@ Precision (merge.py): fp32_accumulation=True (default) merges out/lse and accumu
 dv in fp32 and casts once; mode picks what each block returns:
   "exact"  partials in fp32: CP error == single-device error (docs/context_parallel.md). On
            CUDA fp16/bf16 with head dim 64/128 the blocks run tritium's Triton flash attention
-           (16-bit in, fp32 out; `_use_kernel`) at single-device cuDNN's precision (P and dS
-           rounded once to 16 bits, its speed mode); otherwise on fp32 copies (the reference
-           on CPU, the fp32 mem-efficient kernel on CUDA, or the backend forced to
-           torch/efficient)
-  "precise" as exact, the kernel's P and dS each a 16-bit head + tail pair (split=True: fp32
-           accurate to ~1e-5, error below single-device's, ~1.4x the kernel time)
+           (16-bit in, fp32 out; `_use_kernel`); otherwise on fp32 copies (the reference on
+           CPU, the fp32 mem-efficient kernel on CUDA, or the backend forced to torch/efficient)
   "fast"   blocks on the fused 16-bit backends (cuDNN / flash), one bf16 rounding per block
   "auto"   exact where it costs nothing (the block backend is the fp32 reference anyway, or the
            inputs are fp32), else fast.
@@ -47,7 +43,7 @@ from .layout import chunk_ids, gather_unshard, positions, resolve_group, shard, 
 from .merge import Precision
 
 COMM_TYPES = ("p2p", "all_gather")
-MODES = ("auto", "exact", "precise", "fast")
+MODES = ("auto", "exact", "fast")
 _WHERE = "context parallel attention"
 
 
@@ -80,12 +76,11 @@ def _check_mask(mask_type: str, window_size, attention_mask):
 
 
 def _resolve_mode(mode: str, q, k, v, args, backend: str) -> bool:
-    """-> exact (fp32 partials)? ("auto": exact where the block backend computes in fp32
-    anyway)."""
+    """-> exact? ("auto": exact where the block backend computes in fp32 anyway)."""
     if mode not in MODES:
         raise ValueError(f"{_WHERE}: mode={mode!r} must be one of {MODES}")
     if mode != "auto":
-        return mode in ("exact", "precise")
+        return mode == "exact"
     if q.dtype in (torch.float32, torch.float64):
         return True
     return B.choose_cached(q, k, v, args, backend).name == "torch"
@@ -145,8 +140,7 @@ def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
                    scale=args.scale, dropout=args.dropout, backend=name,
                    precision=Precision(exact=exact, fp32_accumulation=bool(fp32_accumulation),
                                        kernel=exact and _use_kernel(q, k, v, args.dropout,
-                                                                    name),
-                                       split=mode == "precise"))
+                                                                    name)))
     if cp_comm_type == "p2p":
         from .p2p import RingAttention as Fn
     else:
