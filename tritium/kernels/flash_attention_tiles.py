@@ -27,8 +27,9 @@ with a dequant scale each (descale fp32 [3] on the device, read by the kernel: n
 S = tl.dot on the E4M3 tiles (native wgmma on sm90, whose E4M3 accumulator keeps fewer bits
 than fp32: the GPU test measures the kernel against exact attention, not bit for bit), the q
 and k descales folded into qk_scale; online softmax in fp32 as above; P (in [0, 1], relative to
-the running max) times P_SCALE = 448 rounded to E4M3 for an E4M3 P @ V; out = acc * dv / 448 /
-l, written in out_dtype; lse from the unquantized P. E4M3 wgmma reads both operands K-major, so
+the running max) times P_SCALE = 448 rounded to E4M3 for an E4M3 P @ V, the scale folded into
+the exponent (exp2(s - (m - log2 448)): no multiply per score), so l carries it too; out =
+acc * dv / l, written in out_dtype; lse from the unquantized P, log2 448 taken off. E4M3 wgmma reads both operands K-major, so
 P @ V wants V with the keys contiguous (VT: the layer's cast writes V that way, in the same pass;
 the wrapper copies any other V once); read as [d, keys] tiles and transposed as a view, it ran
 3.3x faster than row-major V (H100, 238 -> 785 TFLOPS). Twin:
@@ -42,6 +43,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+LOG2_P_SCALE = tl.constexpr(8.807354922057604)  # log2(448): the FP8 forward's P scale
 
 
 @triton.jit
@@ -68,11 +70,21 @@ def _mm_t(at, b, acc, SPLIT: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _pv(p, v, acc, SPLIT: tl.constexpr, PREC: tl.constexpr, FP8: tl.constexpr):
-    """acc + P @ V: FP8 rounds P * 448 to v's E4M3 (P_SCALE, undone at the end)."""
+    """acc + P @ V: FP8 rounds p (P * 448 already: `_exp_base`) to v's E4M3."""
     if FP8:
-        return tl.dot((p * 448.0).to(v.dtype), v, acc)
+        return tl.dot(p.to(v.dtype), v, acc)
     else:
         return _mm(p, v, acc, SPLIT, PREC)
+
+
+@triton.jit
+def _exp_base(m, FP8: tl.constexpr):
+    """What P = exp2(s - base) subtracts for row max m: the FP8 forward's P comes out times
+    P_SCALE = 448 (base m - log2 448, no multiply per score), else m."""
+    if FP8:
+        return m - LOG2_P_SCALE
+    else:
+        return m
 
 
 @triton.jit
@@ -231,7 +243,7 @@ def _masked_softmax_step(s, v, m_i, l_i, acc, SPLIT: tl.constexpr, PREC: tl.cons
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_use)
-    p = tl.exp2(s - m_use[:, None])
+    p = tl.exp2(s - _exp_base(m_use, FP8)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
     return m_new, l_i, acc
@@ -308,7 +320,7 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
             s = tl.dot(q, tl.trans(k), input_precision=PREC)
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # qk_scale > 0
             alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s * qk_scale - m_new[:, None])  # one FMA per score
+            p = tl.exp2(s * qk_scale - _exp_base(m_new, FP8)[:, None])  # one FMA per score
             l_i = l_i * alpha + tl.sum(p, 1)
             acc = _pv(p, v, acc * alpha[:, None], SPLIT, PREC, FP8)
             m_i = m_new
@@ -326,11 +338,12 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
             m_i, l_i, acc = _masked_softmax_step(tl.where(ok, s, float("-inf")), v, m_i, l_i,
                                                  acc, SPLIT, PREC, FP8)
 
-    if FP8:
-        acc = acc * (tl.load(descale_ptr + 2) / 448.0)
+    if FP8:  # l_i and acc carry P_SCALE (their ratio does not)
+        acc = acc * tl.load(descale_ptr + 2)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    lse = tl.where(l_i > 0.0, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(l_i > 0.0, (_exp_base(m_i, FP8) + tl.log2(l_safe)) * 0.6931471805599453,
+                   float("-inf"))
     tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
              out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
     tl.store(lse_ptr + b * slb + h * slh + offs_m * sls, lse, mask=m_ok)

@@ -22,9 +22,11 @@ scale each (`descale` fp32 [3]: q, k, v). S = (q8 k8^T) in fp32 times scale * lo
 (the base-2 domain of the flash kernel), an online softmax over key blocks of `block_n` (None:
 one block, i.e. the exact row max), P = exp2(S - m) in [0, 1] quantized to E4M3 with the fixed
 scale P_SCALE = 448 (E4M3's max: P's largest value 1 lands on the top of the format and P keeps
-full precision down to 2^-6 / 448 ~ 3.5e-5 instead of 2^-6), acc = sum P8 v8 in fp32,
-out = acc * (dv / 448) / l with l the rowsum of the unquantized P (so lse is the fp32 one, and
-the bf16 backward's recomputed P agrees with it). The tiling matters: P is quantized relative to
+full precision down to 2^-6 / 448 ~ 3.5e-5 instead of 2^-6). The scale rides in the exponent,
+P * 448 = exp2(S - (m - log2 448)) (one multiply per score less in the kernel), so l, the
+rowsum of the unquantized scaled P, carries it too: acc = sum P8 v8 in fp32, out = acc * dv / l,
+lse = (m + log2 l - log2 448) ln 2, the fp32 one (the bf16 backward's recomputed P agrees
+with it). The tiling matters: P is quantized relative to
 the running max, so `block_n` equal to the kernel's tile makes this the kernel's twin.
 """
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 P_SCALE = 448.0          # fixed scale of the softmax probabilities P in [0, 1] (see above)
+LOG2_P_SCALE = 8.807354922057604   # log2(448): P_SCALE as an exponent shift
 _LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 
 
@@ -138,15 +141,16 @@ def attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
         m_new = torch.maximum(m, blk.amax(-1))
         m_use = torch.where(m_new == -inf, torch.zeros_like(m_new), m_new)
         alpha = torch.exp2(m - m_use)
-        p = torch.exp2(blk - m_use[..., None])
+        p = torch.exp2(blk - (m_use - LOG2_P_SCALE)[..., None])   # P * P_SCALE
         l = l * alpha + p.sum(-1)
-        p8 = (p * P_SCALE).to(E4M3)
+        p8 = p.to(E4M3)
         acc = torch.matmul(p8.to(f32), vf[..., n0:n0 + step, :]) + acc * alpha[..., None]
         m = m_new
-    acc = acc * (d[2] / P_SCALE)
+    acc = acc * d[2]
     l_safe = torch.where(l > 0, l, torch.ones_like(l))
     out = acc / l_safe[..., None]
-    lse = torch.where(l > 0, (m + torch.log2(l_safe)) * _LN2, torch.full_like(l, -inf))
+    lse = torch.where(l > 0, (m + torch.log2(l_safe) - LOG2_P_SCALE) * _LN2,
+                      torch.full_like(l, -inf))
     return out.transpose(1, 2), lse
 
 
