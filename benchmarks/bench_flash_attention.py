@@ -42,7 +42,8 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq[,group]]]], D=128, nosplit unless
        split:; group: heads whose tiles interleave in launch order, default 1;
-       kind fwd_fp8: the FP8 forward, e.g. --cfg fwd_fp8=128,128,4,3,1)
+       kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
+       causal:fwd_fp8=...: its causal launches alone)
 """
 from __future__ import annotations
 
@@ -174,8 +175,9 @@ def _fp8_steps(blocks, variant):
 
     q, k, v, do, c = blocks[0]
     err = _rel_err((one(q, k, v, c),), _sdpa_out_dq(*blocks[0])[:1])
-    cfg = FA.GPU_CFG["fwd_fp8"][D]
-    return fwd, None, {"configs": _cfg_arg("fwd", cfg, False)[6:],
+    return fwd, None, {"configs": " ".join(
+                           _cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)], m)[6:]
+                           for m in (True, False)),
                        "err_vs_cudnn": float(f"{err:.2e}")}
 
 
@@ -300,31 +302,36 @@ def _run(rows, args):
                 print(row, flush=True)
 
 
+def _qualifier(kind: str) -> str:
+    """What the second half of GPU_CFG's key is: split for the 16-bit kernels, causal for the
+    FP8 forward (its tiles chosen per mask)."""
+    return "causal" if kind == "fwd_fp8" else "split"
+
+
 def _parse_cfg(spec: str):
-    """"[split:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq[,group]]]]" -> (kind, split, Cfg)."""
+    """"[split: | causal:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq[,group]]]]" -> (kind,
+    GPU_CFG keys, Cfg): D=128's (split / causal, as prefixed); fwd_fp8 unprefixed: both masks."""
     kind, _, vals = spec.partition("=")
-    split = kind.startswith("split:")
-    kind = kind.removeprefix("split:")
+    qual, _, name = kind.rpartition(":")
     nums = [int(x) for x in vals.split(",")]
-    if kind not in FA.GPU_CFG or not 4 <= len(nums) <= 8 or (len(nums) == 8 and nums[7] < 1):
+    if (name not in FA.GPU_CFG or qual not in ("", _qualifier(name)) or not 4 <= len(nums) <= 8
+            or (len(nums) == 8 and nums[7] < 1)):
         raise SystemExit(f"--cfg {spec!r}: want [split:]kind=BLOCK_M,BLOCK_N,warps,stages"
                          f"[,tma[,ws[,atomic_dq[,group >= 1]]]] with kind in "
-                         f"{sorted(FA.GPU_CFG)}")
-    return kind, split, Cfg(*nums[:4], *(bool(x) for x in nums[4:7]), *nums[7:])
+                         f"{sorted(FA.GPU_CFG)} (causal:fwd_fp8=...: the causal FP8 forward)")
+    keys = [(D, bool(qual))] if qual or name != "fwd_fp8" else [(D, True), (D, False)]
+    return name, keys, Cfg(*nums[:4], *(bool(x) for x in nums[4:7]), *nums[7:])
 
 
-def _cfg_key(kind: str, split: bool):
-    """GPU_CFG's key at D: (head dim, split), or the head dim alone for the FP8 forward."""
-    return D if kind == "fwd_fp8" else (D, split)
-
-
-def _cfg_arg(kind, cfg, split=False):
+def _cfg_arg(kind, cfg, flag=False):
+    """cfg as the --cfg argument that sets it (flag: split, or causal for fwd_fp8)."""
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
     if cfg.group != 1:
         flags.append(cfg.group)
     while flags and not flags[-1]:
         flags.pop()
-    return f"--cfg {'split:' if split else ''}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
+    prefix = f"{_qualifier(kind)}:" if flag else ""
+    return f"--cfg {prefix}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
 
 
 # speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
@@ -361,7 +368,7 @@ SWEEPS = {
 SWEEP_FP8 = [Cfg(128, 128, 4, 3, T), Cfg(128, 128, 4, 4, T), Cfg(128, 128, 4, 2, T),
              Cfg(128, 64, 4, 3, T), Cfg(128, 64, 4, 4, T), Cfg(64, 128, 4, 3, T),
              Cfg(64, 64, 4, 4, T), Cfg(128, 128, 8, 3, T), Cfg(128, 128, 8, 3, T, T),
-             Cfg(128, 128, 4, 3, T, T),
+             Cfg(64, 128, 4, 4, T), Cfg(64, 128, 4, 3, T, group=8),
              Cfg(256, 128, 8, 2, T), Cfg(128, 128, 4, 3),
              *(Cfg(128, 128, 4, 3, T, group=g) for g in (8, 16))]
 
@@ -374,24 +381,39 @@ def _rel_err(got, want):
 def _time_cfgs(kind, split, cands, run, ref, tol=2e-2):
     """Time run(causal) for each candidate of `kind` (causal + no mask summed) -> (ms, best).
     A candidate whose results are off SDPA's (`ref[causal]`) by more than `tol` (bf16's error;
-    FP8's for the FP8 forward) is out."""
-    key = _cfg_key(kind, split)
-    keep, best = FA.GPU_CFG[kind][key], (math.inf, None)
+    FP8's for the FP8 forward) is out. The FP8 forward (keyed by mask) takes the best no-mask
+    config and the best causal one of the same block_n (`flash_attention._fp8_cfg`); its
+    `best` is then None."""
+    per_mask = kind == "fwd_fp8"
+    keys = [(D, True), (D, False)] if per_mask else [(D, split)]
+    keep = {key: FA.GPU_CFG[kind][key] for key in keys}
+    timed = []  # (causal ms, no-mask ms, cfg)
     for cfg in cands:
-        FA.GPU_CFG[kind][key] = cfg
+        for key in keys:
+            FA.GPU_CFG[kind][key] = cfg
         try:
             err = max(_rel_err(run(c), ref[c]) for c in (True, False))
             ms = [time_ms(lambda: run(c), warmup=10, rep=40) for c in (True, False)]
             line = f"causal {ms[0]:.3f} + nomask {ms[1]:.3f} = {sum(ms):.3f} ms, err {err:.1e}"
             if err < tol:
-                best = min(best, (sum(ms), cfg))
+                timed.append((*ms, cfg))
             else:
                 line += " WRONG (not chosen)"
         except Exception as exc:
             line = f"ERROR {exc!r}"[:160]
         print(f"  {kind} {tuple(cfg)}: {line}", flush=True)
-    FA.GPU_CFG[kind][key] = best[1] or keep
-    return best
+    FA.GPU_CFG[kind].update(keep)
+    if not timed:
+        return math.inf, None
+    if not per_mask:
+        ms_c, ms_n, cfg = min(timed, key=lambda t: t[0] + t[1])
+        FA.GPU_CFG[kind][keys[0]] = cfg
+        return ms_c + ms_n, cfg
+    _, ms_n, nomask = min(timed, key=lambda t: t[1])
+    ms_c, _, causal = min((t for t in timed if t[2].block_n == nomask.block_n),
+                          key=lambda t: t[0])
+    FA.GPU_CFG[kind][(D, True)], FA.GPU_CFG[kind][(D, False)] = causal, nomask
+    return ms_c + ms_n, None
 
 
 def sweep(split: bool):
@@ -455,8 +477,10 @@ def sweep_fp8():
                                           out_dtype=torch.bfloat16)[:1]
     print("sweep fp8: fwd", flush=True)
     ms, _ = _time_cfgs("fwd_fp8", False, SWEEP_FP8, fwd, ref, tol=2.0 ** -3)
-    print(f"best fp8: fwd {ms:.3f} ms, causal + nomask summed; as arguments:")
-    print(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][D]), flush=True)
+    print(f"best fp8: fwd {ms:.3f} ms, causal + nomask summed (each its own config); as "
+          "arguments:")
+    print(" ".join(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)], m) for m in (True, False)),
+          flush=True)
     del q, k, v, q8, k8, v8_t, ref
     torch.cuda.empty_cache()
 
@@ -481,8 +505,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
     for spec in args.cfg:
-        kind, split, cfg = _parse_cfg(spec)
-        FA.GPU_CFG[kind][_cfg_key(kind, split)] = cfg
+        kind, keys, cfg = _parse_cfg(spec)
+        for key in keys:
+            FA.GPU_CFG[kind][key] = cfg
     settle_gpu()
     for split in (False, True):
         if args.sweep in ("both", "split" if split else "nosplit"):

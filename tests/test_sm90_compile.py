@@ -297,11 +297,11 @@ KERNELS[("flash_attention_tiles", "_delta_kernel")] = (
 _FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
 
 
-def _fa_fp8(d: int, tma: bool = True) -> dict:
-    """The FP8 forward (fp8_dpa) at its config: E4M3 q/k descriptors of the [b, s, h * d] view,
-    V keys-contiguous (VT) through a descriptor of its [b, h, d, s] view, bf16 out; tma=False:
-    pointer loads."""
-    c = _fa.GPU_CFG["fwd_fp8"][d]
+def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
+    """The FP8 forward (fp8_dpa) at its config for the mask: E4M3 q/k descriptors of the
+    [b, s, h * d] view, V keys-contiguous (VT) through a descriptor of its [b, h, d, s] view,
+    bf16 out; tma=False: pointer loads."""
+    c = _fa.GPU_CFG["fwd_fp8"][(d, causal)]
     c = c._replace(tma=c.tma and tma)
     types = dict(_fa_types("_fwd_kernel", c, d=d))
     for src, rows in (("q_src", c.block_m), ("k_src", c.block_n)):
@@ -365,8 +365,9 @@ VARIANTS = {
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
              BLOCK_N=_FA256.block_n, _types=_fa_types("_fwd_kernel", _FA256, d=256),
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
-    + [_fa_fp8(128), dict(_fa_fp8(64), CAUSAL=False), _fa_fp8(128, tma=False),
-       dict(_fa_fp8(128), WINDOW=True, CAUSAL=False)],
+    + [_fa_fp8(128), dict(_fa_fp8(128, causal=False), CAUSAL=False),
+       dict(_fa_fp8(64, causal=False), CAUSAL=False), _fa_fp8(128, tma=False),
+       dict(_fa_fp8(128, causal=False), WINDOW=True, CAUSAL=False)],
     ("flash_attention_tiles", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention_tiles", "_dq_kernel"): _fa_variants("_dq_kernel"),

@@ -142,3 +142,15 @@ def test_fp8_forward_takes_windows_and_leaves_thd_to_the_emulation():
     e = explain(q, k, v, fp8_dpa=True, **kw)
     assert e.backend == "torch_fp8" and "not in the FP8 forward" in e.reasons["triton_fp8"]
     assert explain(q, k, v, backend="triton", **kw).backend == "triton"
+
+
+def test_fp8_configs_share_the_key_tile(monkeypatch):
+    """The GPU's causal and no-mask FP8 configs of a head dim share block_n (the twin quantizes
+    P at the key tile's running maxima: `fp8_block_n` names one tile); a table that breaks this
+    is refused with the reason."""
+    for d in K.FP8_HEAD_DIMS:
+        assert K.fp8_block_n(d, True) == K.GPU_CFG["fwd_fp8"][(d, True)].block_n
+        assert K.fp8_block_n(d, True) == K.GPU_CFG["fwd_fp8"][(d, False)].block_n
+    monkeypatch.setitem(K.GPU_CFG["fwd_fp8"], (128, True), K.Cfg(64, 64, 4, 3, tma=True))
+    with pytest.raises(ValueError, match="share block_n"):
+        K.fp8_block_n(128, True)

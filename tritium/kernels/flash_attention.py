@@ -100,10 +100,16 @@ GPU_CFG = {
     "dq": {(128, True): Cfg(128, 64, 8, 4, tma=True), (128, False): Cfg(128, 64, 8, 3, tma=True),
            (64, True): Cfg(128, 64, 8, 2), (64, False): Cfg(128, 64, 8, 3, tma=True)},
 }
-# FP8 forward by head dim, from a sweep on an H100 (2026-11-26, B4 S4096, V keys-contiguous):
-# at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (128 x 64 at 8 warps, the
-# bf16 speed mode's tiles: 572), 652 causal; at D=64 the same tiles are fastest too.
-GPU_CFG["fwd_fp8"] = {128: Cfg(128, 128, 4, 3, tma=True), 64: Cfg(128, 128, 4, 3, tma=True)}
+# FP8 forward by (head dim, causal), from sweeps on H100s (B4 H32 S4096, V keys-contiguous):
+# at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (2026-11-26; 128 x 64 at
+# 8 warps, the bf16 speed mode's tiles: 572); causal runs 64 x 128 (2026-11-28: 0.732 ms against
+# 0.830 at 128 x 128, which was 0.8% ahead without a mask: 1.319 vs 1.409 ms). Every entry of a
+# head dim keeps one block_n: the twin quantizes P at the key tile's running maxima
+# (`fp8_block_n`). D=64: 128 x 128 (not swept causal).
+GPU_CFG["fwd_fp8"] = {(128, True): Cfg(64, 128, 4, 3, tma=True),
+                      (128, False): Cfg(128, 128, 4, 3, tma=True),
+                      (64, True): Cfg(128, 128, 4, 3, tma=True),
+                      (64, False): Cfg(128, 128, 4, 3, tma=True)}
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
 
@@ -249,12 +255,18 @@ FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
 def fp8_block_n(d: int, device_is_cuda: bool) -> int:
-    """The FP8 forward's key tile (the twin's block_n) for head dim d."""
-    return _fp8_cfg(d, device_is_cuda).block_n
+    """The FP8 forward's key tile (the twin's block_n) for head dim d (one for both masks)."""
+    return _fp8_cfg(d, False, device_is_cuda).block_n
 
 
-def _fp8_cfg(d: int, device_is_cuda: bool) -> Cfg:
-    return GPU_CFG["fwd_fp8"][d] if device_is_cuda else INTERP_CFG
+def _fp8_cfg(d: int, causal: bool, device_is_cuda: bool) -> Cfg:
+    if not device_is_cuda:
+        return INTERP_CFG
+    cfg = GPU_CFG["fwd_fp8"][(d, causal)]
+    if cfg.block_n != GPU_CFG["fwd_fp8"][(d, not causal)].block_n:
+        raise ValueError(f"GPU_CFG['fwd_fp8'] at head dim {d}: causal and no-mask entries must "
+                         "share block_n (the twin's P quantization follows the key tile)")
+    return cfg
 
 
 def fp8_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -292,7 +304,7 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     if out.numel() == 0 or s_kv == 0:
         return out.zero_(), lse.fill_(float("-inf"))
-    cfg = _fp8_cfg(d, q.is_cuda)
+    cfg = _fp8_cfg(d, causal, q.is_cuda)
     if block_n is not None:
         cfg = cfg._replace(block_n=int(block_n))
     if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
