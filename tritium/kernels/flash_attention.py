@@ -102,9 +102,10 @@ GPU_CFG = {
 }
 # FP8 forward by (head dim, causal), from sweeps on H100s (B4 H32 S4096, V keys-contiguous):
 # at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (2026-11-26; 128 x 64 at
-# 8 warps, the bf16 speed mode's tiles: 572); causal runs 64 x 128 (two sweeps of 2026-11-28:
-# 0.732 / 0.741 ms against 0.830 / 0.826 at 128 x 128; without a mask 128 x 128 took 1.319 /
-# 1.321 ms, 64 x 128 1.409 / 1.284). Group 8 / 16 orders, 8 warps, 4 stages: no gain; warp
+# 8 warps, the bf16 speed mode's tiles: 572); causal runs 64 x 128 (three sweeps of 2026-11-28:
+# 0.732 / 0.741 / 0.734 ms against 0.830 / 0.826 / 0.828 at 128 x 128; without a mask 128 x 128
+# took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Group 4 / 8 / 16 orders (within
+# 3%), 2 stages, 8 warps, 4 stages: no gain; warp
 # specialization at 4 warps does not compile (Triton 3.6's NVGPUWarpSpecialization pass fails).
 # Every entry of a head dim keeps one block_n: the twin quantizes P at the key tile's running
 # maxima (`fp8_block_n`). D=64: 128 x 128 (not swept causal).
