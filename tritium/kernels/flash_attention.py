@@ -81,12 +81,13 @@ class Cfg(NamedTuple):
 # at 8 warps, 3 stages (4 stages: first in one sweep, 4% behind in the other); dq by atomic adds
 # from dk/dv lost at every tile (12.6+ ms; 11.9-12.9 with one TMA bulk reduce-add per tile, so
 # not the atomics' cost: the fused kernel's registers). Grouped launch orders (group 4 / 8 / 16)
-# stayed within the runs' +-3% spread for every kernel in two sweeps: group 1 kept. split=True: the tiles of a sweep of pointer loads
-# (2026-11-22, one CP=2 rank's blocks at S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x
-# faster on every case of the table (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules:
-# 8 warps need >= 128 rows in every product's output (BLOCK_M of the forward and dq, BLOCK_N of
-# dk/dv: S^T is [BLOCK_N, BLOCK_M]), else Triton lays 8 warps along 64 rows and the second
-# warpgroup repeats the first's wgmma; and pointer loads cost registers (address tiles; a 128 x
+# stayed within the runs' +-3% spread for every kernel in two sweeps: group 1 kept.
+# split=True: the tiles of a sweep of pointer loads (2026-11-22, one CP=2 rank's blocks at
+# S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x faster on every case of the table
+# (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules: 8 warps need >= 128 rows in every
+# product's output (BLOCK_M of the forward and dq, BLOCK_N of dk/dv: S^T is [BLOCK_N,
+# BLOCK_M]), else Triton lays 8 warps along 64 rows and the second warpgroup repeats the
+# first's wgmma; and pointer loads cost registers (address tiles; a 128 x
 # 128 forward tile spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv
 # 241, dq 123, none spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
@@ -104,9 +105,9 @@ GPU_CFG = {
 # at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (2026-11-26; 128 x 64 at
 # 8 warps, the bf16 speed mode's tiles: 572); causal runs 64 x 128 (three sweeps of 2026-11-28:
 # 0.732 / 0.741 / 0.734 ms against 0.830 / 0.826 / 0.828 at 128 x 128; without a mask 128 x 128
-# took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Group 4 / 8 / 16 orders (within
-# 3%), 2 stages, 8 warps, 4 stages: no gain; warp
-# specialization at 4 warps does not compile (Triton 3.6's NVGPUWarpSpecialization pass fails).
+# took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Group 4 / 8 / 16 orders
+# (within 3%), 2 stages, 8 warps, 4 stages: no gain; warp specialization at 4 warps does not
+# compile (Triton 3.6's NVGPUWarpSpecialization pass fails).
 # Every entry of a head dim keeps one block_n: the twin quantizes P at the key tile's running
 # maxima (`fp8_block_n`). D=64: 128 x 128 (not swept causal).
 GPU_CFG["fwd_fp8"] = {(128, True): Cfg(64, 128, 4, 3, tma=True),

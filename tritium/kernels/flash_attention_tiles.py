@@ -29,21 +29,23 @@ than fp32: the GPU test measures the kernel against exact attention, not bit for
 and k descales folded into qk_scale; online softmax in fp32 as above; P (in [0, 1], relative to
 the running max) times P_SCALE = 448 rounded to E4M3 for an E4M3 P @ V, the scale folded into
 the exponent (exp2(s - (m - log2 448)): no multiply per score), so l carries it too; out =
-acc * dv / l, written in out_dtype; lse from the unquantized P, log2 448 taken off. E4M3 wgmma reads both operands K-major, so
-P @ V wants V with the keys contiguous (VT: the layer's cast writes V that way, in the same pass;
-the wrapper copies any other V once); read as [d, keys] tiles and transposed as a view, it ran
-3.3x faster than row-major V (H100, 238 -> 785 TFLOPS). Twin:
-`ref.flash_attention.flash_attention_fp8_fwd` with block_n = `fp8_block_n(...)` (P's
-quantization depends on the key tiling). No FP8
-backward: the attention layer runs the backward above on the dequantized inputs.
+acc * dv / l, written in out_dtype; lse from the unquantized P, log2 448 taken off. E4M3
+wgmma reads both operands K-major, so P @ V wants V with the keys contiguous (VT: the layer's
+cast writes V that way, in the same pass; the wrapper copies any other V once); read as
+[d, keys] tiles and transposed as a view, it ran 3.3x faster than row-major V (H100, 238 -> 785
+TFLOPS). Twin: `ref.flash_attention.flash_attention_fp8_fwd` with block_n = `fp8_block_n(...)`
+(P's quantization depends on the key tiling). No FP8 backward: the attention layer runs the
+backward above on the dequantized inputs.
 """
 from __future__ import annotations
+
+import math
 
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LOG2_P_SCALE = tl.constexpr(8.807354922057604)  # log2(448): the FP8 forward's P scale
+LOG2_P_SCALE = tl.constexpr(math.log2(448.0))  # the FP8 forward's P scale as an exponent
 
 
 @triton.jit

@@ -26,11 +26,12 @@ full precision down to 2^-6 / 448 ~ 3.5e-5 instead of 2^-6). The scale rides in 
 P * 448 = exp2(S - (m - log2 448)) (one multiply per score less in the kernel), so l, the
 rowsum of the unquantized scaled P, carries it too: acc = sum P8 v8 in fp32, out = acc * dv / l,
 lse = (m + log2 l - log2 448) ln 2, the fp32 one (the bf16 backward's recomputed P agrees
-with it). The tiling matters: P is quantized relative to
-the running max, so `block_n` equal to the kernel's tile makes this the kernel's twin.
+with it). The tiling matters: P is quantized relative to the running max, so `block_n` equal
+to the kernel's tile makes this the kernel's twin.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -38,7 +39,7 @@ import torch
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 P_SCALE = 448.0          # fixed scale of the softmax probabilities P in [0, 1] (see above)
-LOG2_P_SCALE = 8.807354922057604   # log2(448): P_SCALE as an exponent shift
+LOG2_P_SCALE = math.log2(P_SCALE)  # P_SCALE as an exponent shift
 _LOG2E, _LN2 = 1.4426950408889634, 0.6931471805599453
 
 
