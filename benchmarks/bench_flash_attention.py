@@ -40,8 +40,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
-      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq[,group]]]], D=128, nosplit unless
-       split:; group: heads whose tiles interleave in launch order, default 1;
+      (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
        causal:fwd_fp8=...: its causal launches alone)
 """
@@ -309,25 +308,22 @@ def _qualifier(kind: str) -> str:
 
 
 def _parse_cfg(spec: str):
-    """"[split: | causal:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq[,group]]]]" -> (kind,
+    """"[split: | causal:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq]]]" -> (kind,
     GPU_CFG keys, Cfg): D=128's (split / causal, as prefixed); fwd_fp8 unprefixed: both masks."""
     kind, _, vals = spec.partition("=")
     qual, _, name = kind.rpartition(":")
     nums = [int(x) for x in vals.split(",")]
-    if (name not in FA.GPU_CFG or qual not in ("", _qualifier(name)) or not 4 <= len(nums) <= 8
-            or (len(nums) == 8 and nums[7] < 1)):
+    if name not in FA.GPU_CFG or qual not in ("", _qualifier(name)) or not 4 <= len(nums) <= 7:
         raise SystemExit(f"--cfg {spec!r}: want [split:]kind=BLOCK_M,BLOCK_N,warps,stages"
-                         f"[,tma[,ws[,atomic_dq[,group >= 1]]]] with kind in "
-                         f"{sorted(FA.GPU_CFG)} (causal:fwd_fp8=...: the causal FP8 forward)")
+                         f"[,tma[,ws[,atomic_dq]]] with kind in {sorted(FA.GPU_CFG)} "
+                         "(causal:fwd_fp8=...: the causal FP8 forward)")
     keys = [(D, bool(qual))] if qual or name != "fwd_fp8" else [(D, True), (D, False)]
-    return name, keys, Cfg(*nums[:4], *(bool(x) for x in nums[4:7]), *nums[7:])
+    return name, keys, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
 
 
 def _cfg_arg(kind, cfg, flag=False):
     """cfg as the --cfg argument that sets it (flag: split, or causal for fwd_fp8)."""
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
-    if cfg.group != 1:
-        flags.append(cfg.group)
     while flags and not flags[-1]:
         flags.pop()
     prefix = f"{_qualifier(kind)}:" if flag else ""
@@ -335,21 +331,17 @@ def _cfg_arg(kind, cfg, flag=False):
 
 
 # speed mode (split=False), D=128: candidates around the defaults (Cfg(block_m, block_n, warps,
-# stages, tma, ws, atomic_dq, group)) and the grouped launch orders at the default tiles. 8 warps
-# only where each product has >= 128 output rows (forward and dq: block_m, dk/dv: block_n; see
-# GPU_CFG's note); pointer loads (tma False) once per kernel; none above the sm90's 227 KB of
-# shared memory (scripts/flash_regs.py).
+# stages, tma, ws, atomic_dq)). 8 warps only where each product has >= 128 output rows (forward
+# and dq: block_m, dk/dv: block_n; see GPU_CFG's note); pointer loads (tma False) once per kernel;
+# none above the sm90's 227 KB of shared memory (scripts/flash_regs.py).
 T = True
 SWEEP_FWD = [Cfg(128, 128, 8, 3, T), Cfg(128, 64, 8, 3, T), Cfg(64, 64, 4, 3, T),
-             Cfg(128, 128, 8, 3, T, T), Cfg(128, 128, 8, 3),
-             *(Cfg(128, 128, 8, 3, T, group=g) for g in (4, 8, 16))]
+             Cfg(128, 128, 8, 3, T, T), Cfg(128, 128, 8, 3)]
 SWEEP_DKDV = [Cfg(64, 64, 4, 2, T), Cfg(64, 64, 4, 3, T), Cfg(32, 64, 4, 3, T),
-              Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2),
-              *(Cfg(64, 64, 4, 2, T, group=g) for g in (4, 8, 16))]
+              Cfg(64, 128, 8, 4, T), Cfg(64, 64, 4, 2)]
 SWEEP_ATOMIC = [Cfg(64, 128, 8, 2, T, atomic_dq=T)]
 SWEEP_DQ = [Cfg(128, 64, 8, 3, T), Cfg(128, 64, 8, 4, T), Cfg(128, 64, 8, 5, T),
-            Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3),
-            *(Cfg(128, 64, 8, 3, T, group=g) for g in (4, 8, 16))]
+            Cfg(128, 128, 8, 2, T), Cfg(64, 64, 4, 3, T), Cfg(128, 64, 8, 3)]
 # split mode (context parallelism's exact mode): the TMA defaults (first) against pointer loads
 # (ptxas: the pointer forward spills 556 bytes, dk/dv 1308) and other tiles; no atomic dq (exact
 # mode's sums stay in a fixed order)
@@ -365,13 +357,12 @@ SWEEPS = {
 
 
 # the FP8 forward, D=128: around the H100 sweeps' best (no mask 128 x 128, causal 64 x 128; 4
-# warps, 3 stages). Dropped after two sweeps of 2026-11-28: 4 stages at 128 x 128 and 64 x 128
+# warps, 3 stages). Dropped after the sweeps of 2026-11-28: 4 stages at 128 x 128 and 64 x 128
 # (1.3-1.6x slower), 128 x 128 at 8 warps, with or without warp specialization (0.84 + 1.52 ms
-# against 0.83 + 1.32), 256 x 128, pointer loads; warp specialization at 4 warps fails to compile
+# against 0.83 + 1.32), 256 x 128, pointer loads, grouped launch orders (within 3%); warp
+# specialization at 4 warps fails to compile
 SWEEP_FP8 = [Cfg(128, 128, 4, 3, T), Cfg(64, 128, 4, 3, T), Cfg(128, 128, 4, 2, T),
-             Cfg(64, 128, 4, 2, T), Cfg(128, 64, 4, 3, T), Cfg(64, 64, 4, 4, T),
-             *(Cfg(64, 128, 4, 3, T, group=g) for g in (4, 8)),
-             *(Cfg(128, 128, 4, 3, T, group=g) for g in (8, 16))]
+             Cfg(64, 128, 4, 2, T), Cfg(128, 64, 4, 3, T), Cfg(64, 64, 4, 4, T)]
 
 
 def _rel_err(got, want):
@@ -496,8 +487,8 @@ def main():
     ap.add_argument("--varlen", action="store_true",
                     help="also packed sequences (thd, 16 of 512..4096 tokens)")
     ap.add_argument("--cfg", action="append", default=[],
-                    help="[split:]kind=BLOCK_M,BLOCK_N,warps,stages"
-                         "[,tma[,ws[,atomic_dq[,group]]]] (kind: fwd, dkdv, dq, fwd_fp8; D=128)")
+                    help="[split: | causal:]kind=BLOCK_M,BLOCK_N,warps,stages"
+                         "[,tma[,ws[,atomic_dq]]] (kind: fwd, dkdv, dq, fwd_fp8; D=128)")
     ap.add_argument("--sweep", nargs="?", const="both", choices=("both", "nosplit", "split"),
                     help="sweep the configs first (both modes, or the one named)")
     ap.add_argument("--sweep-fp8", action="store_true",

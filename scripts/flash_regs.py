@@ -48,7 +48,7 @@ def _signature(fn, cfg, split):
 def probe(kind, cfg, split):
     fn = KERNELS[kind]
     cx = dict(CAUSAL=True, SPLIT=split, PREC="tf32", D=B.D, BLOCK_M=cfg.block_m,
-              BLOCK_N=cfg.block_n, TMA=cfg.tma, GROUP=cfg.group)
+              BLOCK_N=cfg.block_n, TMA=cfg.tma)
     cx.update({"fwd": dict(WS=cfg.ws and cfg.tma), "dkdv": dict(ATOMIC_DQ=cfg.atomic_dq),
                "dq": {}}[kind])
     try:

@@ -289,7 +289,7 @@ for _name, _kind in _FA_KINDS.items():
     KERNELS[("flash_attention_tiles", _name)] = (
         _fa_types(_name, _c),
         dict(CAUSAL=True, SPLIT=False, PREC="tf32", D=128, BLOCK_M=_c.block_m,
-             BLOCK_N=_c.block_n, TMA=_c.tma, GROUP=_c.group, **_extra[_kind]),
+             BLOCK_N=_c.block_n, TMA=_c.tma, **_extra[_kind]),
         dict(num_warps=_c.warps, num_stages=_c.stages))
 KERNELS[("flash_attention_tiles", "_delta_kernel")] = (
     {"do_ptr": BF16P, "o_ptr": BF16P}, dict(D=128, BLOCK_M=_FA_CFG["_dq_kernel"].block_m),
@@ -314,14 +314,14 @@ def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
 
 def _fa_variants(name: str) -> list:
     """The other loads (TMA <-> pointers; the forward's TMA also warp-specialized), the split
-    mode with fp32 outputs at its own config, a band (sliding window), packed sequences
-    (varlen: pointer loads, with a band) and the grouped launch order (Cfg.group)."""
+    mode with fp32 outputs at its own config, a band (sliding window) and packed sequences
+    (varlen: pointer loads, with a band)."""
     kind, c = _FA_KINDS[name], _FA_CFG[name]
     flip = c._replace(tma=not c.tma)
     ws = dict(WS=flip.tma) if kind == "fwd" else {}
     s = _fa.GPU_CFG[kind][(128, True)]
     ptrs = c._replace(tma=False)
-    return [dict(WINDOW=True, CAUSAL=False), dict(GROUP=8),
+    return [dict(WINDOW=True, CAUSAL=False),
             dict(VARLEN=True, WINDOW=True, CAUSAL=False, TMA=False,
                  _types=_fa_types(name, ptrs), **(dict(WS=False) if kind == "fwd" else {})),
             dict(TMA=flip.tma, _types=_fa_types(name, flip), **ws),

@@ -197,33 +197,6 @@ def test_16bit_outputs_match_twin(causal, split, option, gen, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
-def test_grouped_launch_order_changes_no_bit(causal, gen, monkeypatch):
-    """Cfg.group only reorders the programs (g heads' tiles interleaved, busiest first): every
-    result equals the default order's bit for bit, dense (GQA: 5 query heads' and 1 kv head's
-    worth of programs per batch, groups of 3 leave a smaller last group) and packed sequences,
-    and the FP8 forward."""
-    q, k, v, do = data(40, 40, 5, 1, 16, torch.float16, gen)
-    q2, k2, v2, do2 = (torch.cat([x, x.flip(1)]) for x in (q, k, v, do))  # batch 2
-    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
-    varlen = (cu, cu, 23, 23)
-    fp8 = [data(40, 40, 5, 1, 64, torch.float32, gen)[i].expand(2, -1, -1, -1)
-           .to(torch.float8_e4m3fn) for i in range(3)]  # the FP8 kernel's head dim: 64 or 128
-
-    def run(group):
-        monkeypatch.setattr(K, "INTERP_CFG", K.Cfg(16, 16, 4, 1, group=group))
-        res = []
-        for args, kw in (((q2, k2, v2), {}), ((q[0], k[0], v[0]), dict(varlen=varlen))):
-            out, lse = K.flash_attention_fwd(*args, causal, 0.3, **kw)
-            dout = do2 if not kw else do[0]
-            res += [out, lse, *K.flash_attention_bwd(dout, *args, out, lse, causal, 0.3, **kw)]
-        res += K.flash_attention_fp8_fwd(*fp8, torch.ones(3), causal, 0.125)
-        return res
-
-    for got, want in zip(run(3), run(1)):
-        assert torch.equal(got.nan_to_num(neginf=0.0), want.nan_to_num(neginf=0.0))
-
-
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "nomask"])
 def test_head_dim_256_forward(causal, gen):
     """d=256: the forward (both modes, 16-bit out too); the backward refuses it."""
     q, k, v, do = data(20, 24, 2, 1, 256, torch.float16, gen)

@@ -59,9 +59,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class Cfg(NamedTuple):
     """One kernel's launch: tile sizes, warps, pipeline stages, q/k/v/dO loads through TMA
     descriptors, warp specialization of the forward's unmasked loop (fwd, with tma), dq by fp32
-    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv), the launch order (group:
-    1, each head's tiles in turn; g > 1, g heads' tiles interleaved, busiest first:
-    flash_attention_tiles._program)."""
+    atomic adds from the dk/dv kernel instead of the dq kernel (dkdv)."""
     block_m: int
     block_n: int
     warps: int
@@ -69,7 +67,6 @@ class Cfg(NamedTuple):
     tma: bool = False
     ws: bool = False
     atomic_dq: bool = False
-    group: int = 1
 
 
 # per kernel, by (head dim, split), on the GPU; tuning code (benchmarks/bench_flash_attention.py
@@ -80,8 +77,9 @@ class Cfg(NamedTuple):
 # (12.85 -> 9.85 ms with delta and dq; it spills 328 bytes, 128 keys x 32 rows 100); dq 128 x 64
 # at 8 warps, 3 stages (4 stages: first in one sweep, 4% behind in the other); dq by atomic adds
 # from dk/dv lost at every tile (12.6+ ms; 11.9-12.9 with one TMA bulk reduce-add per tile, so
-# not the atomics' cost: the fused kernel's registers). Grouped launch orders (group 4 / 8 / 16)
-# stayed within the runs' +-3% spread for every kernel in two sweeps: group 1 kept.
+# not the atomics' cost: the fused kernel's registers). Grouped launch orders (g heads' tiles
+# interleaved, busiest first; g = 4 / 8 / 16) stayed within the runs' +-3% spread for every
+# kernel in two sweeps: removed (commit 046d7e2 has them).
 # split=True: the tiles of a sweep of pointer loads (2026-11-22, one CP=2 rank's blocks at
 # S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x faster on every case of the table
 # (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules: 8 warps need >= 128 rows in every
@@ -105,7 +103,7 @@ GPU_CFG = {
 # at D=128 128 x 128 tiles with 4 warps run 785 TFLOPS without a mask (2026-11-26; 128 x 64 at
 # 8 warps, the bf16 speed mode's tiles: 572); causal runs 64 x 128 (three sweeps of 2026-11-28:
 # 0.732 / 0.741 / 0.734 ms against 0.830 / 0.826 / 0.828 at 128 x 128; without a mask 128 x 128
-# took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Group 4 / 8 / 16 orders
+# took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Grouped launch orders
 # (within 3%), 2 stages, 8 warps, 4 stages: no gain; warp specialization at 4 warps does not
 # compile (Triton 3.6's NVGPUWarpSpecialization pass fails).
 # Every entry of a head dim keeps one block_n: the twin quantizes P at the key tile's running
@@ -250,7 +248,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                           lay.cu_kv if varlen else lse, CAUSAL=causal, SPLIT=bool(split),
                           PREC=_prec(q.dtype), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           TMA=tma, WS=cfg.ws and tma, WINDOW=window, VARLEN=varlen is not None,
-                          GROUP=cfg.group, num_warps=cfg.warps, num_stages=cfg.stages)
+                          num_warps=cfg.warps, num_stages=cfg.stages)
     return (out, lse) if varlen is None else (out[0], lse[0])
 
 
@@ -323,8 +321,7 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       *lse.stride(), band_lo, band_hi, lse, lse, CAUSAL=causal, SPLIT=False,
                       PREC="tf32", D=d, WINDOW=window,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
-                      FP8=True, VT=True, GROUP=cfg.group, num_warps=cfg.warps,
-                      num_stages=cfg.stages)
+                      FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
     return out, lse
 
 
@@ -390,8 +387,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
         *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
         scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        TMA=tma, ATOMIC_DQ=atomic, GROUP=cfg.group, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
     if atomic:
         return unbatch(dq.to(grad_dtype), dk, dv)
 
@@ -399,7 +395,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
     _dq_kernel[(triton.cdiv(lay.s_q, cfg.block_m), lay.batch * h)](
         *srcs, lse, delta, dq, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E, scale,
-        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, GROUP=cfg.group,
+        *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma,
         num_warps=cfg.warps, num_stages=cfg.stages)
     return unbatch(dq, dk, dv)
 

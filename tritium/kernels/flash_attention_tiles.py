@@ -97,27 +97,9 @@ def _heads(bh, H, G):
 
 
 @triton.jit
-def _program(GROUP: tl.constexpr):
-    """(tile index, axis-1 index (batch, head)) of this program. The GPU starts programs in
-    the order of their linear index, axis 0 fastest. GROUP 1: axis 0 is the tile, so all tiles
-    of one head run before the next head's. GROUP > 1: the linear index walks GROUP heads at a
-    time, tile-major within them (tile 0 of each of those heads, then tile 1, ...): with the
-    busiest tiles first (causal), the last programs to start are the lightest of the last
-    GROUP heads, and the heads running together still share their K/V in L2."""
-    if GROUP == 1:
-        return tl.program_id(0), tl.program_id(1)
-    tiles = tl.num_programs(0)
-    linear = tl.program_id(0) + tl.program_id(1) * tiles
-    group = linear // (GROUP * tiles)
-    first = group * GROUP
-    size = tl.minimum(tl.num_programs(1) - first, GROUP)  # the last group may be smaller
-    within = linear - group * (GROUP * tiles)
-    return within // size, first + within % size
-
-
-@triton.jit
-def _row_block(pid, s_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
-    """First query row of tile `pid`; causal: the last (busiest) row blocks start first."""
+def _row_block(s_q, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    """First query row of this program; causal: the last (busiest) row blocks start first."""
+    pid = tl.program_id(0)
     if CAUSAL:
         pid = tl.cdiv(s_q, BLOCK_M) - 1 - pid
     return pid * BLOCK_M
@@ -260,15 +242,14 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TMA: tl.constexpr, WS: tl.constexpr, FP8: tl.constexpr = False,
                 VT: tl.constexpr = False, WINDOW: tl.constexpr = False,
-                VARLEN: tl.constexpr = False, GROUP: tl.constexpr = 1):
+                VARLEN: tl.constexpr = False):
     """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head;
     FP8: E4M3 q/k/v with descale_ptr -> fp32 [3] (q, k, v dequant scales); VT: v is
     sequence-contiguous (`_value_rows`); WINDOW: key j visible to query i iff
     band_lo <= j - i <= band_hi (CAUSAL off); VARLEN: axis 1 is (sequence, head) of a packed
-    batch (cu_q_ptr / cu_k_ptr: cumulative lengths; s_q the longest), pointers, no TMA;
-    GROUP: the launch order (`_program`)."""
-    tile, bh = _program(GROUP)
-    start_m = _row_block(tile, s_q, CAUSAL, BLOCK_M)
+    batch (cu_q_ptr / cu_k_ptr: cumulative lengths; s_q the longest), pointers, no TMA."""
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
+    bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     if VARLEN:  # every pointer moved to the sequence's first row; then as one dense sequence
         q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
@@ -410,12 +391,12 @@ def _dkdv_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dk_ptr, dv_ptr
                  CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                  D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  TMA: tl.constexpr, ATOMIC_DQ: tl.constexpr, WINDOW: tl.constexpr = False,
-                 VARLEN: tl.constexpr = False, GROUP: tl.constexpr = 1):
+                 VARLEN: tl.constexpr = False):
     """dk, dv (dk_ptr's dtype, contiguous like k) for BLOCK_N keys of one kv head, summed over
     its group; with ATOMIC_DQ also adds this block's share of dq into a zeroed fp32 dq
     (contiguous like q)."""
-    tile, bh = _program(GROUP)
-    start_n = tile * BLOCK_N
+    start_n = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
     b, hk, _ = _heads(bh, H_KV, 1)
     if VARLEN:  # as the forward: pointers moved to the sequence's first rows
         q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
@@ -488,11 +469,10 @@ def _dq_kernel(q_src, k_src, v_src, do_src, lse_ptr, delta_ptr, dq_ptr,
                s_delta,
                CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               TMA: tl.constexpr, WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False,
-               GROUP: tl.constexpr = 1):
+               TMA: tl.constexpr, WINDOW: tl.constexpr = False, VARLEN: tl.constexpr = False):
     """dq (dq_ptr's dtype, contiguous like q) for BLOCK_M query rows of one head."""
-    tile, bh = _program(GROUP)
-    start_m = _row_block(tile, s_q, CAUSAL, BLOCK_M)
+    start_m = _row_block(s_q, CAUSAL, BLOCK_M)
+    bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
     if VARLEN:  # as the forward: pointers moved to the sequence's first rows
         q0, s_q, k0, s_kv = _sequence(cu_q_ptr, cu_k_ptr, b)
