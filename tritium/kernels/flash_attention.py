@@ -85,9 +85,9 @@ class Cfg(NamedTuple):
 # (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules: 8 warps need >= 128 rows in every
 # product's output (BLOCK_M of the forward and dq, BLOCK_N of dk/dv: S^T is [BLOCK_N,
 # BLOCK_M]), else Triton lays 8 warps along 64 rows and the second warpgroup repeats the
-# first's wgmma; and pointer loads cost registers (address tiles; a 128 x
-# 128 forward tile spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv
-# 241, dq 123, none spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
+# first's wgmma; and pointer loads cost registers (address tiles; a 128 x 128 forward tile
+# spills on sm90 without TMA). D=64: forward 128 x 128 161 registers, dk/dv 241, dq 123, none
+# spilling (not yet swept). D=256 forward 128 x 64: 572 bytes spilled.
 GPU_CFG = {
     "fwd": {(128, True): Cfg(64, 64, 4, 3, tma=True),
             (128, False): Cfg(128, 128, 8, 3, tma=True),
@@ -105,9 +105,9 @@ GPU_CFG = {
 # 0.732 / 0.741 / 0.734 ms against 0.830 / 0.826 / 0.828 at 128 x 128; without a mask 128 x 128
 # took 1.319 / 1.321 / 1.332 ms, 64 x 128 1.409 / 1.284 / 1.314). Grouped launch orders
 # (within 3%), 2 stages, 8 warps, 4 stages: no gain; warp specialization at 4 warps does not
-# compile (Triton 3.6's NVGPUWarpSpecialization pass fails).
-# Every entry of a head dim keeps one block_n: the twin quantizes P at the key tile's running
-# maxima (`fp8_block_n`). D=64: 128 x 128 (not swept causal).
+# compile (Triton 3.6's NVGPUWarpSpecialization pass fails). Every entry of a head dim keeps
+# one block_n: the twin quantizes P at the key tile's running maxima (`fp8_block_n`). D=64:
+# 128 x 128 (not swept causal).
 GPU_CFG["fwd_fp8"] = {(128, True): Cfg(64, 128, 4, 3, tma=True),
                       (128, False): Cfg(128, 128, 4, 3, tma=True),
                       (64, True): Cfg(128, 128, 4, 3, tma=True),
