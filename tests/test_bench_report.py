@@ -135,6 +135,16 @@ def test_merged_report_and_demo_results_are_read(tmp_path):
     assert "| 100 tok/s (1.00x), held-out loss 1.1000 | 135 tok/s (1.35x), held-out loss 1.0900" \
         in table
     assert "tokens/s >= 1.3x: **met**; loss <= 1.02x: **met**" in table
+    # a demo run of another recipe is a table of its own, not the delayed one's latest run
+    block = {**demo, "env": {**demo["env"], "date": "2026-11-25"},
+             "config": {**demo["config"], "recipe": "block"},
+             "runs": [demo["runs"][0], {"name": "fp8 block", "tokens_per_s": 103.0,
+                                        "held_out_loss": 1.12}]}
+    _write(tmp_path, "demo-block.json", block)
+    by_bench = br.latest(br.load_runs(tmp_path))
+    assert by_bench["demo"][0]["file"] == "demo.json"
+    table = br.bench_table("demo_block", by_bench["demo_block"])
+    assert "103 tok/s (1.03x), held-out loss 1.1200 | loss <= 1.01x: **not met**" in table
 
 
 def test_cli_markdown_needs_no_gpu(tmp_path, monkeypatch, capsys):
