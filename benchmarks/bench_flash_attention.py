@@ -42,7 +42,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
-       causal:KIND=...: the causal launches alone, of the FP8 forward or of the speed mode)
+       causal:fwd_fp8=...: its causal launches alone)
 """
 from __future__ import annotations
 
@@ -113,7 +113,8 @@ def _steps(blocks, variant):
     split = variant.endswith(" split")
     scale = 1 / math.sqrt(D)
     dt = None if split else blocks[0][0].dtype  # the speed mode: out / grads like SDPA's
-    configs = _configs(split).replace("--cfg ", "")
+    configs = " ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)[6:]
+                       for kind in ("fwd", "dkdv", "dq"))
 
     def fwd():
         for q, k, v, _, c in blocks:
@@ -174,8 +175,7 @@ def _fp8_steps(blocks, variant):
     q, k, v, do, c = blocks[0]
     err = _rel_err((one(q, k, v, c),), _sdpa_out_dq(*blocks[0])[:1])
     return fwd, None, {"configs": " ".join(
-                           _cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)],
-                                    "causal" if m else "")[6:]
+                           _cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)], m)[6:]
                            for m in (True, False)),
                        "err_vs_cudnn": float(f"{err:.2e}")}
 
@@ -308,39 +308,25 @@ def _qualifier(kind: str) -> str:
 
 
 def _parse_cfg(spec: str):
-    """"[split: | causal:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq]]]" -> (the table to set,
-    its keys, Cfg): D=128's (split / causal, as prefixed); fwd_fp8 unprefixed: both masks;
-    causal: on a 16-bit kind: the speed mode's causal launches (GPU_CFG_CAUSAL)."""
+    """"[split: | causal:]kind=bm,bn,warps,stages[,tma[,ws[,atomic_dq]]]" -> (kind,
+    GPU_CFG keys, Cfg): D=128's (split / causal, as prefixed); fwd_fp8 unprefixed: both masks."""
     kind, _, vals = spec.partition("=")
     qual, _, name = kind.rpartition(":")
     nums = [int(x) for x in vals.split(",")]
-    if name not in FA.GPU_CFG or qual not in ("", _qualifier(name), "causal") \
-            or not 4 <= len(nums) <= 7:
-        raise SystemExit(f"--cfg {spec!r}: want [split: | causal:]kind=BLOCK_M,BLOCK_N,warps,"
-                         f"stages[,tma[,ws[,atomic_dq]]] with kind in {sorted(FA.GPU_CFG)}")
-    cfg = Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
-    if qual == "causal" and name != "fwd_fp8":
-        return FA.GPU_CFG_CAUSAL.setdefault(name, {}), [(D, False)], cfg
+    if name not in FA.GPU_CFG or qual not in ("", _qualifier(name)) or not 4 <= len(nums) <= 7:
+        raise SystemExit(f"--cfg {spec!r}: want [split:]kind=BLOCK_M,BLOCK_N,warps,stages"
+                         f"[,tma[,ws[,atomic_dq]]] with kind in {sorted(FA.GPU_CFG)} "
+                         "(causal:fwd_fp8=...: the causal FP8 forward)")
     keys = [(D, bool(qual))] if qual or name != "fwd_fp8" else [(D, True), (D, False)]
-    return FA.GPU_CFG[name], keys, cfg
+    return name, keys, Cfg(*nums[:4], *(bool(x) for x in nums[4:]))
 
 
-def _configs(split: bool) -> str:
-    """The 16-bit kernels' D=128 configs of a mode as --cfg arguments (the speed mode's causal
-    launches' own too)."""
-    kinds = ("fwd", "dkdv", "dq")
-    causal = [_cfg_arg(k, FA.GPU_CFG_CAUSAL[k][(D, False)], "causal") for k in kinds
-              if not split and (D, False) in FA.GPU_CFG_CAUSAL.get(k, {})]
-    return " ".join([_cfg_arg(k, FA.GPU_CFG[k][(D, split)], "split" if split else "")
-                     for k in kinds] + causal)
-
-
-def _cfg_arg(kind, cfg, qualifier=""):
-    """cfg as the --cfg argument that sets it (qualifier: "", "split" or "causal")."""
+def _cfg_arg(kind, cfg, flag=False):
+    """cfg as the --cfg argument that sets it (flag: split, or causal for fwd_fp8)."""
     flags = [int(cfg.tma), int(cfg.ws), int(cfg.atomic_dq)]
     while flags and not flags[-1]:
         flags.pop()
-    prefix = f"{qualifier}:" if qualifier else ""
+    prefix = f"{_qualifier(kind)}:" if flag else ""
     return f"--cfg {prefix}{kind}=" + ",".join(map(str, [*cfg[:4], *flags]))
 
 
@@ -393,8 +379,6 @@ def _time_cfgs(kind, split, cands, run, ref, tol=2e-2):
     per_mask = kind == "fwd_fp8"
     keys = [(D, True), (D, False)] if per_mask else [(D, split)]
     keep = {key: FA.GPU_CFG[kind][key] for key in keys}
-    causal_own = FA.GPU_CFG_CAUSAL.setdefault(kind, {})
-    keep_causal = causal_own.pop(keys[0], None)  # each candidate on both masks
     timed = []  # (causal ms, no-mask ms, cfg)
     for cfg in cands:
         for key in keys:
@@ -412,17 +396,10 @@ def _time_cfgs(kind, split, cands, run, ref, tol=2e-2):
         print(f"  {kind} {tuple(cfg)}: {line}", flush=True)
     FA.GPU_CFG[kind].update(keep)
     if not timed:
-        if keep_causal is not None:
-            causal_own[keys[0]] = keep_causal
         return math.inf, None
-    if not per_mask:  # the best sum; causal launches their own best where it wins by > 3%
+    if not per_mask:
         ms_c, ms_n, cfg = min(timed, key=lambda t: t[0] + t[1])
         FA.GPU_CFG[kind][keys[0]] = cfg
-        best_c, _, causal = min(timed, key=lambda t: t[0])
-        if best_c < 0.97 * ms_c:
-            causal_own[keys[0]] = causal
-            print(f"  {kind} causal: {tuple(causal)} ({best_c:.3f} ms against {ms_c:.3f})")
-            ms_c = best_c
         return ms_c + ms_n, cfg
     _, ms_n, nomask = min(timed, key=lambda t: t[1])
     ms_c, _, causal = min((t for t in timed if t[2].block_n == nomask.block_n),
@@ -468,7 +445,8 @@ def sweep(split: bool):
             FA.GPU_CFG["dkdv"][(D, split)] = sep
     print(f"best {mode}: fwd {f_ms:.3f} ms, bwd {min(sep_ms, at_ms):.3f} ms (separate dq "
           f"{sep_ms:.3f}, atomic dq {at_ms:.3f}), causal + nomask summed; as arguments:")
-    print(_configs(split), flush=True)
+    print(" ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)
+                   for kind in ("fwd", "dkdv", "dq")), flush=True)
     del q, k, v, do, outs, ref_fwd, ref_bwd
     torch.cuda.empty_cache()
 
@@ -493,8 +471,7 @@ def sweep_fp8():
     ms, _ = _time_cfgs("fwd_fp8", False, SWEEP_FP8, fwd, ref, tol=2.0 ** -3)
     print(f"best fp8: fwd {ms:.3f} ms, causal + nomask summed (each its own config); as "
           "arguments:")
-    print(" ".join(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)], "causal" if m else "")
-                   for m in (True, False)),
+    print(" ".join(_cfg_arg("fwd_fp8", FA.GPU_CFG["fwd_fp8"][(D, m)], m) for m in (True, False)),
           flush=True)
     del q, k, v, q8, k8, v8_t, ref
     torch.cuda.empty_cache()
@@ -520,9 +497,9 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
     for spec in args.cfg:
-        table, keys, cfg = _parse_cfg(spec)
+        kind, keys, cfg = _parse_cfg(spec)
         for key in keys:
-            table[key] = cfg
+            FA.GPU_CFG[kind][key] = cfg
     settle_gpu()
     for split in (False, True):
         if args.sweep in ("both", "split" if split else "nosplit"):

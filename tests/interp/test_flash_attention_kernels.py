@@ -16,7 +16,6 @@ within one 16-bit rounding of the twin's) are checked against the twin too.
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
@@ -313,18 +312,3 @@ def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
     for name, a, b in zip(("out", "lse", "dq", "dk0", "dv0", "dk1", "dv1"),
                           results[True], results[False]):
         close(a, b, name)
-
-
-def test_causal_launches_take_their_own_configs(monkeypatch):
-    """GPU_CFG_CAUSAL's entries replace GPU_CFG's for causal launches only (the GPU's selection;
-    the interpreter always runs INTERP_CFG), and name kinds and keys that GPU_CFG has."""
-    for kind, table in K.GPU_CFG_CAUSAL.items():
-        for (d, split), cfg in table.items():
-            assert (d, split) in K.GPU_CFG[kind]
-            assert K._cfg(kind, d, split, True, causal=True) == cfg
-            assert K._cfg(kind, d, split, True, causal=False) == K.GPU_CFG[kind][(d, split)]
-            assert K._cfg(kind, d, split, False, causal=True) == K.INTERP_CFG
-    monkeypatch.setitem(K.GPU_CFG_CAUSAL, "dkdv", {(128, False): K.Cfg(32, 128, 8, 2,
-                                                                       atomic_dq=True)})
-    q = types.SimpleNamespace(shape=(1, 16, 1, 128), is_cuda=True)  # what it reads of q
-    assert not K.deterministic(q, split=False)  # a causal atomic dq is not reproducible either

@@ -112,20 +112,13 @@ GPU_CFG["fwd_fp8"] = {(128, True): Cfg(64, 128, 4, 3, tma=True),
                       (128, False): Cfg(128, 128, 4, 3, tma=True),
                       (64, True): Cfg(128, 128, 4, 3, tma=True),
                       (64, False): Cfg(128, 128, 4, 3, tma=True)}
-# causal launches of the 16-bit kernels whose best tiles differ from the no-mask ones (entries
-# here replace GPU_CFG's for causal masks; by (head dim, split)). D=128 speed mode, dq at 4
-# stages: causal backward 3.53 -> 3.28 ms, no mask 6.55 -> 6.66 (H200, 2026-11-28, one sweep,
-# per mask); the forward's and dk/dv's causal bests are the no-mask ones.
-GPU_CFG_CAUSAL = {"dq": {(128, False): Cfg(128, 64, 8, 4, tma=True)}}
 # the interpreter: small tiles (tail masks exercised at s = 16..48); tests may set tma=True
 INTERP_CFG = Cfg(16, 16, 4, 1)
 
 
-def _cfg(kind: str, d: int, split: bool, device_is_cuda: bool, causal: bool = False) -> Cfg:
+def _cfg(kind: str, d: int, split: bool, device_is_cuda: bool) -> Cfg:
     if not device_is_cuda:
         return INTERP_CFG
-    if causal and (d, split) in GPU_CFG_CAUSAL.get(kind, ()):
-        return GPU_CFG_CAUSAL[kind][(d, split)]
     table = GPU_CFG[kind]
     return table.get((d, split)) or table[(128 if d > 64 else 64, split)]
 
@@ -144,7 +137,7 @@ def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, backward: bool 
 
 def deterministic(q: torch.Tensor, split: bool) -> bool:
     """Is the backward for q's head dim and device bit-reproducible (no atomic dq)?"""
-    return not any(_cfg("dkdv", q.shape[-1], split, q.is_cuda, c).atomic_dq for c in (0, 1))
+    return not _cfg("dkdv", q.shape[-1], split, q.is_cuda).atomic_dq
 
 
 def _check(q, k, v, out_dtype, name, backward=True):
@@ -244,7 +237,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if out.numel() == 0 or t_kv == 0 or lay.batch == 0:
         out, lse = out.zero_(), lse.fill_(float("-inf"))
     else:
-        cfg = _cfg("fwd", d, split, q.is_cuda, causal)
+        cfg = _cfg("fwd", d, split, q.is_cuda)
         srcs, tma = (q, k, v), False
         if varlen is None:
             srcs, tma = _srcs(cfg, q, k, v)
@@ -363,7 +356,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
-    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda, causal), _cfg("dkdv", d, split, cuda, causal)
+    dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
     atomic = dkdv_cfg.atomic_dq  # dq summed in fp32 over the key blocks: zeroed first
     dq = torch.empty(b, t_q, h, d, dtype=f32 if atomic else grad_dtype, device=dev)
     dk = torch.empty(b, t_kv, h_kv, d, dtype=grad_dtype, device=dev)
