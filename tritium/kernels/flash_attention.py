@@ -79,7 +79,10 @@ class Cfg(NamedTuple):
 # from dk/dv lost at every tile (12.6+ ms; 11.9-12.9 with one TMA bulk reduce-add per tile, so
 # not the atomics' cost: the fused kernel's registers). Grouped launch orders (g heads' tiles
 # interleaved, busiest first; g = 4 / 8 / 16) stayed within the runs' +-3% spread for every
-# kernel in two sweeps: removed (commit 046d7e2 has them).
+# kernel in two sweeps: removed (commit 046d7e2 has them). Causal-only tiles (H200, 2026-11-28,
+# a0bac81, reverted): per mask the forward's and dk/dv's causal bests are the no-mask ones; dq
+# at 4 stages read 3.53 -> 3.28 ms of causal backward in one sweep, but the table after it
+# measured causal fwd+bwd 4.64 / 4.82 ms (MHA / GQA-8) against 4.71 / 4.78 before: no gain.
 # split=True: the tiles of a sweep of pointer loads (2026-11-22, one CP=2 rank's blocks at
 # S=32768: 22.4 -> 19.7 ms), now with TMA loads, 1.02-1.07x faster on every case of the table
 # (the CP=2 rank's fwd+bwd 19.32 -> 18.05 ms). Two rules: 8 warps need >= 128 rows in every
