@@ -145,6 +145,12 @@ def test_merged_report_and_demo_results_are_read(tmp_path):
     assert by_bench["demo"][0]["file"] == "demo.json"
     table = br.bench_table("demo_block", by_bench["demo_block"])
     assert "103 tok/s (1.03x), held-out loss 1.1200 | loss <= 1.01x: **not met**" in table
+    current = {**block, "config": {**demo["config"], "recipe": "current"},
+               "runs": [demo["runs"][0], {"name": "fp8 current", "tokens_per_s": 120.0,
+                                          "held_out_loss": 1.095}]}
+    _write(tmp_path, "demo-current.json", current)
+    table = br.bench_table("demo_current", br.latest(br.load_runs(tmp_path))["demo_current"])
+    assert "**fp8 current**" in table and "| 120 tok/s (1.20x), held-out loss 1.0950 |" in table
 
 
 def test_cli_markdown_needs_no_gpu(tmp_path, monkeypatch, capsys):

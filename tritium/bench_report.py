@@ -74,6 +74,15 @@ class Spec:
 DEFAULT_CELL = "{time} ({speedup:.2f}x)"
 DEMO_CELL = "{tokens_per_s:,.0f} tok/s ({speedup:.2f}x), held-out loss {held_out_loss:.4f}"
 
+
+def _demo_spec(recipe: str, label: str, *targets: Target) -> Spec:
+    """The demo's table for `--recipe recipe` (one table per recipe: demo files of another
+    recipe are another bench, see load_runs)."""
+    return Spec(f"Whole model: `python -m tritium demo --recipe {recipe}` (bf16 vs {label}, "
+                "FusedAdam with fp32 masters)", tritium=(f"fp8 {recipe}",), cells=(DEMO_CELL,),
+                targets=targets)
+
+
 LINEAR_FP8 = "tritium fp8 delayed (eager)"
 # torch.compile variants (issue 20); the benches write their ratio to the eager variant
 # (vs_eager) and to torchao compiled (vs_torchao_compiled) into the row, as bench_adam writes
@@ -120,12 +129,10 @@ SPECS = {
         targets=(Target("", "fp8 delayed", "tokens/s >= 1.3x", at_least=1.3),
                  Target("", "fp8 delayed", "loss <= 1.02x", field="loss_ratio", at_most=1.02)),
         headlines=(("", "fp8 delayed", "Whole model FP8 (the demo, 0.83B)"),)),
-    "demo_block": Spec(
-        "Whole model: `python -m tritium demo --recipe block` (bf16 vs Float8BlockScaling, "
-        "FusedAdam with fp32 masters)",
-        tritium=("fp8 block",),
-        cells=(DEMO_CELL,),
-        targets=(Target("", "fp8 block", "loss <= 1.01x", field="loss_ratio", at_most=1.01),)),
+    "demo_block": _demo_spec("block", "Float8BlockScaling", Target(
+        "", "fp8 block", "loss <= 1.01x", field="loss_ratio", at_most=1.01)),
+    "demo_current": _demo_spec("current", "Float8CurrentScaling"),
+    "demo_mxfp8": _demo_spec("mxfp8", "MXFP8BlockScaling, emulated"),
     "attention": Spec(
         "DotProductAttention (bf16)",
         tritium=("tritium auto", "tritium flash"),
