@@ -18,7 +18,12 @@ Issue 19 asks the fwd+bwd wall to be no slower than torch eager's. tritium's ste
 at this shape (kernels ~0.24 ms, host ~0.3-0.45 ms on the H100 hosts measured) and a host's
 speed drifts within a minute, so that pair is also timed in PAIR_ROUNDS alternating rounds: rows
 "paired" carry the medians and `paired_speedup`, the median of the rounds' own torch eager /
-tritium ratios (`harness.paired_speedups`), which the target reads.
+tritium ratios (`harness.paired_speedups`), which the target reads. The pair runs again with
+the backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`, case
+suffix SAME_THREAD): PyTorch's default hands every CUDA backward to the autograd engine's
+device thread, and for a Python backward that handoff costs a host tens to hundreds of
+microseconds per step, varying between rounds of one process (docs/performance.md); the second
+pair shows the norm without it (no target: the default is what users run).
 Needs CUDA; without it the script says so and exits with status 1. Liger is optional.
 """
 from __future__ import annotations
@@ -42,6 +47,7 @@ SWEEP_PROGRAMS_PER_SM = [1, 2, 4]
 SWEEP_PREFETCH = [False, True]
 PAIR_ROUNDS = 11
 PAIRED = ("torch eager", "tritium")  # fwd+bwd timed as pairs: baseline first
+SAME_THREAD = " | backward on calling thread"
 
 
 def _liger(kind: str, hidden: int):
@@ -170,6 +176,9 @@ def main(argv=None):
                     pair[variant] = fwd_bwd
             if len(pair) == len(PAIRED):
                 _paired_into(rows, f"{kind} fwd+bwd {r}x{h}", pair, 5 * pass_bytes)
+                with torch.autograd.set_multithreading_enabled(False):
+                    _paired_into(rows, f"{kind} fwd+bwd {r}x{h}{SAME_THREAD}", pair,
+                                 5 * pass_bytes)
             if not args.no_sweep:
                 _sweep(rows, kind, r, h, x, dy, pass_bytes)
         del x, dy, out

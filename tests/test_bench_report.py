@@ -251,3 +251,25 @@ def test_graphs_target_reads_the_paired_ratio_where_the_run_has_it(tmp_path):
     assert f"{label}: **not met**" in t
     t = table(11.5, None)  # an older run: the ratio of the medians, 1.22x
     assert "11.50 ms (1.22x)" in t and f"{label}: **met**" in t
+
+
+def test_norm_wall_target_reads_the_default_threading_pair_only(tmp_path):
+    """bench_norm times the fwd+bwd pair twice: with PyTorch's default threading (issue 19's
+    target) and with the backward on the calling thread (shown, no target)."""
+    label = "wall >= torch eager's (paired rounds)"
+    case = "LayerNorm fwd+bwd 16384x4096"
+    rows = []
+    for suffix, ratio in (("", 0.9), (" | backward on calling thread", 1.4)):
+        rows += [{"case": case + suffix, "variant": "torch eager paired", "ms": 0.33,
+                  "paired_speedup": 1.0, "speedup_vs_torch eager": 1.0},
+                 {"case": case + suffix, "variant": "tritium paired",
+                  "ms": round(0.33 / ratio, 4), "paired_speedup": ratio,
+                  "speedup_vs_torch eager": ratio}]
+    _write(tmp_path, "n.json", _bench("norm", "2026-11-28", "NVIDIA H200", rows,
+                                      baseline="torch eager"))
+    table = br.bench_table("norm", br.latest(br.load_runs(tmp_path))["norm"])
+    lines = {line.split(" | ")[0]: line for line in table.splitlines() if line.startswith("| ")}
+    assert "0.90x torch eager's wall" in lines[f"| {case}"]
+    assert f"{label}: **not met**" in lines[f"| {case}"]
+    calling = lines[f"| {case} \\| backward on calling thread"]
+    assert "1.40x torch eager's wall" in calling and label not in calling

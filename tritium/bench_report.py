@@ -157,8 +157,8 @@ SPECS = {
         targets=(Target(r" fwd ", "tritium", "kernels >= 90% of copy", "gpu_pct_of_copy", 90),
                  Target(r" fwd\+bwd ", "tritium", "kernels >= 80% of copy",
                         "gpu_pct_of_copy", 80),
-                 Target(r" fwd\+bwd ", "tritium paired", "wall >= torch eager's (paired rounds)",
-                        "paired_speedup", 1.0)),
+                 Target(r" fwd\+bwd \d+x\d+$", "tritium paired",
+                        "wall >= torch eager's (paired rounds)", "paired_speedup", 1.0)),
         headlines=((r"RMSNorm fwd\+bwd", "tritium", "RMSNorm fwd+bwd, 16384 x 4096"),
                    (r"LayerNorm fwd\+bwd", "tritium", "LayerNorm fwd+bwd, 16384 x 4096"))),
     "adam": Spec(
