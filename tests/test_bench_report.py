@@ -273,3 +273,29 @@ def test_norm_wall_target_reads_the_default_threading_pair_only(tmp_path):
     assert f"{label}: **not met**" in lines[f"| {case}"]
     calling = lines[f"| {case} \\| backward on calling thread"]
     assert "1.40x torch eager's wall" in calling and label not in calling
+
+
+def test_flash_targets_read_the_paired_ratio_where_the_run_has_it(tmp_path):
+    """bench_flash_attention writes paired_speedup on the rows issue 26's targets compare (the
+    FP8 kernel's forward, the speed mode's fwd+bwd); the cell shows it and the target reads it,
+    the ratio of the two medians where a run has none."""
+    case = "B4 H32 S4096 D128 causal fwd"
+
+    def table(paired):
+        fp8 = {"case": case, "variant": "tritium fp8 kernel", "ms": 0.75, "tflops": 730.0,
+               "speedup_vs_sdpa cudnn": 1.24}
+        if paired is not None:
+            fp8["paired_speedup"] = paired
+        rows = [{"case": case, "variant": "sdpa cudnn", "ms": 0.93, "tflops": 590.0,
+                 "speedup_vs_sdpa cudnn": 1.0}, fp8]
+        _write(tmp_path, "f.json", _bench("flash_attention", "2026-11-28", "NVIDIA H200", rows,
+                                          baseline="sdpa cudnn"))
+        return br.bench_table("flash_attention",
+                              br.latest(br.load_runs(tmp_path))["flash_attention"])
+    label = ">= 1.3x"  # the only tritium column here: the target reads without its name
+    t = table(1.31)
+    assert "0.750 ms (1.24x, paired 1.31x, 730 TFLOP/s)" in t and f"{label}: **met**" in t
+    t = table(1.27)
+    assert f"{label}: **not met**" in t
+    t = table(None)
+    assert "0.750 ms (1.24x, 730 TFLOP/s)" in t and f"{label}: **not met**" in t
