@@ -10,15 +10,16 @@ runs: head/tail split of P / dS, fp32 out and grads), and the forward alone of F
 FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with the per-tensor
 current-scaling quantization of q, k, v that DotProductAttention runs first: an amax pass, then
 the cast) and "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe: the
-scales from a history, the amaxes recorded in the cast's own pass); their
-err_vs_cudnn compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
-fwd+bwd = 3.5x fwd). The two comparisons issue 26 sets targets on (the speed mode's fwd+bwd, the
-FP8 kernel's forward, each against cuDNN's) are also timed in PAIR_ROUNDS alternating rounds at
-the B4 H32 shapes, and those rows carry `paired_speedup`, the median of the rounds' own ratios
-(`harness.paired_speedups`; the GPU's clock drifts between calls: cuDNN's causal forward read
-0.91-1.05 ms across one process on an H200), which the targets read. Each tritium row also records its configs and err_vs_cudnn: max |ours -
+scales from a history, the amaxes recorded in the cast's own pass); their err_vs_cudnn
+compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
+fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
 cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
-a wrong config shows here).
+a wrong config shows here). The two comparisons issue 26 sets targets on (the speed mode's
+fwd+bwd, the FP8 kernel's forward, each against cuDNN's) are also timed in PAIR_ROUNDS
+alternating rounds at the B4 H32 shapes, and those rows carry `paired_speedup`, the median of
+the rounds' own ratios (`harness.paired_speedups`; the GPU's clock drifts between calls:
+cuDNN's causal forward read 0.91-1.05 ms across one process on an H200), which the targets
+read.
 
 --seq adds B1 H12 D128 causal cases at those lengths and --cp the blocks one rank computes in a
 cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),
@@ -274,7 +275,7 @@ def _layer_steps(variant, kw, q, k, v, do):
     return fwd, fwd_bwd
 
 
-def _paired(rows, case, blocks, steps):
+def _paired(rows, case, steps):
     """PAIRED's comparisons in alternating rounds: paired_speedup into the tritium rows."""
     for mode, variant in PAIRED:
         fns = {name: steps[(name, mode)] for name in ("sdpa cudnn", variant)
@@ -309,7 +310,7 @@ def _run(rows, args):
                 rows.append(row)
                 print(row, flush=True)
         if case.startswith("B4 H32"):
-            _paired(rows, case, blocks, steps)
+            _paired(rows, case, steps)
         del blocks, steps
         torch.cuda.empty_cache()
     for case, variants, kw, q, k, v, do, flops in _layer_cases(args, g):
