@@ -50,6 +50,13 @@ speedup_vs_hf_eager = hf_eager ms / ms.
 writes the same rows. Without a GPU it runs on the CPU, in this process, only the variants that
 run there (hf_eager and tritium_*; FP8 emulated; the compiled ones through inductor's CPU
 backend).
+--rounds R: every chosen variant R times, in alternating order (a fresh process each time
+on the GPU), for ratios of steps whose host and clock drift between runs (two H200 runs of one
+commit put the graphed FP8 step at 1.252x and 1.249x hf_torchao): each row's ms is the median
+over its rounds (`ms_rounds` lists them; the other fields are the first round's), and each
+tritium row gets `paired_vs_<v>` for the baseline, every peer and its eager self: the median
+over rounds of v's ms / this variant's ms in the same round, which the report's "versus"
+targets read where present.
 --profile VARIANT: that variant in this process under torch.profiler: wall time per step, GPU
 kernel time per step and the kernels that take it (is the step bound by kernels or the host?).
 """
@@ -296,6 +303,30 @@ def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
         print(f"  {ms:8.3f} ms {100 * ms / busy:5.1f}%  {name[:110]}")
 
 
+def merge_rounds(case: str, names: list, seen: dict) -> list:
+    """{variant: [row of each round]} -> one row per variant (see --rounds): ms the median over
+    the rounds that timed it, the rest the first round's; an error in any round is the row."""
+    import statistics
+    rows = []
+    for v in names:
+        runs = seen[v]
+        failed = [r for r in runs if "ms" not in r]
+        row = {"case": case, **(failed[0] if failed else runs[0])}
+        if len(runs) > 1 and not failed:
+            ms = statistics.median(r["ms"] for r in runs)
+            row.update(ms=round(ms, 3), ms_rounds=[r["ms"] for r in runs],
+                       tokens_per_s=round(runs[0]["tokens_per_s"] * runs[0]["ms"] / ms, 1))
+            versus = [u for u in names if not u.startswith("tritium")]
+            if EAGER_SELF.get(v) in names:
+                versus.append(EAGER_SELF[v])
+            for u in versus if v.startswith("tritium") else ():
+                pairs = [(a["ms"], b["ms"]) for a, b in zip(seen[u], runs) if "ms" in a]
+                if len(pairs) == len(runs):
+                    row[f"paired_vs_{u}"] = round(statistics.median(a / b for a, b in pairs), 4)
+        rows.append(row)
+    return rows
+
+
 def _child(variant: str, tiny: bool, steps: int, timeout: int) -> dict:
     """run_variant in a fresh process; an error row when it fails (the child's own, with its
     fields, when it wrote one)."""
@@ -320,6 +351,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--tiny", action="store_true", help="small config, in process (smoke test)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per variant (GPU runs)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the variants this many times, alternating (medians, paired ratios)")
     p.add_argument("--profile", metavar="VARIANT",
                    help="profile one variant in this process: GPU kernel time per step, top kernels")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -353,17 +386,20 @@ def main(argv=None) -> int:
         names = [BASELINE] + names
     case = ("tiny " if args.tiny else "Llama-3.2-1B ") + \
         (f"B{TINY_BATCH} S{TINY_SEQ}" if args.tiny else f"B{BATCH} S{SEQ}")
-    rows = []
-    for v in names:
-        if not torch.cuda.is_available():  # CPU smoke test: in this process
-            try:
-                row = run_variant(v, True, steps)
-            except Exception as exc:  # a missing peer, a CPU without the op: an error row
-                row = {"variant": v, **error_fields(exc)}
-        else:
-            row = _child(v, args.tiny, steps, args.timeout)
-        rows.append({"case": case, **row})
-        print({k: x for k, x in rows[-1].items() if k != "loss_curve"}, flush=True)
+    seen = {v: [] for v in names}
+    for r in range(max(args.rounds, 1)):
+        for v in names if r % 2 == 0 else names[::-1]:
+            if not torch.cuda.is_available():  # CPU smoke test: in this process
+                try:
+                    row = run_variant(v, True, steps)
+                except Exception as exc:  # a missing peer, a CPU without the op: an error row
+                    row = {"variant": v, **error_fields(exc)}
+            else:
+                row = _child(v, args.tiny, steps, args.timeout)
+            seen[v].append(row)
+            print({"round": r, **{k: x for k, x in row.items() if k != "loss_curve"}},
+                  flush=True)
+    rows = merge_rounds(case, names, seen)
     add_ratio(rows, "vs_eager", EAGER_SELF.items())
     # the loss target (issue 19: within 1% of HF bf16's after 50 steps) on the mean of the last
     # 10 steps: the curve still falls fast at step 50, and one step's loss wobbles by ~1%

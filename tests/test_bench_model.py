@@ -37,3 +37,38 @@ def test_tiny_run_writes_rows(tmp_path, monkeypatch):
     # same weights and batches: the first step's loss agrees (bf16 model, FP8 blocks)
     first = [r["loss_curve"][0] for r in rows.values()]
     assert abs(first[0] - first[1]) < 0.05 * first[0]
+
+
+def test_rounds_give_medians_and_paired_ratios(tmp_path, monkeypatch):
+    """--rounds 2: each variant runs twice (alternating order); ms is the median of its rounds
+    and the tritium row carries paired_vs_hf_eager, the median of the rounds' own ratios."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    spec = importlib.util.spec_from_file_location("bench_model",
+                                                  ROOT / "benchmarks" / "bench_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--tiny", "--steps", "3", "--rounds", "2", "--only", "tritium_bf16"]) == 0
+    rows = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*-model.json")).read_text())
+            ["rows"]}
+    base, ours = rows["hf_eager"], rows["tritium_bf16"]
+    for r in (base, ours):
+        assert "error" not in r, r
+        assert len(r["ms_rounds"]) == 2 and r["ms"] == pytest.approx(
+            sum(r["ms_rounds"]) / 2, abs=1e-3)
+    want = sorted(b / t for b, t in zip(base["ms_rounds"], ours["ms_rounds"]))
+    assert ours["paired_vs_hf_eager"] == pytest.approx(sum(want) / 2, rel=1e-3)
+    assert "paired_vs_hf_eager" not in base
+
+
+def test_merge_rounds_keeps_an_error_of_any_round():
+    spec = importlib.util.spec_from_file_location("bench_model",
+                                                  ROOT / "benchmarks" / "bench_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    seen = {"hf_eager": [{"variant": "hf_eager", "ms": 10.0, "tokens_per_s": 1.0}] * 2,
+            "tritium_bf16": [{"variant": "tritium_bf16", "ms": 8.0, "tokens_per_s": 1.25},
+                             {"variant": "tritium_bf16", "error": "OOM"}]}
+    rows = mod.merge_rounds("c", ["hf_eager", "tritium_bf16"], seen)
+    assert rows[1]["error"] == "OOM" and "paired_vs_hf_eager" not in rows[1]
+    assert rows[0]["ms"] == 10.0 and rows[0]["ms_rounds"] == [10.0, 10.0]

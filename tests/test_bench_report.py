@@ -299,3 +299,26 @@ def test_flash_targets_read_the_paired_ratio_where_the_run_has_it(tmp_path):
     assert f"{label}: **not met**" in t
     t = table(None)
     assert "0.750 ms (1.24x, 730 TFLOP/s)" in t and f"{label}: **not met**" in t
+
+
+def test_versus_target_reads_the_paired_ratio_where_the_run_has_it(tmp_path):
+    """bench_model --rounds writes paired_vs_<peer>: a "versus" target reads it (the ratio of
+    the rounds' own times) before the ratio of the two medians."""
+    case = "Llama-3.2-1B B4 S2048"
+    graphed = "tritium_fp8_delayed_fp8head_compile_cudagraphs"
+
+    def table(paired):
+        ours = {"case": case, "variant": graphed, "ms": 92.0, "peak_gib": 16.8,
+                "speedup_vs_hf_eager": 1.76}
+        if paired is not None:
+            ours["paired_vs_hf_torchao"] = paired
+        rows = [{"case": case, "variant": "hf_eager", "ms": 162.0, "speedup_vs_hf_eager": 1.0},
+                {"case": case, "variant": "hf_torchao", "ms": 115.5, "peak_gib": 25.1,
+                 "speedup_vs_hf_eager": 1.403}, ours]
+        _write(tmp_path, "m.json", _bench("model", "2026-11-28", "NVIDIA H200", rows,
+                                          baseline="hf_eager"))
+        return br.bench_table("model", br.latest(br.load_runs(tmp_path))["model"])
+    label = "; >= 1.25x hf_torchao"  # the only tritium column: the target reads without its name
+    assert f"{label}: **met**" in table(None)   # medians 115.5 / 92.0 = 1.255x
+    t = table(1.246)
+    assert f"{label}: **not met**" in t and "paired 1.246x hf_torchao" in t

@@ -43,14 +43,17 @@ class Target:
     at_least: Optional[float] = None
     at_most: Optional[float] = None
     versus: Optional[str] = None   # compare ms with this variant's row of the same case instead
+    #                                (its paired_vs_<versus> field where the row has one)
 
     def check(self, row: dict, versus: Optional[dict] = None) -> Optional[bool]:
         fields = self.field if isinstance(self.field, tuple) else (self.field,)
         value = next((row[f] for f in fields if row.get(f) is not None), None)
-        if self.versus is not None:
+        if self.versus is not None:  # the paired ratio where the run has one (rounds)
             mine, theirs = row.get("ms"), (versus or {}).get("ms")
-            value = theirs / mine if isinstance(mine, (int, float)) and mine > 0 and \
-                isinstance(theirs, (int, float)) else None
+            value = row.get(f"paired_vs_{self.versus}")
+            if value is None:
+                value = theirs / mine if isinstance(mine, (int, float)) and mine > 0 and \
+                    isinstance(theirs, (int, float)) else None
         if not isinstance(value, (int, float)):
             return None
         return ((self.at_least is None or value >= self.at_least)
@@ -200,7 +203,11 @@ SPECS = {
                  "tritium_bf16", "tritium_fp8_delayed_fusedadam", "tritium_fp8_delayed_compile",
                  "tritium_fp8_delayed_compile_cudagraphs",
                  "tritium_fp8_delayed_fp8head_compile_cudagraphs", "tritium_bf16_compile"),
-        cells=("{time} ({speedup:.2f}x, {peak_gib:.1f} GiB; {vs_eager:.2f}x eager)",
+        cells=("{time} ({speedup:.2f}x, {peak_gib:.1f} GiB; {vs_eager:.2f}x eager; paired "
+               "{paired_vs_hf_torchao:.3f}x hf_torchao)",
+               "{time} ({speedup:.2f}x, {peak_gib:.1f} GiB; paired {paired_vs_hf_torchao:.3f}x "
+               "hf_torchao)",
+               "{time} ({speedup:.2f}x, {peak_gib:.1f} GiB; {vs_eager:.2f}x eager)",
                "{time} ({speedup:.2f}x, {peak_gib:.1f} GiB)", DEFAULT_CELL),
         # "faster than eager": vs_eager is rounded to 3 decimals, so > 1 reads >= 1.001
         targets=(Target("", "tritium_fp8_delayed", ">= 1.6x HF eager", at_least=1.6),
