@@ -8,7 +8,7 @@
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
 # tests:EXPR runs the gpu tier with pytest -k EXPR (+ for a space: tests:fp8_attention+or+scaling); block:REGEX the block bench's variants
 # matching REGEX (bench_block.py --only); model:V1,V2 bench_model.py --only V1 V2 (each with its
-# baseline, a compiled variant with its eager self); modelprof:V bench_model.py --profile V. Multi-GPU stages use the GPUs that
+# baseline, a compiled variant with its eager self; model:V1,V2+--rounds+3 adds --rounds 3); modelprof:V bench_model.py --profile V. Multi-GPU stages use the GPUs that
 # CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs;
 # tp:--profile adds its kernels and host cProfile, tp:--trace also Chrome traces in $OUT),
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
@@ -81,7 +81,7 @@ for s in $stages; do
     block:*) python3 benchmarks/bench_block.py --only "${s#block:}" 2>&1 | tee "$OUT/bench_block.log" | grep -v "^{" ;;
     model)  python3 benchmarks/bench_model.py 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
     modelprof:*) python3 benchmarks/bench_model.py --profile "${s#modelprof:}" 2>&1 | tee "$OUT/bench_model_profile.log" | tail -60 ;;
-    model:*) v=${s#model:}; python3 benchmarks/bench_model.py --only ${v//,/ } 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
+    model:*) v=${s#model:}; v=${v//,/ }; python3 benchmarks/bench_model.py --only ${v//+/ } 2>&1 | tee "$OUT/bench_model.log" | grep -v "^{" ;;
     mtests) python3 -m pytest -q -m multigpu tests/gpu 2>&1 | tee "$OUT/gpu_mtests.log" | tail -25 ;;
     tp)     torchrun --standalone --nproc_per_node=2 benchmarks/bench_tp.py 2>&1 | tee "$OUT/bench_tp.log" | grep -v "^{" ;;
     tp:*)   a=${s#tp:}; torchrun --standalone --nproc_per_node=2 benchmarks/bench_tp.py ${a//+/ } 2>&1 | tee "$OUT/bench_tp.log" | grep -v "^{" ;;
