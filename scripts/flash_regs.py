@@ -1,4 +1,5 @@
 """Usage: python scripts/flash_regs.py [nosplit|split] [fwd|dkdv|dq ...]
+       python scripts/flash_regs.py fp8
 
 Registers, spills and shared memory of the flash attention kernels (tritium/kernels/
 flash_attention.py) for sm90, without a GPU: each candidate config of benchmarks/
@@ -9,6 +10,11 @@ speed-mode defaults in GPU_CFG were chosen before any GPU timing; the sweep has 
 Also prints whether Triton warp-specialized the forward's loop (a ttg.warp_specialize op) and
 flags products whose output rows are fewer than the MMA layout's warps cover (8 warps on 64
 rows: the second warpgroup repeats the first's wgmma).
+`fp8`: the FP8 forward (E4M3 q/k/v, V keys-contiguous through TMA, bf16 out) at its GPU_CFG
+entries and bench_flash_attention.py's --sweep-fp8 candidates, causal and no mask, with the same
+figures plus the most wgmma groups any `wgmma.wait_group N` of the PTX leaves in flight (0:
+every wait drains the tensor cores, so inside one program a block's softmax never overlaps a
+product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md).
 """
 from __future__ import annotations
 
@@ -57,17 +63,47 @@ def probe(kind, cfg, split):
                            options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
     except Exception as exc:
         return f"does not compile ({str(exc).splitlines()[0][:80]})"
+    regs, spill = _ptxas(c.asm["ptx"])
+    ttgir = c.asm["ttgir"]
+    ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
+    return (f"{regs} registers, {spill} bytes spilled, {c.metadata.shared} bytes shared"
+            f"{ws}{_repeated(ttgir)}")
+
+
+def probe_fp8(cfg, causal: bool) -> str:
+    """probe() for the FP8 forward (kind fwd_fp8) at one mask."""
+    fn, d = FA._fwd_kernel, B.D
+    types = {"qk_scale": "fp32", "o_ptr": "*bf16", "descale_ptr": "*fp32",
+             "q_src": f"tensordesc<fp8e4nv[1, {cfg.block_m}, {d}]>",
+             "k_src": f"tensordesc<fp8e4nv[1, {cfg.block_n}, {d}]>",
+             "v_src": f"tensordesc<fp8e4nv[1, 1, {d}, {cfg.block_n}]>"}
+    sig = {p.name: "constexpr" if p.is_constexpr else
+           types.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32") for p in fn.params}
+    cx = dict(CAUSAL=causal, SPLIT=False, PREC="tf32", D=d, BLOCK_M=cfg.block_m,
+              BLOCK_N=cfg.block_n, TMA=True, WS=cfg.ws, FP8=True, VT=True)
+    try:
+        c = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
+    except Exception as exc:
+        return f"does not compile ({str(exc).splitlines()[0][:80]})"
+    ptx = c.asm["ptx"]
+    regs, spill = _ptxas(ptx)
+    in_flight = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)),
+                    default=0)
+    return (f"{regs} registers, {spill} bytes spilled, {c.metadata.shared} bytes shared, "
+            f"wgmma groups left in flight by a wait: {in_flight}")
+
+
+def _ptxas(ptx: str) -> tuple:
+    """(registers, bytes spilled) of sm_90a PTX, from the wheel's ptxas -v."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(c.asm["ptx"])
+        f.write(ptx)
         f.flush()
         log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
-    ttgir = c.asm["ttgir"]
-    ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
-    return (f"{regs.group(1) if regs else '?'} registers, {spill.group(1) if spill else '?'} "
-            f"bytes spilled, {c.metadata.shared} bytes shared{ws}{_repeated(ttgir)}")
+    return regs.group(1) if regs else "?", spill.group(1) if spill else "?"
 
 
 def _repeated(ttgir: str) -> str:
@@ -81,7 +117,18 @@ def _repeated(ttgir: str) -> str:
     return f", REPEATED wgmma ({sorted(bad)}-row products)" if bad else ""
 
 
+def main_fp8():
+    for causal in (True, False):
+        cands = [FA.GPU_CFG["fwd_fp8"][(B.D, causal)]] + B.SWEEP_FP8
+        for i, cfg in enumerate(dict.fromkeys(cands)):
+            tag = " (GPU_CFG)" if i == 0 else ""
+            print(f"fp8 fwd {'causal' if causal else 'nomask'} {tuple(cfg)}{tag}: "
+                  f"{probe_fp8(cfg, causal)}", flush=True)
+
+
 def main():
+    if "fp8" in sys.argv[1:]:
+        return main_fp8()
     modes = [a == "split" for a in sys.argv[1:] if a in ("split", "nosplit")] or [False, True]
     kinds = [a for a in sys.argv[1:] if a in KERNELS] or list(KERNELS)
     for split in modes:
