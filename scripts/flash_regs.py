@@ -57,12 +57,9 @@ def probe(kind, cfg, split):
               BLOCK_N=cfg.block_n, TMA=cfg.tma)
     cx.update({"fwd": dict(WS=cfg.ws and cfg.tma), "dkdv": dict(ATOMIC_DQ=cfg.atomic_dq),
                "dq": {}}[kind])
-    try:
-        c = triton.compile(ASTSource(fn, _signature(fn, cfg, split), constexprs=cx),
-                           target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
-    except Exception as exc:
-        return f"does not compile ({str(exc).splitlines()[0][:80]})"
+    c = _compile(fn, _signature(fn, cfg, split), cx, cfg)
+    if isinstance(c, str):
+        return c
     regs, spill = _ptxas(c.asm["ptx"])
     ttgir = c.asm["ttgir"]
     ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
@@ -81,17 +78,25 @@ def probe_fp8(cfg, causal: bool) -> str:
            types.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32") for p in fn.params}
     cx = dict(CAUSAL=causal, SPLIT=False, PREC="tf32", D=d, BLOCK_M=cfg.block_m,
               BLOCK_N=cfg.block_n, TMA=True, WS=cfg.ws, FP8=True, VT=True)
-    try:
-        c = triton.compile(ASTSource(fn, sig, constexprs=cx), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
-    except Exception as exc:
-        return f"does not compile ({str(exc).splitlines()[0][:80]})"
+    c = _compile(fn, sig, cx, cfg)
+    if isinstance(c, str):
+        return c
     ptx = c.asm["ptx"]
     regs, spill = _ptxas(ptx)
     in_flight = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)),
                     default=0)
     return (f"{regs} registers, {spill} bytes spilled, {c.metadata.shared} bytes shared, "
             f"wgmma groups left in flight by a wait: {in_flight}")
+
+
+def _compile(fn, signature: dict, constexprs: dict, cfg):
+    """The kernel compiled for sm90 at cfg's warps and stages, or why it does not compile."""
+    try:
+        return triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
+    except Exception as exc:
+        return f"does not compile ({str(exc).splitlines()[0][:80]})"
 
 
 def _ptxas(ptx: str) -> tuple:
