@@ -15,13 +15,19 @@ pytestmark = pytest.mark.cpu
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_tiny_run_writes_rows(tmp_path, monkeypatch):
-    monkeypatch.setenv("OUT", str(tmp_path))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def _bench_model():
+    """benchmarks/bench_model.py as a module (benchmarks/ is not a package)."""
     spec = importlib.util.spec_from_file_location("bench_model",
                                                   ROOT / "benchmarks" / "bench_model.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_run_writes_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mod = _bench_model()
     assert mod.main(["--tiny", "--steps", "3", "--only", "tritium_fp8_delayed"]) == 0
     out = json.loads(next(tmp_path.glob("*-model.json")).read_text())
     rows = {r["variant"]: r for r in out["rows"]}
@@ -44,10 +50,7 @@ def test_rounds_give_medians_and_paired_ratios(tmp_path, monkeypatch):
     and the tritium row carries paired_vs_hf_eager, the median of the rounds' own ratios."""
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    spec = importlib.util.spec_from_file_location("bench_model",
-                                                  ROOT / "benchmarks" / "bench_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_model()
     assert mod.main(["--tiny", "--steps", "3", "--rounds", "2", "--only", "tritium_bf16"]) == 0
     rows = {r["variant"]: r for r in json.loads(next(tmp_path.glob("*-model.json")).read_text())
             ["rows"]}
@@ -62,10 +65,7 @@ def test_rounds_give_medians_and_paired_ratios(tmp_path, monkeypatch):
 
 
 def test_merge_rounds_keeps_an_error_of_any_round():
-    spec = importlib.util.spec_from_file_location("bench_model",
-                                                  ROOT / "benchmarks" / "bench_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _bench_model()
     seen = {"hf_eager": [{"variant": "hf_eager", "ms": 10.0, "tokens_per_s": 1.0}] * 2,
             "tritium_bf16": [{"variant": "tritium_bf16", "ms": 8.0, "tokens_per_s": 1.25},
                              {"variant": "tritium_bf16", "error": "OOM"}]}
