@@ -151,7 +151,9 @@ SPECS = {
         targets=(Target(r"^B4 H32 .*S4096 D128 .*fwd\+bwd", "tritium flash nosplit", ">= 0.9x",
                         ("paired_speedup", "speedup"), 0.9),
                  Target(r"^B4 H32 .*S4096 D128 .* fwd$", "tritium fp8 kernel", ">= 1.3x",
-                        ("paired_speedup", "speedup"), 1.3))),
+                        ("paired_speedup", "speedup"), 1.3)),
+        headlines=((r"^B4 H32 S4096 D128 causal fwd$", "tritium fp8 kernel",
+                    "FP8 attention forward (fp8_dpa), B4 H32 S4096 causal"),)),
     "norm": Spec(
         "RMSNorm / LayerNorm, 16384 x 4096 bf16: % of the copy bandwidth, kernels / wall",
         peers=("torch compiled", "liger", "torch copy"),
@@ -278,8 +280,8 @@ SPECS = {
         rank="scaling",
         headlines=((r"S131072 .*p2p", "cp=8", "Context-parallel scaling, cp=2 -> 8, S=131072"),)),
 }
-SUMMARY_ORDER = ("linear", "mlp", "block", "model", "fsdp", "demo", "attention", "norm", "adam", "cp",
-                 "cp_scale")
+SUMMARY_ORDER = ("linear", "mlp", "block", "model", "fsdp", "demo", "attention", "flash_attention",
+                 "norm", "adam", "cp", "cp_scale")
 
 
 # ---- loading --------------------------------------------------------------------------------
