@@ -1,6 +1,6 @@
 """Usage: python scripts/profile_host.py
-       {host,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,model-cpu-tp,kernels,
-        ops} [args]
+       {host,cputime,threading,parts,trace,launch,model-cpu,model-cpu-llama,model-cpu-graphs,
+        model-cpu-tp,kernels,ops} [args]
 
 Where the time of an eager step goes, host and GPU (diagnostics; all but model-cpu* need CUDA).
 The FP8 step is a bf16 tritium.Linear under fp8_autocast (delayed scaling), fwd + bwd. The
@@ -20,6 +20,14 @@ model-cpu* commands (GPU calls stubbed, any CPU) are in profile_host_cpu.py.
                       GPU synced outside the timing); medians and ratios to the first case.
                       Host changes are judged by it: the wall of a host-bound step drifts by
                       more than such a change between rounds (docs/performance.md).
+  threading [CASE ...] [--rounds R --steps N]
+                      wall ms per step of the cases (default layernorm rmsnorm torch_layernorm
+                      torch_rmsnorm) with PyTorch's default threading (a CUDA backward runs on
+                      the autograd engine's device thread) and with the backward on the calling
+                      thread, in R alternating rounds of N steps: medians, the rounds' spread
+                      and the handoff (default - calling). Where the GPU work is shorter than
+                      the host's, this is what the engine's device thread costs a Python
+                      backward on this host (docs/performance.md, the norm section).
   parts               host time per step at T256 512->512 (where the GPU waits on the host),
                       real and then with more and more of its GPU calls replaced by stand-ins
                       that return at once (the C launch, torch._scaled_mm, Launcher.__call__),
@@ -181,6 +189,35 @@ def cmd_cputime(args):
     for name, values in cpu.items():
         ms = statistics.median(values)
         print(f"  {name:<12} {ms:8.3f} ms  ({ms / base:.3f}x {names[0]})")
+
+
+def cmd_threading(args):
+    """Wall ms per step, default threading vs the backward on the calling thread, alternating
+    rounds (the GPU synced after each round's steps, inside its timing)."""
+    import statistics
+    names = args.cases or ["layernorm", "rmsnorm", "torch_layernorm", "torch_rmsnorm"]
+    steps = {name: HOST_CASES[name]() for name in names}
+    runs = [(name, calling) for name in names for calling in (False, True)]
+    wall = {run: [] for run in runs}
+    for step in steps.values():
+        for _ in range(5):
+            step()
+    for r in range(args.rounds):
+        for name, calling in (runs if r % 2 == 0 else runs[::-1]):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            with torch.autograd.set_multithreading_enabled(not calling):
+                for _ in range(args.steps):
+                    steps[name]()
+                torch.cuda.synchronize()
+            wall[(name, calling)].append(1e3 * (time.perf_counter() - t0) / args.steps)
+    print(f"wall ms per step (median of {args.rounds} alternating rounds of {args.steps} steps; "
+          "min-max):")
+    for name in names:
+        ms = {c: statistics.median(wall[(name, c)]) for c in (False, True)}
+        spread = {c: f"{min(wall[(name, c)]):.3f}-{max(wall[(name, c)]):.3f}" for c in ms}
+        print(f"  {name:<16} default {ms[False]:.3f} ({spread[False]})  calling thread "
+              f"{ms[True]:.3f} ({spread[True]})  handoff {ms[False] - ms[True]:+.3f}")
 
 
 # ---- parts ----------------------------------------------------------------------------------
@@ -486,6 +523,11 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--steps", type=int, default=30)
     p.set_defaults(func=cmd_cputime)
+    p = sub.add_parser("threading", help="wall per step, default vs calling-thread backward")
+    p.add_argument("cases", nargs="*", metavar="CASE", help=", ".join(HOST_CASES))
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=100)
+    p.set_defaults(func=cmd_threading)
     sub.add_parser("parts", help="host time with GPU calls stubbed kind by kind").set_defaults(
         func=cmd_parts)
     p = sub.add_parser("trace", help="per-function host stamps of the median step")
