@@ -76,7 +76,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import (add_ratio, compile_counts, error_fields, finish, loss_tail,  # noqa: E402
-                     no_recompiles)
+                     no_recompiles, paired_speedups)
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -307,22 +307,22 @@ def merge_rounds(case: str, names: list, seen: dict) -> list:
     """{variant: [row of each round]} -> one row per variant (see --rounds): ms the median over
     the rounds that timed it, the rest the first round's; an error in any round is the row."""
     import statistics
+    timed = {v: [r["ms"] for r in runs] for v, runs in seen.items()
+             if all("ms" in r for r in runs)}
     rows = []
     for v in names:
         runs = seen[v]
-        failed = [r for r in runs if "ms" not in r]
-        row = {"case": case, **(failed[0] if failed else runs[0])}
-        if len(runs) > 1 and not failed:
-            ms = statistics.median(r["ms"] for r in runs)
-            row.update(ms=round(ms, 3), ms_rounds=[r["ms"] for r in runs],
+        row = {"case": case, **next((r for r in runs if "ms" not in r), runs[0])}
+        if len(runs) > 1 and v in timed:
+            ms = statistics.median(timed[v])
+            row.update(ms=round(ms, 3), ms_rounds=timed[v],
                        tokens_per_s=round(runs[0]["tokens_per_s"] * runs[0]["ms"] / ms, 1))
             versus = [u for u in names if not u.startswith("tritium")]
             if EAGER_SELF.get(v) in names:
                 versus.append(EAGER_SELF[v])
             for u in versus if v.startswith("tritium") else ():
-                pairs = [(a["ms"], b["ms"]) for a, b in zip(seen[u], runs) if "ms" in a]
-                if len(pairs) == len(runs):
-                    row[f"paired_vs_{u}"] = round(statistics.median(a / b for a, b in pairs), 4)
+                if u in timed:
+                    row[f"paired_vs_{u}"] = paired_speedups({u: timed[u], v: timed[v]}, u)[v]
         rows.append(row)
     return rows
 

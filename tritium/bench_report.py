@@ -49,11 +49,11 @@ class Target:
         fields = self.field if isinstance(self.field, tuple) else (self.field,)
         value = next((row[f] for f in fields if row.get(f) is not None), None)
         if self.versus is not None:  # the paired ratio where the run has one (rounds)
-            mine, theirs = row.get("ms"), (versus or {}).get("ms")
             value = row.get(f"paired_vs_{self.versus}")
-            if value is None:
-                value = theirs / mine if isinstance(mine, (int, float)) and mine > 0 and \
-                    isinstance(theirs, (int, float)) else None
+            mine, theirs = row.get("ms"), (versus or {}).get("ms")
+            if value is None and isinstance(mine, (int, float)) and mine > 0 and \
+                    isinstance(theirs, (int, float)):
+                value = theirs / mine
         if not isinstance(value, (int, float)):
             return None
         return ((self.at_least is None or value >= self.at_least)
