@@ -108,6 +108,34 @@ def test_per_row_position_ids():
     torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
 
 
+def test_no_mask_skips_hf_packed_sequence_check(monkeypatch):
+    """Without attention_mask and position_ids the converted model skips HF's mask code (its
+    packed-sequence check reads a device tensor on the host: a sync per forward); with
+    position_ids that pack two sequences into a row, HF's check runs and its packed mask is
+    followed (RoPE restarts and no attention across the boundary), as in HF's model."""
+    from transformers import masking_utils
+    if not hasattr(masking_utils, "find_packed_sequence_indices"):
+        pytest.skip("this transformers has no packed-sequence check")
+    calls = []
+    check = masking_utils.find_packed_sequence_indices
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices",
+                        lambda pos: calls.append(1) or check(pos))
+    hf, conv = _pair()
+    hf.config.use_cache = False  # as a training step (with a cache HF checks nothing)
+    ids = torch.randint(0, VOCAB, (2, 12))
+    ref, out = hf(input_ids=ids, labels=ids), conv(input_ids=ids, labels=ids)
+    assert len(calls) == 1  # HF's model only
+    torch.testing.assert_close(out.loss, ref.loss, **FP32_TOL)
+    out.loss.backward()  # the marker is no tensor of the graph
+    pos = torch.cat([torch.arange(5), torch.arange(7)])[None].expand(2, 12)
+    with torch.no_grad():
+        ref, out = hf(input_ids=ids, position_ids=pos), conv(input_ids=ids, position_ids=pos)
+    assert len(calls) == 3
+    torch.testing.assert_close(out.logits, ref.logits, **FP32_TOL)
+    with torch.no_grad():  # packing changes the logits: the packed mask was followed
+        assert not torch.allclose(conv(input_ids=ids).logits[:, 5:], out.logits[:, 5:])
+
+
 def test_layer_inputs_follow_position_ids_changes():
     """The decoder layers share one forward's mask and angles (made once, reused while the
     same tensors come in): a changed position_ids, in place or new, gives new angles."""

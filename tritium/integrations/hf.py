@@ -29,7 +29,10 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
     e.g. "linear", "llama3", "dynamic", are covered); types with an attention_scaling != 1
     (yarn, longrope) are refused. Batch rows with different position_ids run one at a time.
   * Masks: None -> causal (HF's sdpa path without padding); a 4D bool mask (True = attend) or
-    additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). Query rows
+    additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). A forward
+    with neither attention_mask nor position_ids (nor a cache) skips HF's mask code: the
+    converted LlamaModel hands it a marker that means causal (`_mark_causal`), where HF's
+    packed-sequence check of its own arange positions would cost a device sync per forward. Query rows
     with no visible key give 0 (TE's convention; HF gives garbage there, which it ignores).
   * The causal-LM loss (`LlamaForCausalLM`, fused_cross_entropy=True, the default): in training
     mode, `model(input_ids, labels=labels)` computes HF's loss (labels shifted left and padded
@@ -108,7 +111,7 @@ def _check_config(config) -> None:
 
 def _te_mask(attention_mask: Optional[torch.Tensor]):
     """HF's 4D mask -> (TE mask or None, attn_mask_type)."""
-    if attention_mask is None:
+    if attention_mask is None or _is_causal_marker(attention_mask):
         return None, "causal"
     if not isinstance(attention_mask, torch.Tensor):
         raise NotImplementedError(f"attention_mask of type {type(attention_mask).__name__} (flex "
@@ -120,6 +123,49 @@ def _te_mask(attention_mask: Optional[torch.Tensor]):
     if attention_mask.dtype == torch.bool:
         return ~attention_mask, "arbitrary"
     return attention_mask != 0, "arbitrary"
+
+
+# What the converted model hands HF's mask code when a forward has no attention_mask, no
+# position_ids and no cache: a 4D tensor, which create_causal_mask returns as it is, so HF skips
+# its packed-sequence check of position_ids (transformers' masking_utils: a host read of a
+# device tensor, one sync per forward; without a mask or positions the positions are HF's own
+# arange and cannot be packed). The layers read it as "causal, no padding". No HF mask has a
+# zero dim ([b, 1, q, kv], each >= 1); one per device, holding no memory.
+_CAUSAL_MARKER_SHAPE = (0, 1, 0, 0)
+_causal_markers: dict = {}
+
+
+def _is_causal_marker(attention_mask) -> bool:
+    return isinstance(attention_mask, torch.Tensor) and \
+        tuple(attention_mask.shape) == _CAUSAL_MARKER_SHAPE
+
+
+def _mark_causal(module, args, kwargs):
+    """LlamaModel forward pre-hook (kwargs): the causal marker in place of a missing mask,
+    where HF would otherwise derive the mask from its own position_ids (above)."""
+    if len(args) > 1 or any(kwargs.get(k) is not None for k in (
+            "attention_mask", "position_ids", "cache", "past_key_values")) \
+            or kwargs.get("use_cache"):
+        return None
+    ids = args[0] if args else kwargs.get("input_ids")
+    if ids is None:
+        ids = kwargs.get("inputs_embeds")
+    if ids is None:
+        return None
+    marker = _causal_markers.get(ids.device)
+    if marker is None:
+        marker = _causal_markers[ids.device] = torch.empty(_CAUSAL_MARKER_SHAPE, dtype=torch.bool,
+                                                           device=ids.device)
+    return args, {**kwargs, "attention_mask": marker}
+
+
+def _hf_mask_syncs() -> bool:
+    """Whether the installed transformers' mask code reads position_ids on the host."""
+    try:
+        from transformers import masking_utils
+    except ImportError:
+        return False
+    return hasattr(masking_utils, "find_packed_sequence_indices")
 
 
 def _version(t):
@@ -347,6 +393,9 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
     inner.norm = _final_norm(inner.norm, config)
+    if _hf_mask_syncs() and not getattr(inner, "_tritium_marks_causal", False):
+        inner.register_forward_pre_hook(_mark_causal, with_kwargs=True)
+        inner._tritium_marks_causal = True
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         fuse_cross_entropy(model, fp8_lm_head=fp8_lm_head)
