@@ -75,8 +75,8 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from harness import (add_ratio, compile_counts, error_fields, finish, loss_tail,  # noqa: E402
-                     no_recompiles, paired_speedups)
+from harness import (add_ratio, compile_counts, device_syncs, error_fields,  # noqa: E402
+                     finish, loss_tail, no_recompiles, paired_speedups)
 
 MODEL = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
              num_attention_heads=32, num_key_value_heads=8, head_dim=64,
@@ -261,16 +261,20 @@ def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
     the wall time per step, the GPU kernels' busy time per step and the kernels that take it,
     grouped by name, and per phase (forward, backward, optimizer) the GPU's span, its busy time
     and its idle time (where it waited for the host): is the step bound by kernels or by the
-    host, and where."""
+    host, and where. First, the device syncs of one step by the line that made them (a sync
+    drains the GPU, which then waits for the host: HF's mask code made one per forward)."""
     from torch.profiler import ProfilerActivity, profile
     device = torch.device("cuda")
-    data = [ids.to(device) for ids in batches(WARMUP + steps, BATCH, SEQ)]
+    data = [ids.to(device) for ids in batches(WARMUP + 1 + steps, BATCH, SEQ)]
     model, opt, ctx = build(variant, MODEL, device)
     flag = torch.zeros(1, dtype=torch.int8, device=device)
+    cudagraphs = variant.endswith("cudagraphs")
 
     def step(ids):
         torch.bitwise_not(flag, out=flag)
         opt.zero_grad(set_to_none=True)
+        if cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with ctx():
             loss = model(input_ids=ids, labels=ids).loss
         torch.bitwise_not(flag, out=flag)
@@ -280,10 +284,13 @@ def profile_variant(variant: str, steps: int = 3, top: int = 30) -> None:
 
     for ids in data[:WARMUP]:
         step(ids)
+    syncs = device_syncs(lambda: step(data[WARMUP]))
+    print(f"{variant}: device syncs in one step: " + (", ".join(
+        f"{site} x{n}" for site, n in sorted(syncs.items())) or "none"))
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for ids in data[WARMUP:]:
+        for ids in data[WARMUP + 1:]:
             step(ids)
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3 / steps

@@ -228,6 +228,32 @@ def kernel_summary(prof, steps: int, top: int = 25) -> KernelSummary:
                          ranked, exposed)
 
 
+def device_syncs(fn) -> dict:
+    """Run fn() once under torch.cuda.set_sync_debug_mode("warn") and count the synchronizing
+    CUDA operations (a host read of a device tensor, a stream or device sync) by the Python line
+    that made them: {"file:line": count}. A step that syncs lets the GPU drain and then wait
+    for the host; where the host is much slower than the GPU within one phase, look here.
+    Without CUDA fn() just runs (nothing syncs)."""
+    import warnings
+    cuda = torch.cuda.is_available()
+    previous = torch.cuda.get_sync_debug_mode() if cuda else 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode(previous)
+    sites: dict = {}
+    for w in caught:
+        if "synchronizing CUDA operation" in str(w.message):
+            site = f"{w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return sites
+
+
 def gpu_ms(fn, iters: int = 20) -> float:
     """Device time of one call of fn: the kernels' (and memsets'/copies') own time from
     torch.profiler, summed and divided by iters. Host time is not in it, so next to time_ms it

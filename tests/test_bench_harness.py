@@ -107,3 +107,34 @@ def test_paired_speedups_cancel_a_drift_between_rounds():
     assert harness.paired_speedups(seen, "fp8") == {"fp8": 1.0, "bf16": 1.25}
     medians = harness.median_ms(seen)
     assert medians == {"fp8": 15.0, "bf16": 10.4}
+
+
+def test_device_syncs_counts_sync_warnings_by_line(monkeypatch):
+    """device_syncs turns sync-debug mode on around fn, counts its sync warnings per line
+    (other warnings ignored) and restores the previous mode even when fn raises."""
+    import warnings
+
+    import torch
+    harness = _harness()
+    modes = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    n = random.randrange(2, 6)
+
+    def step():
+        for _ in range(n):
+            warnings.warn("called a synchronizing CUDA operation")  # one line, n times
+        warnings.warn("called a synchronizing CUDA operation")
+        warnings.warn("something else")
+
+    sites = harness.device_syncs(step)
+    assert modes == ["warn", 0]
+    counts = sorted(sites.values())
+    assert counts == [1, n] and all(s.startswith(__file__) for s in sites)
+
+    def broken():
+        raise RuntimeError("boom")
+    with pytest.raises(RuntimeError):
+        harness.device_syncs(broken)
+    assert modes[-2:] == ["warn", 0]
