@@ -29,11 +29,11 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
     e.g. "linear", "llama3", "dynamic", are covered); types with an attention_scaling != 1
     (yarn, longrope) are refused. Batch rows with different position_ids run one at a time.
   * Masks: None -> causal (HF's sdpa path without padding); a 4D bool mask (True = attend) or
-    additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). A forward
-    with neither attention_mask nor position_ids (nor a cache) skips HF's mask code: the
+    additive float mask (0 = attend) -> TE's "arbitrary" mask (True = masked out). Query rows
+    with no visible key give 0 (TE's convention; HF gives garbage there, which it ignores). A
+    forward with neither attention_mask nor position_ids (nor a cache) skips HF's mask code: the
     converted LlamaModel hands it a marker that means causal (`_mark_causal`), where HF's
-    packed-sequence check of its own arange positions would cost a device sync per forward. Query rows
-    with no visible key give 0 (TE's convention; HF gives garbage there, which it ignores).
+    packed-sequence check of its own arange positions would cost a device sync per forward.
   * The causal-LM loss (`LlamaForCausalLM`, fused_cross_entropy=True, the default): in training
     mode, `model(input_ids, labels=labels)` computes HF's loss (labels shifted left and padded
     with -100, mean over non-ignored tokens, or the sum / num_items_in_batch when that is passed,
