@@ -259,5 +259,11 @@ def test_unsupported_configs_and_calls():
     ids = torch.randint(0, VOCAB, (1, 5))
     with pytest.raises(NotImplementedError, match="KV cache"):
         conv(input_ids=ids, use_cache=True)
+    import inspect
+    names = [n for n in ("past_key_values", "cache")  # `cache` since transformers 5
+             if n in inspect.signature(type(conv.model).forward).parameters]
+    for name in names:
+        with pytest.raises(NotImplementedError, match="KV cache"):
+            conv(input_ids=ids, **{name: transformers.DynamicCache()})
     with pytest.raises(TypeError, match="LlamaForCausalLM"):
         convert_llama(torch.nn.Linear(2, 2))

@@ -250,7 +250,7 @@ class TritiumLlamaDecoderLayer(torch.nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_ids=None,
                 past_key_values=None, use_cache: bool = False, position_embeddings=None,
                 output_attentions: bool = False, **kwargs):
-        if past_key_values is not None or use_cache:
+        if past_key_values is not None or kwargs.get("cache") is not None or use_cache:
             raise NotImplementedError("tritium decoder layers have no KV cache: call the model "
                                       "with use_cache=False (training, scoring)")
         if output_attentions:
@@ -309,9 +309,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                        logits_to_keep=0, **kwargs):
     """LlamaForCausalLM.forward with the loss through linear_cross_entropy (module note)."""
     shift_labels = kwargs.pop("shift_labels", None)
+    if past_key_values is not None:  # only when given: transformers 5 renamed it `cache` and
+        kwargs["past_key_values"] = past_key_values  # warns on every call that passes it
     if not self.training or (labels is None and shift_labels is None):
         return type(self).forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                  position_ids=position_ids, past_key_values=past_key_values,
+                                  position_ids=position_ids,
                                   inputs_embeds=inputs_embeds, labels=labels,
                                   use_cache=use_cache, logits_to_keep=logits_to_keep,
                                   **({} if shift_labels is None else
@@ -321,8 +323,8 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
     ignore_index = kwargs.pop("ignore_index", -100)
     return_dict = kwargs.pop("return_dict", None)
     outputs = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=position_ids, past_key_values=past_key_values,
-                         inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                         position_ids=position_ids, inputs_embeds=inputs_embeds,
+                         use_cache=use_cache, **kwargs)
     hidden = outputs[0]
     if shift_labels is None:  # tokens < n predict n, as HF's ForCausalLMLoss
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
