@@ -63,7 +63,7 @@ import torch.distributed as dist
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "examples"))
-from harness import finish, kernel_summary, loss_tail  # noqa: E402
+from harness import device_syncs, finish, kernel_summary, loss_tail  # noqa: E402
 import train_fsdp as T  # noqa: E402
 
 VARIANTS = ("bf16", "hf-bf16", "tritium-fp8-ag", "tritium-fp8-delayed-ag",
@@ -226,8 +226,6 @@ def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
       * the collectives of one step by kind, group size and dtype (count, MiB), and whether
         every rank issued the same sequence (a mismatch would hang or serialize NCCL)."""
     import time
-    import traceback
-    import warnings
     import transformers.masking_utils as masking
     args.steps = args.warmup + steps + 2
     model, opt, rcp, after = _setup_variant(name, args, device)
@@ -269,27 +267,18 @@ def diagnose_variant(name: str, args, device, steps: int = 3) -> None:
     sync()
     dist.barrier()
 
-    def seen(message, *a, **k):   # a sync debug warning: where the step called it
-        if "synchroniz" not in str(message):
-            return
-        frames = [f for f in traceback.extract_stack()[:-1]
-                  if "/torch/" not in f.filename and "warnings.py" not in f.filename]
-        site = "/".join(frames[-1].filename.rsplit("/", 2)[-2:]) if frames else "?"
-        row["cuda_syncs"].append(f"at {site}:{frames[-1].lineno if frames else 0}")
     x, y = data[-1]
-    with T.CollectiveLog() as log, warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = seen
+
+    def step():   # a sync debug warning: where the step called it (harness.device_syncs)
+        run(x, y)
+        sync()
+    with T.CollectiveLog() as log:
         log.on = True
-        if cuda:
-            torch.cuda.set_sync_debug_mode("warn")
         try:
-            run(x, y)
-            sync()
+            syncs = device_syncs(step)
         finally:
-            if cuda:
-                torch.cuda.set_sync_debug_mode("default")
             log.on = False
+    row["cuda_syncs"] = [f"at {site}" for site, n in syncs.items() for _ in range(n)]
     row.update(syncs=log.syncs, log=log.log, summary=log.summary())
     rows = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)

@@ -230,15 +230,29 @@ def kernel_summary(prof, steps: int, top: int = 25) -> KernelSummary:
 
 def device_syncs(fn) -> dict:
     """Run fn() once under torch.cuda.set_sync_debug_mode("warn") and count the synchronizing
-    CUDA operations (a host read of a device tensor, a stream or device sync) by the Python line
-    that made them: {"file:line": count}. A step that syncs lets the GPU drain and then wait
-    for the host; where the host is much slower than the GPU within one phase, look here.
+    CUDA operations (a host read of a device tensor, a stream or device sync) by the innermost
+    line outside torch that made them: {"folder/file.py:line": count}, in the order first seen.
+    A step that syncs lets the GPU drain and then wait for the host; where the host is much
+    slower than the GPU within one phase, look here. Other warnings raised by fn are dropped.
     Without CUDA fn() just runs (nothing syncs)."""
+    import traceback
     import warnings
+    sites: dict = {}
+
+    def seen(message, *args, **kwargs):
+        if "synchroniz" not in str(message):
+            return
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/torch/" not in f.filename and "warnings.py" not in f.filename]
+        site = (f"{'/'.join(frames[-1].filename.rsplit('/', 2)[-2:])}:{frames[-1].lineno}"
+                if frames else "?")
+        sites[site] = sites.get(site, 0) + 1
+
     cuda = torch.cuda.is_available()
     previous = torch.cuda.get_sync_debug_mode() if cuda else 0
-    with warnings.catch_warnings(record=True) as caught:
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = seen
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
@@ -246,11 +260,6 @@ def device_syncs(fn) -> dict:
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode(previous)
-    sites: dict = {}
-    for w in caught:
-        if "synchronizing CUDA operation" in str(w.message):
-            site = f"{w.filename}:{w.lineno}"
-            sites[site] = sites.get(site, 0) + 1
     return sites
 
 
