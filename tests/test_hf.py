@@ -100,6 +100,19 @@ def test_padding_mask_and_eager_attention():
     torch.testing.assert_close(out.logits[keep], ref.logits[keep], **FP32_TOL)
 
 
+def test_output_hidden_states_match():
+    """output_hidden_states=True: the embeddings and every layer's output, as HF's model gives
+    them (transformers >= 4.54 records them with hooks on its own layer class)."""
+    hf, conv = _pair(layers=3)
+    ids = torch.randint(0, VOCAB, (2, 7))
+    with torch.no_grad():
+        ref = hf(input_ids=ids, output_hidden_states=True).hidden_states
+        out = conv(input_ids=ids, output_hidden_states=True).hidden_states
+    assert len(out) == len(ref) == 4
+    for got, want in zip(out, ref):
+        torch.testing.assert_close(got, want, **FP32_TOL)
+
+
 def test_per_row_position_ids():
     hf, conv = _pair()
     ids = torch.randint(0, VOCAB, (2, 9))

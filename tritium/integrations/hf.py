@@ -159,6 +159,20 @@ def _mark_causal(module, args, kwargs):
     return args, {**kwargs, "attention_mask": marker}
 
 
+def _record_hidden_states(wrapper) -> None:
+    """`output_hidden_states=True`: transformers >= 4.54 collects them with forward hooks it
+    puts on modules of its own decoder-layer class, which a converted layer is not; give the
+    converted one the same hook (older versions collect them in LlamaModel.forward itself)."""
+    try:
+        from transformers.utils import output_capturing
+    except ImportError:
+        return
+    install = getattr(output_capturing, "install_output_capturing_hook", None) or \
+        getattr(output_capturing, "install_output_capuring_hook", None)
+    if install is not None:
+        install(wrapper, "hidden_states", 0)
+
+
 def _hf_mask_syncs() -> bool:
     """Whether the installed transformers' mask code reads position_ids on the host."""
     try:
@@ -333,10 +347,11 @@ def _causal_lm_forward(self, input_ids=None, attention_mask=None, position_ids=N
                                 bias=self.lm_head.bias, fp8=self._tritium_fp8_lm_head)
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    out = CausalLMOutputWithPast(loss=loss, logits=None,
-                                 past_key_values=getattr(outputs, "past_key_values", None),
-                                 hidden_states=getattr(outputs, "hidden_states", None),
-                                 attentions=getattr(outputs, "attentions", None))
+    # the model output's set fields under their own names (transformers 5 calls the cache
+    # `cache` and warns on reads of `past_key_values`)
+    kept = {k: v for k, v in outputs.items()
+            if k in ("cache", "past_key_values", "hidden_states", "attentions")}
+    out = CausalLMOutputWithPast(loss=loss, logits=None, **kept)
     return out.to_tuple() if return_dict is False else out
 
 
@@ -391,6 +406,7 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
                                                    shared)
+        _record_hidden_states(inner.layers[i])
     for i, wrapper in enumerate(inner.layers):
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
