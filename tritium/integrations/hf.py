@@ -406,7 +406,8 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
                                                    shared)
-        _record_hidden_states(inner.layers[i])
+        if not sp:  # under SP a middle layer's output is this rank's [s / tp, b, h] chunk
+            _record_hidden_states(inner.layers[i])
     for i, wrapper in enumerate(inner.layers):
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
