@@ -59,8 +59,8 @@ which does `hidden_states = decoder_layer(...)`) and a 1-tuple where LlamaModel 
     this rank's chunk of the gradient (every rank computed the whole gradient). So the HF parts
     see whole [b, s, h] tensors and get identical gradients on every TP rank; attention sees
     the whole sequence after the QKV all-gather, so the mask and RoPE angles stay whole. Batch
-    rows with different position_ids are not supported there, `output_hidden_states` returns
-    no layer outputs there (the middle ones are chunks), and `to_hf_state_dict` needs a
+    rows with different position_ids are not supported there, nor is `output_hidden_states`
+    (the middle layers' outputs are this rank's chunks), and `to_hf_state_dict` needs a
     tp_size=1 model.
   * Not supported (clear errors): KV caches (convert_llama sets config.use_cache = False; an
     explicit use_cache=True or past_key_values raises: generate(..., use_cache=False) works), flex-attention BlockMask, attention/MLP biases, activations other than SiLU,
