@@ -320,5 +320,9 @@ def test_versus_target_reads_the_paired_ratio_where_the_run_has_it(tmp_path):
         return br.bench_table("model", br.latest(br.load_runs(tmp_path))["model"])
     label = "; >= 1.25x hf_torchao"  # the only tritium column: the target reads without its name
     assert f"{label}: **met**" in table(None)   # medians 115.5 / 92.0 = 1.255x
+    # README's summary row checks it the same way, with or without the paired ratio
+    summary = br.summary_table(br.latest(br.load_runs(tmp_path)))
+    assert ">= 1.25x hf_torchao: met" in summary
     t = table(1.246)
     assert f"{label}: **not met**" in t and "paired 1.246x hf_torchao" in t
+    assert ">= 1.25x hf_torchao: not met" in br.summary_table(br.latest(br.load_runs(tmp_path)))
