@@ -113,6 +113,18 @@ def test_output_hidden_states_match():
         torch.testing.assert_close(got, want, **FP32_TOL)
 
 
+def test_layer_compiles_fullgraph_with_the_converted_models_hooks():
+    """The converted model's pre-hooks add nothing to a layer that a per-layer
+    `compile(fullgraph=True)` must trace (HF's capture hook appears only when asked)."""
+    hf, conv = _pair()
+    ids = torch.randint(0, VOCAB, (2, 9))
+    torch._dynamo.reset()
+    conv.model.layers[0].compile(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(conv(input_ids=ids).logits, hf(input_ids=ids).logits,
+                                   **FP32_TOL)
+
+
 def test_per_row_position_ids():
     hf, conv = _pair()
     ids = torch.randint(0, VOCAB, (2, 9))

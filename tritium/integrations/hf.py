@@ -131,9 +131,8 @@ def _te_mask(attention_mask: Optional[torch.Tensor]):
 # its packed-sequence check of position_ids (transformers' masking_utils: a host read of a
 # device tensor, one sync per forward; without a mask or positions the positions are HF's own
 # arange and cannot be packed). The layers read it as "causal, no padding". No HF mask has a
-# zero dim ([b, 1, q, kv], each >= 1); one per device, holding no memory.
+# zero dim ([b, 1, q, kv], each >= 1); it holds no memory.
 _CAUSAL_MARKER_SHAPE = (0, 1, 0, 0)
-_causal_markers: dict = {}
 
 
 def _is_causal_marker(attention_mask) -> bool:
@@ -153,25 +152,36 @@ def _mark_causal(module, args, kwargs):
         ids = kwargs.get("inputs_embeds")
     if ids is None:
         return None
-    marker = _causal_markers.get(ids.device)
-    if marker is None:
-        marker = _causal_markers[ids.device] = torch.empty(_CAUSAL_MARKER_SHAPE, dtype=torch.bool,
-                                                           device=ids.device)
+    marker = torch.empty(_CAUSAL_MARKER_SHAPE, dtype=torch.bool, device=ids.device)
     return args, {**kwargs, "attention_mask": marker}
 
 
-def _record_hidden_states(wrapper) -> None:
-    """`output_hidden_states=True`: transformers >= 4.54 collects them with forward hooks it
-    puts on modules of its own decoder-layer class, which a converted layer is not; give the
-    converted one the same hook (older versions collect them in LlamaModel.forward itself)."""
+def _hf_capture_hook():
+    """transformers' installer of its hidden-state capture hook (>= 4.54), or None."""
     try:
         from transformers.utils import output_capturing
     except ImportError:
-        return
-    install = getattr(output_capturing, "install_output_capturing_hook", None) or \
+        return None
+    return getattr(output_capturing, "install_output_capturing_hook", None) or \
         getattr(output_capturing, "install_output_capuring_hook", None)
-    if install is not None:
-        install(wrapper, "hidden_states", 0)
+
+
+def _capture_when_asked(module, args, kwargs):
+    """LlamaModel forward pre-hook (kwargs): `output_hidden_states=True` under transformers
+    >= 4.54 collects hidden states with forward hooks HF puts, when first asked, on modules of
+    its own decoder-layer class, which a converted layer is not. Give the converted layers the
+    same hook at the same moment (never before: a per-layer `compile(fullgraph=True)` cannot
+    trace it, as it cannot HF's). Not under sequence parallelism (the middle layers' outputs
+    are chunks)."""
+    asked = kwargs.get("output_hidden_states")
+    if asked is None:
+        asked = getattr(module.config, "output_hidden_states", False)
+    if asked and not getattr(module, "_tritium_captures", False):
+        install = _hf_capture_hook()
+        for layer in module.layers:
+            if isinstance(layer, TritiumLlamaDecoderLayer) and layer._sp_group is None:
+                install(layer, "hidden_states", 0)
+        module._tritium_captures = True
 
 
 def _hf_mask_syncs() -> bool:
@@ -407,8 +417,6 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
         layer.train(hf_layer.training)
         inner.layers[i] = TritiumLlamaDecoderLayer(layer, inner.rotary_emb, i, return_tuple,
                                                    shared)
-        if not sp:  # under SP a middle layer's output is this rank's [s / tp, b, h] chunk
-            _record_hidden_states(inner.layers[i])
     for i, wrapper in enumerate(inner.layers):
         wrapper._sp_group = group if sp else None
         wrapper.scatter_input, wrapper.gather_output = i == 0, i == len(inner.layers) - 1
@@ -416,6 +424,9 @@ def convert_llama(model, *, fused_cross_entropy: bool = True, fp8_lm_head: bool 
     if _hf_mask_syncs() and not getattr(inner, "_tritium_marks_causal", False):
         inner.register_forward_pre_hook(_mark_causal, with_kwargs=True)
         inner._tritium_marks_causal = True
+    if _hf_capture_hook() is not None and not getattr(inner, "_tritium_capture_hook", False):
+        inner.register_forward_pre_hook(_capture_when_asked, with_kwargs=True)
+        inner._tritium_capture_hook = True
     config.use_cache = False  # no KV cache: forward(...) then makes none by default
     if fused_cross_entropy and isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
         fuse_cross_entropy(model, fp8_lm_head=fp8_lm_head)
