@@ -22,8 +22,9 @@
 * Delayed scaling: the q/k/v amaxes are recorded, the state updates once at autocast exit
   (scale = 448 / amax), the next call quantizes with those scales; checkpoint recompute records
   nothing and reproduces the gradients; the module's GEMM states still get their backward update.
-* Recipes: fp8_dpa on DelayedScaling / Float8CurrentScaling, fp8_mha and block recipes refused;
-  dropout, forced non-FP8 backends and context parallelism refused before any state changes.
+* Recipes: fp8_dpa on DelayedScaling / Float8CurrentScaling, block recipes refused (fp8_mha:
+  tests/test_fp8_mha.py); dropout, forced non-FP8 backends and context parallelism refused
+  before any state changes.
 """
 from __future__ import annotations
 
@@ -175,11 +176,9 @@ def test_checkpoint_recompute_uses_the_forward_scales_and_records_nothing():
 
 
 # --- recipes, choice, refusals -------------------------------------------------------------
-def test_recipes_accept_fp8_dpa_and_refuse_fp8_mha():
+def test_recipes_accept_fp8_dpa():
     assert recipe.DelayedScaling(fp8_dpa=True).fp8_dpa and CURRENT.fp8_dpa
     assert recipe.recipe_from_dict(recipe.DelayedScaling(fp8_dpa=True).to_dict()).fp8_dpa
-    with pytest.raises(NotImplementedError, match="fp8_mha=True.*use fp8_dpa=True"):
-        recipe.DelayedScaling(fp8_dpa=True, fp8_mha=True)
     for cls in (recipe.Float8BlockScaling, recipe.MXFP8BlockScaling):
         with pytest.raises(NotImplementedError, match="per-tensor recipes"):
             cls(fp8_dpa=True)

@@ -283,7 +283,8 @@ def _fa_types(name: str, cfg, split: bool = False, d: int = 128) -> dict:
 _FA_CFG = {}
 for _name, _kind in _FA_KINDS.items():
     _c = _FA_CFG[_name] = _fa.GPU_CFG[_kind][(128, False)]
-    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False, VARLEN=False),
+    _extra = {"fwd": dict(WS=_c.ws and _c.tma, FP8=False, VT=False, WINDOW=False, VARLEN=False,
+                          O8=False, O8_AMAX=False, O_HP=True),
               "dkdv": dict(ATOMIC_DQ=_c.atomic_dq, WINDOW=False, VARLEN=False),
               "dq": dict(WINDOW=False, VARLEN=False)}
     KERNELS[("flash_attention_tiles", _name)] = (
@@ -310,6 +311,11 @@ def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
     return dict(FP8=True, VT=True, SPLIT=False, D=d, TMA=c.tma, WS=c.ws and c.tma,
                 BLOCK_M=c.block_m, BLOCK_N=c.block_n, _types=types,
                 _options=dict(num_warps=c.warps, num_stages=c.stages))
+
+
+def _fa_fp8_out(variant: dict, **flags) -> dict:
+    """An FP8 forward variant that also writes the E4M3 out (fp8_mha)."""
+    return dict(variant, O8=True, _types=dict(variant["_types"], o8_ptr=E4P), **flags)
 
 
 def _fa_variants(name: str) -> list:
@@ -367,7 +373,9 @@ VARIANTS = {
              _options=dict(num_warps=_FA256.warps, num_stages=_FA256.stages))]
     + [_fa_fp8(128), dict(_fa_fp8(128, causal=False), CAUSAL=False),
        dict(_fa_fp8(64, causal=False), CAUSAL=False), _fa_fp8(128, tma=False),
-       dict(_fa_fp8(128, causal=False), WINDOW=True, CAUSAL=False)],
+       dict(_fa_fp8(128, causal=False), WINDOW=True, CAUSAL=False),
+       _fa_fp8_out(_fa_fp8(128), O8_AMAX=True),      # fp8_mha: E4M3 out + amax in the epilogue
+       _fa_fp8_out(dict(_fa_fp8(128, causal=False), CAUSAL=False), O_HP=False)],
     ("flash_attention_tiles", "_dkdv_kernel"): _fa_variants("_dkdv_kernel")
     + [dict(ATOMIC_DQ=not _FA_CFG["_dkdv_kernel"].atomic_dq)],
     ("flash_attention_tiles", "_dq_kernel"): _fa_variants("_dq_kernel"),

@@ -70,6 +70,29 @@ def test_fp8_forward_matches_twin(case, tma, monkeypatch):
                                          out_dtype=torch.bfloat16, band=band)
     assert out16.dtype == torch.bfloat16
     assert torch.equal(out16, out.to(torch.bfloat16))
+    # fp8_mha's E4M3 out: the fp32 out scaled and rounded once, its amax max-recorded, in the
+    # sbhd memory order where asked; without the 16-bit out where not kept
+    o_scale = torch.tensor([200.0]) / out.abs().max()
+    for seq_first, keep_hp in ((False, True), (True, False)):
+        amax = torch.tensor([0.25])
+        spec = K.FP8Out(o_scale, amax, seq_first, keep_hp)
+        hp, lse8, out8 = K.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
+                                                   out_dtype=torch.bfloat16, band=band,
+                                                   fp8_out=spec)
+        assert (hp is None) != keep_hp and torch.equal(lse8.nan_to_num(neginf=0.0), lse)
+        if keep_hp:
+            assert torch.equal(hp, out16)
+        assert out8.dtype == torch.float8_e4m3fn and out8.shape == out.shape
+        assert out8.transpose(0, 1).is_contiguous() == seq_first
+        assert torch.equal(out8.float(), quantize_e4m3(out, o_scale).float())
+        assert amax.item() == max(0.25, out.abs().max().item())
+        want_amax = torch.tensor([0.25])
+        _, _, want8 = R.flash_attention_fp8_fwd(
+            q, k, v, descale, causal, scale, block_n=K.fp8_block_n(d, False), band=band,
+            fp8_out=K.FP8Out(o_scale, want_amax, seq_first, keep_hp))
+        step = 2.0 ** -3 * want8.float().abs() + 2.0 ** -9  # one E4M3 step (and subnormals)
+        assert ((out8.float() - want8.float()).abs() <= step + 1.1 * o_scale * err).all()
+        torch.testing.assert_close(amax, want_amax, rtol=1e-5, atol=0)
 
 
 def test_fp8_forward_refuses_bad_input():
@@ -154,3 +177,49 @@ def test_fp8_configs_share_the_key_tile(monkeypatch):
     monkeypatch.setitem(K.GPU_CFG["fwd_fp8"], (128, True), K.Cfg(64, 64, 4, 3, tma=True))
     with pytest.raises(ValueError, match="share block_n"):
         K.fp8_block_n(128, True)
+
+
+@pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
+def test_dot_product_attention_fp8_mha_writes_the_kernels_e4m3_out(fmt):
+    """Under DelayedScaling(fp8_mha=True) the output is the kernel's E4M3 epilogue output at
+    the O state's scale (sbhd: memory [s, b, h, d], no copy), a Float8Tensor [.., h * d]; the
+    backward is fp8_dpa's on the 16-bit out the same launch wrote."""
+    import tritium as te
+    from tritium.attention import DotProductAttention
+    from tritium.attention import fp8 as F
+    from tritium.fp8 import recipe
+    from tritium.fp8.recompute import FrozenScales
+    from tritium.fp8.tensor import Float8Tensor
+    gen = torch.Generator().manual_seed(13 + len(fmt))
+    b, s, h, h_kv, d = 2, 24, 4, 2, 64
+
+    def rnd(heads):
+        x = torch.randn(b, s, heads, d, generator=gen).half()
+        return (x.transpose(0, 1).contiguous() if fmt == "sbhd" else x).requires_grad_()
+    q, k, v = rnd(h), rnd(h_kv), rnd(h_kv)
+    m = DotProductAttention(h, d, num_gqa_groups=h_kv, qkv_format=fmt, attention_dropout=0.0)
+    r = recipe.DelayedScaling(fp8_mha=True, amax_history_len=1)
+    with te.fp8_autocast(fp8_recipe=r):
+        m(q, k, v)   # records the amaxes: the next call's scales are 448 / amax
+    o_scale = m.fp8_out_state.scale.clone()
+    plan = F.FP8AttnPlan(r, FrozenScales(m.fp8_attn_state), False)   # the q/k/v scales now
+    with te.fp8_autocast(fp8_recipe=r):
+        out = m(q, k, v)
+    assert isinstance(out, Float8Tensor) and tuple(out.shape[-1:]) == (h * d,)
+
+    def bshd(x):
+        return x.transpose(0, 1) if fmt == "sbhd" else x
+    q8, k8, v8, descale, v8_t = F.quantize(plan, bshd(q), bshd(k), bshd(v),
+                                           v_keys_contiguous=True)
+    hp, lse, want8 = K.flash_attention_fp8_fwd(
+        q8, k8, v8_t, descale, True, d ** -0.5, out_dtype=torch.float16,
+        fp8_out=K.FP8Out(o_scale, None, fmt == "sbhd"))
+    assert torch.equal(bshd(out._data.view(*out.shape[:2], h, d)).float(), want8.float())
+    torch.testing.assert_close(out._scale_inv, 1.0 / o_scale, rtol=0, atol=0)
+    dy = torch.randn(out.shape, generator=gen).half()
+    out.backward(dy)
+    deq = [F.dequantize(x, descale[i], torch.float16) for i, x in enumerate((q8, k8, v8))]
+    grads = K.flash_attention_bwd(bshd(dy.view(*dy.shape[:2], h, d)), *deq, hp, lse, True,
+                                  d ** -0.5, split=False, grad_dtype=torch.float16)
+    for got, g in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.equal(bshd(got), g)

@@ -240,11 +240,14 @@ def dot_product_attention(query_layer, key_layer, value_layer, *, qkv_format="sb
         F.record_amaxes(fp8, q, k, v)
     if fp8 is not None and not fp8.calibrating:
         be = _choose_fp8_cached(q, k, v, args, _backend_name(backend))
-        out, lse = F.FP8Attention.apply(q, k, v, args, be, fp8)
+        out, lse = F.FP8Attention.apply(q, k, v, args, be, fp8, qkv_format)
     else:
         be = B.choose_cached(q, k, v, args, _backend_name(backend))
         out, lse = _apply_attention(q, k, v, args, be)
-    out = _format_out(out, qkv_format)
+        if fp8 is not None and fp8.out_scales is not None:   # calibrating under fp8_mha
+            F.record_out_amax(fp8, out)
+    if not (fp8 is not None and fp8.fp8_output):   # fp8_mha's output comes formatted
+        out = _format_out(out, qkv_format)
     return (out, lse) if return_lse else out
 
 
@@ -360,6 +363,7 @@ class DotProductAttention(torch.nn.Module):
         self.layer_number, self.attention_type = layer_number, attention_type
         self.backend = B.resolve_name(backend)
         self.fp8_attn_state = None   # q/k/v delayed-scaling state under fp8_dpa (fp8.py)
+        self.fp8_out_state = None    # the output's, under fp8_mha
         self.register_load_state_dict_pre_hook(_extra_state_pre_hook)
         self.set_context_parallel_group(cp_group, cp_global_ranks, cp_stream, cp_comm_type)
 

@@ -35,24 +35,31 @@ from ..fp8.autocast import current as current_autocast
 from ..fp8.formats import E4M3
 from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, recipe_from_dict
 from ..fp8.scaling import ScalingState
+from ..fp8.tensor import Float8Tensor
 from ..ref import attention as ref_attention
 from . import backends as B
 from . import masks as M
 
 
 class FP8AttnPlan:
-    """One call's FP8 settings: the recipe and where the q/k/v scales come from."""
-    __slots__ = ("recipe", "scales", "calibrating")
+    """One call's FP8 settings: the recipe, where the q/k/v scales come from, and under
+    fp8_mha (`fp8_output`) where the output's scale comes from (`out_scales`: the O state or
+    its frozen copy; None under current scaling)."""
+    __slots__ = ("recipe", "scales", "calibrating", "fp8_output", "out_scales")
 
-    def __init__(self, recipe, scales, calibrating: bool):
+    def __init__(self, recipe, scales, calibrating: bool, fp8_output: bool = False,
+                 out_scales=None):
         self.recipe, self.scales, self.calibrating = recipe, scales, calibrating
+        self.fp8_output, self.out_scales = fp8_output, out_scales
 
 
 def active() -> bool:
-    """Is FP8 attention on here (an fp8_autocast, enabled or calibrating, with fp8_dpa=True)?"""
+    """Is FP8 attention on here (an fp8_autocast, enabled or calibrating, with fp8_dpa=True or
+    fp8_mha=True: TE runs FP8 attention under either)?"""
     state = current_autocast()
     return (state is not None and (state.enabled or state.calibrating)
-            and bool(getattr(state.recipe, "fp8_dpa", False)))
+            and (bool(getattr(state.recipe, "fp8_dpa", False))
+                 or bool(getattr(state.recipe, "fp8_mha", False))))
 
 
 def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPlan]:
@@ -62,43 +69,72 @@ def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPl
         return None
     state = current_autocast()
     recipe = state.recipe
+    # fp8_mha: the output in FP8 too, where a Float8Tensor can leave the call (not in a
+    # torch.compile trace: docs/compile.md) and not while calibrating (16-bit attention)
+    fp8_output = (bool(recipe.fp8_mha) and state.enabled
+                  and not torch.compiler.is_compiling())
     if isinstance(recipe, Float8CurrentScaling):
-        return None if not state.enabled else FP8AttnPlan(recipe, None, False)
+        return None if not state.enabled else FP8AttnPlan(recipe, None, False, fp8_output)
     assert isinstance(recipe, DelayedScaling)  # the recipes refuse fp8_dpa elsewhere
-    st = getattr(owner, "fp8_attn_state", None)
+    scope = recompute.current()
+    scales = _live_state(owner, "fp8_attn_state", SLOTS, recipe, device, state, scope)
+    out_scales = None
+    if recipe.fp8_mha:   # calibration records the output's amax too
+        out_scales = _live_state(owner, "fp8_out_state", 1, recipe, device, state, scope)
+    return FP8AttnPlan(recipe, scales, not state.enabled, fp8_output, out_scales)
+
+
+def _live_state(owner, attr: str, slots: int, recipe: DelayedScaling, device, state, scope):
+    """owner's state `attr` made, moved or resized for this call and registered with the
+    autocast region -> the scales the call reads (frozen ones in a recompute)."""
+    st = getattr(owner, attr, None)
     if st is None:
-        st = new_state(owner, recipe, device)
+        st = _new(owner, attr, slots, recipe, device)
     elif st.scale.device != device:   # e.g. loaded on the CPU: keep its values
-        moved = ScalingState(SLOTS, E4M3, st.recipe, device)
+        moved = ScalingState(slots, E4M3, st.recipe, device)
         moved.amax_history.copy_(st.amax_history)
         moved.scale.copy_(st.scale)
-        st = owner.fp8_attn_state = moved
+        st = moved
+        setattr(owner, attr, st)
     if st.amax_history.shape[0] != recipe.amax_history_len:
         st.resize_history(recipe.amax_history_len)
     st.recipe = recipe
-    scope = recompute.current()
-    scales = st if scope is None else scope.forward_scales(st)
     if scope is None or not scope.recomputing:
         state.region.register_forward(st, recipe, state.group)
-    return FP8AttnPlan(recipe, scales, not state.enabled)
+    return st if scope is None else scope.forward_scales(st)
 
 
-SLOTS = 3   # q, k, v
+SLOTS = 3   # q, k, v; the output's scale (fp8_mha) is a state of its own, `fp8_out_state`
+
+
+def _new(owner, attr: str, slots: int, recipe: DelayedScaling, device) -> ScalingState:
+    st = ScalingState(slots, E4M3, recipe, device)
+    setattr(owner, attr, st)
+    return st
 
 
 def new_state(owner: torch.nn.Module, recipe: DelayedScaling, device) -> ScalingState:
-    """A fresh q/k/v state for owner (also the template a distributed checkpoint loads into)."""
-    owner.fp8_attn_state = ScalingState(SLOTS, E4M3, recipe, device)
-    return owner.fp8_attn_state
+    """A fresh q/k/v state for owner (also the template a distributed checkpoint loads into),
+    and under fp8_mha a fresh output state."""
+    if recipe.fp8_mha:
+        _new(owner, "fp8_out_state", 1, recipe, device)
+    return _new(owner, "fp8_attn_state", SLOTS, recipe, device)
 
 
 def extra_state(owner: torch.nn.Module) -> Optional[dict]:
-    """owner's FP8 attention state as tensors and plain values (None: it has none)."""
+    """owner's FP8 attention state as tensors and plain values (None: it has none); the
+    output's state (fp8_mha) under `o_scale` / `o_amax_history` where the module has one."""
     st = getattr(owner, "fp8_attn_state", None)
     if st is None:
         return None
-    return {"version": 1, "recipe": st.recipe.to_dict(), "qkv_scale": st.scale.detach().clone(),
-            "qkv_amax_history": st.amax_history.detach().clone()}
+    values = {"version": 1, "recipe": st.recipe.to_dict(),
+              "qkv_scale": st.scale.detach().clone(),
+              "qkv_amax_history": st.amax_history.detach().clone()}
+    out_st = getattr(owner, "fp8_out_state", None)
+    if out_st is not None:
+        values["o_scale"] = out_st.scale.detach().clone()
+        values["o_amax_history"] = out_st.amax_history.detach().clone()
+    return values
 
 
 def check_extra_state(values, where: str):
@@ -137,7 +173,22 @@ def check_extra_state(values, where: str):
     if scale.dtype != torch.float32 or hist.dtype != torch.float32:
         raise ValueError(f"{where}: FP8 attention extra_state tensors must be float32, got "
                          f"{scale.dtype} and {hist.dtype}; {fix}")
-    return recipe, scale, hist
+    out = None
+    if "o_scale" in values or "o_amax_history" in values:   # the output's state (fp8_mha)
+        o_scale, o_hist = values.get("o_scale"), values.get("o_amax_history")
+        if not (isinstance(o_scale, torch.Tensor) and isinstance(o_hist, torch.Tensor)
+                and tuple(o_scale.shape) == (1,) and tuple(o_hist.shape) == (hist.shape[0], 1)
+                and o_scale.dtype == torch.float32 and o_hist.dtype == torch.float32):
+            raise ValueError(f"{where}: FP8 attention extra_state o_scale / o_amax_history must "
+                             f"be float32 tensors of shapes (1,) and ({hist.shape[0]}, 1) (the "
+                             f"output's state under fp8_mha), got {_shape(o_scale)} and "
+                             f"{_shape(o_hist)}; {fix}")
+        out = (o_scale, o_hist)
+    return recipe, scale, hist, out
+
+
+def _shape(t):
+    return tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
 
 
 def check_saved_entry(state_dict: dict, prefix: str) -> None:
@@ -153,13 +204,21 @@ def load_extra_state(owner: torch.nn.Module, values, where: str) -> None:
     nothing). In place when the shapes match (the state's tensors keep their addresses)."""
     staged = check_extra_state(values, where)
     if staged is None:
-        owner.fp8_attn_state = None
+        owner.fp8_attn_state = owner.fp8_out_state = None
         return
-    recipe, scale, hist = staged
-    st = getattr(owner, "fp8_attn_state", None)
+    recipe, scale, hist, out = staged
+    _load_state(owner, "fp8_attn_state", SLOTS, recipe, scale, hist)
+    if out is None:
+        owner.fp8_out_state = None
+    else:
+        _load_state(owner, "fp8_out_state", 1, recipe, *out)
+
+
+def _load_state(owner, attr: str, slots: int, recipe, scale, hist) -> None:
+    st = getattr(owner, attr, None)
     if st is None or st.amax_history.shape != hist.shape:
         device = scale.device if st is None else st.scale.device
-        st = new_state(owner, recipe, device)
+        st = _new(owner, attr, slots, recipe, device)
     st.recipe = recipe
     with torch.no_grad():
         st.scale.copy_(scale)
@@ -173,6 +232,14 @@ def record_amaxes(plan: FP8AttnPlan, q, k, v) -> None:
             slot = plan.scales.amax_slot(i)
             if slot is not None:
                 cast.amax_into(x, slot)
+
+
+def record_out_amax(plan: FP8AttnPlan, out: torch.Tensor) -> None:
+    """Calibration under fp8_mha: max-record the (16-bit) attention output's amax."""
+    slot = plan.out_scales.amax_slot(0)
+    if slot is not None:
+        with torch.no_grad():
+            cast.amax_into(out, slot)
 
 
 def _seq_rows(x: torch.Tensor):
@@ -240,12 +307,19 @@ class TritonFP8Backend:
             return "triton_fp8: packed sequences (thd) are not in the FP8 forward"
         return None
 
-    def fwd(self, q8, k8, v8, descale, a, dtype):
+    def fwd(self, q8, k8, v8, descale, a, dtype, fp8_out=None):
+        """-> (out or None, lse, out saved for backward[, out8 with fp8_out: the kernel's
+        epilogue writes it])."""
         from ..kernels import flash_attention as FA
         causal, band = B.TritonBackend.mask(a)
-        out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, causal, a.scale,
-                                              out_dtype=dtype, band=band)
-        return out, lse, out
+        if fp8_out is None:
+            out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, causal, a.scale,
+                                                  out_dtype=dtype, band=band)
+            return out, lse, out
+        out, lse, out8 = FA.flash_attention_fp8_fwd(
+            q8, k8, v8, descale, causal, a.scale, out_dtype=dtype, band=band,
+            fp8_out=FA.FP8Out(*fp8_out))
+        return out, lse, out, out8
 
     def bwd(self, dout, q, k, v, out, lse, a):
         return B.BACKENDS["triton"].bwd(dout, q, k, v, out, lse, None, a)
@@ -259,17 +333,21 @@ class TorchFP8Backend:
     def check(self, q, k, v, a) -> Optional[str]:
         return None
 
-    def fwd(self, q8, k8, v8, descale, a, dtype):
+    def fwd(self, q8, k8, v8, descale, a, dtype, fp8_out=None):
         if a.fmt == "thd":
             pd = B._Padded(a, q8.shape[0], k8.shape[0])
             mask = B._dense_mask(a, q8.device, pd.q_pad, pd.kv_pad)
             out, lse = ref_attention.attention_fp8_fwd(pd.q(q8), pd.kv(k8), pd.kv(v8), descale,
                                                        mask, a.scale)
-            out = M.pack(out, pd.iq)
-            return out.to(dtype), pd.lse_out(lse), out
-        out, lse = ref_attention.attention_fp8_fwd(q8, k8, v8, descale,
-                                                   B._dense_mask(a, q8.device), a.scale)
-        return out.to(dtype), lse, out
+            out, lse = M.pack(out, pd.iq), pd.lse_out(lse)
+        else:
+            out, lse = ref_attention.attention_fp8_fwd(q8, k8, v8, descale,
+                                                       B._dense_mask(a, q8.device), a.scale)
+        if fp8_out is None:
+            return out.to(dtype), lse, out
+        scale, amax, seq_first, keep_hp = fp8_out
+        out8 = ref_attention.quantize_out(out, scale, amax, seq_first)
+        return (out.to(dtype) if keep_hp else None), lse, out, out8
 
     def bwd(self, dout, q, k, v, out, lse, a):
         return B.BACKENDS["torch"].bwd(dout, q, k, v, out, lse, (None, out), a)
@@ -307,26 +385,71 @@ def choose(q, k, v, a: B.AttnArgs, backend: str = "auto"):
 
 
 class FP8Attention(torch.autograd.Function):
-    """forward: quantize, FP8 forward; backward: 16-bit, from the dequantized inputs."""
+    """forward: quantize, FP8 forward; backward: 16-bit, from the dequantized inputs.
+
+    Under fp8_mha (plan.fp8_output) the output leaves as a Float8Tensor in the caller's
+    format (`fmt`: [b, s, h * d], [s, b, h * d] or [t, h * d]; nominal dtype q's), which the
+    output projection's Linear takes as its fp8 input without a cast. Delayed scaling: the
+    kernel's epilogue writes it at the O state's scale and max-records its amax (one pass; the
+    emulation quantizes the same fp32 out); current scaling: the 16-bit out is measured, then
+    cast. The backward receives the 16-bit gradient of that output and reads the 16-bit out,
+    written beside the E4M3 one whenever a backward follows (accuracy first: the E4M3 out feeds
+    only the projection's GEMMs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args, backend, plan):
+    def forward(ctx, q, k, v, args, backend, plan, fmt):
         q8, k8, v8, descale, v8_t = quantize(plan, q, k, v, backend.keys_contiguous_v)
-        out, lse, saved = backend.fwd(q8, k8, v8 if v8_t is None else v8_t, descale, args,
-                                      q.dtype)
-        ctx.save_for_backward(q8, k8, v8, descale, saved, lse)
+        v_in = v8 if v8_t is None else v8_t
         ctx.args, ctx.backend, ctx.dtype = args, backend, q.dtype
+        ctx.fmt = fmt if plan.fp8_output else None
+        if not plan.fp8_output:
+            out, lse, saved = backend.fwd(q8, k8, v_in, descale, args, q.dtype)
+            ctx.save_for_backward(q8, k8, v8, descale, saved, lse)
+            ctx.mark_non_differentiable(lse)
+            return out, lse
+        keep_hp = any(ctx.needs_input_grad[:3])
+        if plan.out_scales is not None:   # delayed: the scale is known, one fused pass
+            scale = plan.out_scales.scale_slot(0)
+            spec = (scale, plan.out_scales.amax_slot(0), fmt == "sbhd", keep_hp)
+            out, lse, saved, out8 = backend.fwd(q8, k8, v_in, descale, args, q.dtype, spec)
+            out8 = _formatted(out8, fmt)
+            scale_inv = torch.reciprocal(scale)
+        else:                             # current: measure the 16-bit out, then cast it
+            out, lse, saved = backend.fwd(q8, k8, v_in, descale, args, q.dtype)
+            rows = _formatted(out, fmt)
+            data, _, scale_inv = cast.quantize_2d(
+                rows.reshape(-1, rows.shape[-1]), E4M3, scale=None, amax=None, pad_rows_to=1,
+                current=(float(plan.recipe.amax_epsilon), plan.recipe.power_2_scale))
+            out8 = data.view(rows.shape)
+        ctx.save_for_backward(q8, k8, v8, descale, saved if keep_hp else None, lse)
         ctx.mark_non_differentiable(lse)
-        return out, lse
+        return Float8Tensor(out8, scale_inv.reshape(1), E4M3, q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q8, k8, v8, descale, out, lse = ctx.saved_tensors
+        if ctx.fmt is not None:   # the gradient of the formatted FP8 output
+            dout = _unformatted(dout, ctx.fmt, out.shape)
         q, k, v = (dequantize(x, descale[i], ctx.dtype) for i, x in enumerate((q8, k8, v8)))
         dq, dk, dv = ctx.backend.bwd(dout, q, k, v, out, lse, ctx.args)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-__all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active", "quantize",
-           "dequantize", "record_amaxes", "new_state", "extra_state", "check_extra_state",
-           "check_saved_entry", "load_extra_state"]
+def _formatted(out: torch.Tensor, fmt: str) -> torch.Tensor:
+    """The attention output in the caller's format (bshd / thd views; sbhd: a view where the
+    memory is [s, b, h, d] already, as the kernel writes the E4M3 out, else a copy)."""
+    if fmt == "sbhd":
+        out = out.transpose(0, 1)
+    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
+
+
+def _unformatted(dout: torch.Tensor, fmt: str, shape) -> torch.Tensor:
+    if fmt == "sbhd":
+        b, s, h, d = shape
+        return dout.reshape(s, b, h, d).transpose(0, 1)
+    return dout.reshape(shape)
+
+
+__all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active",
+           "quantize", "dequantize", "record_amaxes", "record_out_amax", "new_state",
+           "extra_state", "check_extra_state", "check_saved_entry", "load_extra_state"]

@@ -149,7 +149,7 @@ def _prepare_fp8_meta(model: torch.nn.Module, fp8_recipe) -> None:
         if m.fp8_meta.recipe is None and fp8_recipe is not None:
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
             m.fp8_meta.prepare(fp8_recipe, device)
-    if isinstance(fp8_recipe, DelayedScaling) and fp8_recipe.fp8_dpa:
+    if isinstance(fp8_recipe, DelayedScaling) and (fp8_recipe.fp8_dpa or fp8_recipe.fp8_mha):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for name, m in _attn_modules(model):
             if m.fp8_attn_state is None:
@@ -162,8 +162,8 @@ def _reduce_pending_amaxes(model: torch.nn.Module, amax_group) -> None:
     now, in one all-reduce (MAX): the next update would reduce them the same way."""
     histories = [st.amax_history for _, m in _fp8_modules(model)
                  for st in (m.fp8_meta.fwd, m.fp8_meta.bwd) if st is not None]
-    histories += [m.fp8_attn_state.amax_history for _, m in _attn_modules(model)
-                  if m.fp8_attn_state is not None]
+    histories += [st.amax_history for _, m in _attn_modules(model)
+                  for st in (m.fp8_attn_state, m.fp8_out_state) if st is not None]
     reduce_amax_rows(histories, amax_group)
 
 
@@ -241,7 +241,13 @@ def _match_attn_templates(model: torch.nn.Module, keys: set, template: dict) -> 
     saved None) leaves the template: the module then loads None and starts fresh."""
     for name, m in _attn_modules(model):
         key = f"{name}._extra_state" if name else "_extra_state"
-        if m.fp8_attn_state is None or any(k.startswith(f"model.{key}.") for k in keys):
+        if m.fp8_attn_state is None:
+            continue
+        if any(k.startswith(f"model.{key}.") for k in keys):
+            if f"model.{key}.o_scale" not in keys and isinstance(template.get(key), dict):
+                # saved without fp8_mha: the output's state starts fresh
+                template[key].pop("o_scale", None)
+                template[key].pop("o_amax_history", None)
             continue
         if f"model.{key}" in keys:
             template[key] = None

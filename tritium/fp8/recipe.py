@@ -97,22 +97,18 @@ class QParams:
 
 
 def _check_attention_flags(recipe, dpa_supported: bool = False) -> None:
-    """fp8_dpa (FP8 attention: E4M3 Q, K, V and P, docs/attention.md) runs under the per-tensor
-    recipes; fp8_mha (FP8 in and out of the attention block) nowhere."""
+    """fp8_dpa (FP8 attention: E4M3 Q, K, V and P) and fp8_mha (that, and the attention
+    output handed to the output projection in E4M3; docs/attention.md) run under the
+    per-tensor recipes."""
     name = type(recipe).__name__
     for flag in ("fp8_dpa", "fp8_mha"):
         if not isinstance(getattr(recipe, flag), bool):
             raise ValueError(f"{name}: {flag} must be a bool, got {getattr(recipe, flag)!r}")
-    if recipe.fp8_mha:
-        raise NotImplementedError(
-            f"{name}(fp8_mha=True): FP8 in and out of the attention block is not implemented in "
-            "tritium; use fp8_dpa=True (FP8 attention inside DotProductAttention, under "
-            "DelayedScaling or Float8CurrentScaling) with fp8_mha=False")
-    if recipe.fp8_dpa and not dpa_supported:
-        raise NotImplementedError(
-            f"{name}(fp8_dpa=True): FP8 attention runs under the per-tensor recipes only; use "
-            "recipe.DelayedScaling(fp8_dpa=True) or Float8CurrentScaling(fp8_dpa=True), or "
-            "leave fp8_dpa False")
+        if getattr(recipe, flag) and not dpa_supported:
+            raise NotImplementedError(
+                f"{name}({flag}=True): FP8 attention runs under the per-tensor recipes only; "
+                f"use recipe.DelayedScaling({flag}=True) or Float8CurrentScaling({flag}=True), "
+                f"or leave {flag} False")
 
 
 def _check_format(value) -> Format:
@@ -144,8 +140,8 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     # Accepted for TE compatibility; tritium computes wgrad in FP8 like fprop and dgrad.
     override_linear_precision: tuple = (False, False, False)
-    # TE's FP8 attention flags: fp8_dpa runs attention in FP8 (docs/attention.md); fp8_mha
-    # raises (not implemented).
+    # TE's FP8 attention flags: fp8_dpa runs attention in FP8; fp8_mha also hands the output
+    # projection the attention output in FP8 (docs/attention.md).
     fp8_dpa: bool = False
     fp8_mha: bool = False
 
@@ -180,7 +176,8 @@ class DelayedScaling(Recipe):
                 "amax_compute_algo": algo if isinstance(algo, str) else "callable",
                 "scaling_factor_compute_algo":
                     None if self.scaling_factor_compute_algo is None else "callable",
-                "reduce_amax": self.reduce_amax, "fp8_dpa": self.fp8_dpa}
+                "reduce_amax": self.reduce_amax, "fp8_dpa": self.fp8_dpa,
+                "fp8_mha": self.fp8_mha}
 
 
 _FPROP, _SPLIT = MMParams(use_split_accumulator=False), MMParams(use_split_accumulator=True)
@@ -241,7 +238,7 @@ class Float8CurrentScaling(Recipe):
     def to_dict(self) -> dict:
         return {"type": "Float8CurrentScaling", "fp8_format": self.fp8_format.name,
                 "amax_epsilon": float(self.amax_epsilon), "power_2_scale": self.power_2_scale,
-                "fp8_dpa": self.fp8_dpa}
+                "fp8_dpa": self.fp8_dpa, "fp8_mha": self.fp8_mha}
 
 
 def _check_qparams(name: str, q) -> None:

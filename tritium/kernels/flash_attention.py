@@ -248,7 +248,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         _fwd_kernel[grid](*srcs, out, lse, lse, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E,
                           *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                           band_lo, band_hi, lay.cu_q if varlen else lse,
-                          lay.cu_kv if varlen else lse, CAUSAL=causal, SPLIT=bool(split),
+                          lay.cu_kv if varlen else lse, lse, 0, 0, 0, 0, lse, lse,
+                          CAUSAL=causal, SPLIT=bool(split),
                           PREC=_prec(q.dtype), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           TMA=tma, WS=cfg.ws and tma, WINDOW=window, VARLEN=varlen is not None,
                           num_warps=cfg.warps, num_stages=cfg.stages)
@@ -282,15 +283,28 @@ def fp8_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.shape == v.shape and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
 
 
+class FP8Out(NamedTuple):
+    """The FP8 forward's E4M3 output (fp8_mha): `scale` fp32 [1] (out is multiplied by it,
+    saturated to +-448 and rounded once from fp32), `amax` fp32 [1] or None (max|out|
+    max-recorded there), `seq_first`: the E4M3 out's memory is [s, b, h, d] (an sbhd caller's
+    [s, b, h * d] without a copy), `keep_hp`: out_dtype's out is written too (the backward's)."""
+    scale: torch.Tensor
+    amax: Optional[torch.Tensor]
+    seq_first: bool = False
+    keep_hp: bool = True
+
+
 def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             descale: torch.Tensor, causal: bool, scale: float,
                             out_dtype: Optional[torch.dtype] = None,
-                            block_n: Optional[int] = None, band: Optional[tuple] = None):
+                            block_n: Optional[int] = None, band: Optional[tuple] = None,
+                            fp8_out: Optional[FP8Out] = None):
     """E4M3 q/k/v (bshd, any strides), descale fp32 [3] (q, k, v) -> (out [b, s_q, h, d] in
     out_dtype (None: fp32; or bf16 / fp16), lse fp32 [b, h, s_q]). block_n: the key tile
     (None: `fp8_block_n`); the twin takes the same to quantize P at the same running maxima.
     band: as `flash_attention_fwd`'s (the key blocks the band skips hold no visible key, so P
-    is quantized at the same running maxima as the twin's walk over every block)."""
+    is quantized at the same running maxima as the twin's walk over every block).
+    fp8_out (`FP8Out`): -> (out or None (keep_hp=False), lse, out8 E4M3 [b, s_q, h, d])."""
     if not fp8_supported(q, k, v):
         raise ValueError(f"flash_attention_fp8_fwd: unsupported q{tuple(q.shape)} {q.dtype}, "
                          f"k{tuple(k.shape)} {k.dtype}, v{tuple(v.shape)} {v.dtype} (bshd E4M3, "
@@ -305,27 +319,49 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
-    out = torch.empty(b, s_q, h, d, dtype=out_dtype or torch.float32, device=q.device)
+    keep_hp = fp8_out is None or fp8_out.keep_hp
+    out = (torch.empty(b, s_q, h, d, dtype=out_dtype or torch.float32, device=q.device)
+           if keep_hp else torch.empty_strided((b, s_q, h, d), (0, 0, 0, 0), device=q.device))
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or s_kv == 0:
-        return out.zero_(), lse.fill_(float("-inf"))
-    cfg = _fp8_cfg(d, causal, q.is_cuda)
-    if block_n is not None:
-        cfg = cfg._replace(block_n=int(block_n))
-    if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
-        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    (q_src, k_src), tma = _srcs(cfg, q, k)
-    v_src = _value_src(cfg, v) if tma else None
-    if v_src is None:
-        q_src, k_src, v_src, tma = q, k, v, False
-    grid = (triton.cdiv(s_q, cfg.block_m), b * h)
-    _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
-                      scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
-                      *lse.stride(), band_lo, band_hi, lse, lse, CAUSAL=causal, SPLIT=False,
-                      PREC="tf32", D=d, WINDOW=window,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
-                      FP8=True, VT=True, num_warps=cfg.warps, num_stages=cfg.stages)
-    return out, lse
+    out8 = None
+    if fp8_out is not None:
+        for name, t in (("scale", fp8_out.scale), ("amax", fp8_out.amax)):
+            if t is not None and (t.numel() != 1 or t.dtype != torch.float32
+                                  or t.device != q.device):
+                raise ValueError(f"flash_attention_fp8_fwd: fp8_out.{name} must be a float32 "
+                                 f"one-element tensor on {q.device}")
+        out8 = (torch.empty(s_q, b, h, d, dtype=torch.float8_e4m3fn, device=q.device)
+                .transpose(0, 1) if fp8_out.seq_first else
+                torch.empty(b, s_q, h, d, dtype=torch.float8_e4m3fn, device=q.device))
+    if b * s_q * h * d == 0 or s_kv == 0:
+        out.zero_(), lse.fill_(float("-inf"))
+        if out8 is not None:
+            out8.zero_()
+    else:
+        cfg = _fp8_cfg(d, causal, q.is_cuda)
+        if block_n is not None:
+            cfg = cfg._replace(block_n=int(block_n))
+        if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
+            v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
+        (q_src, k_src), tma = _srcs(cfg, q, k)
+        v_src = _value_src(cfg, v) if tma else None
+        if v_src is None:
+            q_src, k_src, v_src, tma = q, k, v, False
+        o8 = (out8, *out8.stride(), fp8_out.scale,
+              lse if fp8_out.amax is None else fp8_out.amax) if out8 is not None else \
+            (lse, 0, 0, 0, 0, lse, lse)
+        grid = (triton.cdiv(s_q, cfg.block_m), b * h)
+        _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
+                          scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                          *lse.stride(), band_lo, band_hi, lse, lse, *o8, CAUSAL=causal,
+                          SPLIT=False, PREC="tf32", D=d, WINDOW=window,
+                          BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, TMA=tma, WS=cfg.ws and tma,
+                          FP8=True, VT=True, O8=out8 is not None,
+                          O8_AMAX=out8 is not None and fp8_out.amax is not None,
+                          O_HP=keep_hp, num_warps=cfg.warps, num_stages=cfg.stages)
+    if fp8_out is None:
+        return out, lse
+    return (out if keep_hp else None), lse, out8
 
 
 def _value_src(cfg: Cfg, v: torch.Tensor):
@@ -410,5 +446,5 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
 
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd",
-           "fp8_supported", "fp8_block_n", "supported", "deterministic", "flops",
+           "fp8_supported", "fp8_block_n", "FP8Out", "supported", "deterministic", "flops",
            "Cfg", "GPU_CFG"]

@@ -44,6 +44,8 @@ import math
 import triton
 import triton.language as tl
 
+from .cast import _abs_max_nan, _scaled_fp8
+
 LOG2E = 1.4426950408889634
 LOG2_P_SCALE = tl.constexpr(math.log2(448.0))  # the FP8 forward's P scale as an exponent
 
@@ -238,16 +240,21 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                 s_q, s_kv, H, G, qk_scale,
                 sqb, sqs, sqh, sqd, skb, sks, skh, skd, svb, svs, svh, svd,
                 sob, sos, soh, sod, slb, slh, sls, band_lo, band_hi, cu_q_ptr, cu_k_ptr,
+                o8_ptr, s8b, s8s, s8h, s8d, o8_scale_ptr, o8_amax_ptr,
                 CAUSAL: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 TMA: tl.constexpr, WS: tl.constexpr, FP8: tl.constexpr = False,
                 VT: tl.constexpr = False, WINDOW: tl.constexpr = False,
-                VARLEN: tl.constexpr = False):
+                VARLEN: tl.constexpr = False, O8: tl.constexpr = False,
+                O8_AMAX: tl.constexpr = False, O_HP: tl.constexpr = True):
     """out (in o_ptr's dtype) and lse (fp32, natural log) for BLOCK_M query rows of one head;
     FP8: E4M3 q/k/v with descale_ptr -> fp32 [3] (q, k, v dequant scales); VT: v is
     sequence-contiguous (`_value_rows`); WINDOW: key j visible to query i iff
     band_lo <= j - i <= band_hi (CAUSAL off); VARLEN: axis 1 is (sequence, head) of a packed
-    batch (cu_q_ptr / cu_k_ptr: cumulative lengths; s_q the longest), pointers, no TMA."""
+    batch (cu_q_ptr / cu_k_ptr: cumulative lengths; s_q the longest), pointers, no TMA.
+    O8 (fp8_mha): out also in E4M3 at o8_ptr (strides s8*): the fp32 out times o8_scale_ptr's
+    scale, saturated, rounded once; O8_AMAX: max|out| (fp32) max-recorded at o8_amax_ptr;
+    O_HP=False: no 16-bit out (no backward needs it)."""
     start_m = _row_block(s_q, CAUSAL, BLOCK_M)
     bh = tl.program_id(1)
     b, h, hk = _heads(bh, H, G)
@@ -327,8 +334,16 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (_exp_base(m_i, FP8) + tl.log2(l_safe)) * 0.6931471805599453,
                    float("-inf"))
-    tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
-             out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    if O_HP:
+        tl.store(o_ptr + b * sob + h * soh + offs_m[:, None] * sos + offs_d[None, :] * sod,
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None])
+    if O8:
+        x8 = _scaled_fp8(out, tl.load(o8_scale_ptr), m_ok[:, None], 448.0,
+                         o8_ptr.dtype.element_ty)
+        tl.store(o8_ptr + b * s8b + h * s8h + offs_m[:, None] * s8s + offs_d[None, :] * s8d,
+                 x8, mask=m_ok[:, None])
+        if O8_AMAX:
+            tl.atomic_max(o8_amax_ptr, _abs_max_nan(tl.where(m_ok[:, None], out, 0.0)))
     tl.store(lse_ptr + b * slb + h * slh + offs_m * sls, lse, mask=m_ok)
 
 

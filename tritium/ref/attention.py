@@ -118,6 +118,19 @@ def quantize_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (x.float() * scale.float()).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
+def quantize_out(out: torch.Tensor, scale: torch.Tensor, amax: Optional[torch.Tensor],
+                 seq_first: bool = False) -> torch.Tensor:
+    """fp8_mha's E4M3 attention output: `quantize_e4m3` of the fp32 out [b, s, h, d] (never
+    rounded to 16 bits first), max|out| max-recorded into `amax` (None: not recorded);
+    seq_first: its memory laid out [s, b, h, d]."""
+    out = out.float()
+    if amax is not None and out.numel():
+        amax.copy_(torch.maximum(amax, out.abs().amax().reshape(1)))
+    if seq_first:
+        return quantize_e4m3(out.transpose(0, 1).contiguous(), scale).transpose(0, 1)
+    return quantize_e4m3(out.contiguous(), scale)
+
+
 def attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
                       descale: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
                       block_n: Optional[int] = None):
@@ -155,4 +168,5 @@ def attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     return out.transpose(1, 2), lse
 
 
-__all__ = ["attention_fwd", "attention_bwd", "attention_fp8_fwd", "quantize_e4m3", "P_SCALE"]
+__all__ = ["attention_fwd", "attention_bwd", "attention_fp8_fwd", "quantize_e4m3", "quantize_out",
+           "P_SCALE"]

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from .attention import attention_bwd, attention_fp8_fwd, attention_fwd
+from .attention import attention_bwd, attention_fp8_fwd, attention_fwd, quantize_out
 
 
 def _mask(s_q: int, s_kv: int, causal: bool, device, band=None):
@@ -94,11 +94,17 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             descale: torch.Tensor, causal: bool, scale: float,
                             out_dtype: Optional[torch.dtype] = None,
-                            block_n: Optional[int] = None, band: Optional[tuple] = None):
-    """E4M3 q/k/v (bshd), descale fp32 [3] -> (out in out_dtype (None: fp32), lse fp32)."""
+                            block_n: Optional[int] = None, band: Optional[tuple] = None,
+                            fp8_out=None):
+    """E4M3 q/k/v (bshd), descale fp32 [3] -> (out in out_dtype (None: fp32), lse fp32);
+    fp8_out (the kernel's `FP8Out`) -> (out or None, lse, out8): `quantize_out` of fp32 out."""
     mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
     out, lse = attention_fp8_fwd(q, k, v, descale, mask, scale, block_n)
-    return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
+    hp = out.to(out_dtype or out.dtype).contiguous()
+    if fp8_out is None:
+        return hp, lse.contiguous()
+    out8 = quantize_out(out, fp8_out.scale, fp8_out.amax, fp8_out.seq_first)
+    return (hp if fp8_out.keep_hp else None), lse.contiguous(), out8
 
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd"]
