@@ -7,7 +7,8 @@ Shape (issue 4, BASELINE.md): B2 x S4096 tokens, hidden 4096, 32 heads, 8 KV gro
   * the same block under torch.compile; under torchao float8 tensorwise (convert_to_float8_training)
     eager and compiled;
   * tritium TransformerLayer in bf16 and under fp8_autocast (DelayedScaling HYBRID, history 16,
-    "max"; and Float8CurrentScaling);
+    "max"; and Float8CurrentScaling); the delayed recipe also with FP8 attention (fp8_dpa) and
+    with fp8_mha (FP8 attention whose output reaches the output projection in E4M3);
   * the same three tritium variants under `torch.compile(block, fullgraph=True)` (default mode),
     fp8_autocast entered outside the compiled call as torchtitan does (issue 20). Each compiles
     afresh (dynamo reset) in two warm-up steps, fwd and bwd (compile_s, graphs); a graph break
@@ -165,6 +166,11 @@ def main(argv=None):
                                     amax_compute_algo="max")
     fp8_delayed = lambda: te.fp8_autocast(fp8_recipe=delayed)  # noqa: E731
     fp8_current = lambda: te.fp8_autocast(fp8_recipe=recipe.Float8CurrentScaling())  # noqa: E731
+
+    def fp8_attention(flag):   # delayed, with FP8 attention (fp8_dpa) or fp8_mha as well
+        r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16,
+                                  amax_compute_algo="max", **{flag: True})
+        return lambda: te.fp8_autocast(fp8_recipe=r)
     variants = [  # (name, module factory, forward context, compiled by torch.compile here)
         ("bf16 eager Llama block", lambda: ref, None, False),
         ("bf16 Llama block compiled", lambda: torch.compile(ref), None, False),
@@ -173,6 +179,10 @@ def main(argv=None):
         ("tritium TransformerLayer bf16", lambda: ours, None, False),
         ("tritium TransformerLayer fp8 delayed", lambda: ours, fp8_delayed, False),
         ("tritium TransformerLayer fp8 current", lambda: ours, fp8_current, False),
+        ("tritium TransformerLayer fp8 delayed fp8_dpa", lambda: ours, fp8_attention("fp8_dpa"),
+         False),
+        ("tritium TransformerLayer fp8 delayed fp8_mha", lambda: ours, fp8_attention("fp8_mha"),
+         False),
         ("tritium TransformerLayer bf16 compiled", lambda: ours, None, True),
         ("tritium TransformerLayer fp8 delayed compiled", lambda: ours, fp8_delayed, True),
         ("tritium TransformerLayer fp8 current compiled", lambda: ours, fp8_current, True)]
@@ -202,6 +212,8 @@ def main(argv=None):
     add_ratio(rows, "vs_eager", [(v, v[:-len(" compiled")]) for v in ours_names])
     add_ratio(rows, "vs_torchao_compiled", [(v, "torchao fp8 tensorwise compiled")
                                             for v in ours_names if "fp8" in v])
+    add_ratio(rows, "vs_fp8_dpa", [("tritium TransformerLayer fp8 delayed fp8_mha",
+                                    "tritium TransformerLayer fp8 delayed fp8_dpa")])
     finish("block", rows, baseline=BASELINE)
 
 

@@ -9,8 +9,9 @@ runs: head/tail split of P / dS, fp32 out and grads), and the forward alone of F
 (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward): "tritium fp8 kernel" (the
 FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with the per-tensor
 current-scaling quantization of q, k, v that DotProductAttention runs first: an amax pass, then
-the cast) and "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe: the
-scales from a history, the amaxes recorded in the cast's own pass); their err_vs_cudnn
+the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe: the
+scales from a history, the amaxes recorded in the cast's own pass) and "tritium fp8 layer, mha"
+(that, with fp8_mha's E4M3 out and its amax written by the epilogue too); their err_vs_cudnn
 compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
 fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
 cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
@@ -158,8 +159,13 @@ def _fp8_plan(delayed: bool, blocks):
 def _fp8_steps(blocks, variant):
     """FP8 attention's forward (no fwd_bwd: the backward is the bf16 one, timed above)."""
     from tritium.attention import fp8 as F
-    plan = _fp8_plan(variant.endswith(", delayed"), blocks)
+    mha = variant.endswith(", mha")
+    plan = _fp8_plan(variant.endswith(", delayed") or mha, blocks)
     scale, layer = 1 / math.sqrt(D), " layer" in variant
+    # fp8_mha: the E4M3 out too (a delayed O scale, its amax recorded), beside the bf16 out
+    # a backward reads, as a training call writes them
+    o8 = FA.FP8Out(torch.full((1,), 100.0, device=blocks[0][0].device),
+                   torch.zeros(1, device=blocks[0][0].device)) if mha else None
 
     def kernel_args(q, k, v):   # as the layer calls the kernel: V with the keys contiguous
         q8, k8, _, descale, v8_t = F.quantize(plan, q, k, v, v_keys_contiguous=True)
@@ -168,7 +174,7 @@ def _fp8_steps(blocks, variant):
 
     def one(q, k, v, c):
         return FA.flash_attention_fp8_fwd(*kernel_args(q, k, v), c, scale,
-                                          out_dtype=torch.bfloat16)[0]
+                                          out_dtype=torch.bfloat16, fp8_out=o8)[0]
 
     def fwd():
         if layer:
@@ -219,7 +225,7 @@ def _cases(args, g):
 
 
 VARIANTS = ["sdpa cudnn", "tritium flash nosplit", "tritium flash split", "tritium fp8 kernel",
-            "tritium fp8 layer", "tritium fp8 layer, delayed"]
+            "tritium fp8 layer", "tritium fp8 layer, delayed", "tritium fp8 layer, mha"]
 # (mode, tritium variant) timed against cuDNN in alternating rounds (the targets' comparisons)
 PAIRED = (("fwd+bwd", "tritium flash nosplit"), ("fwd", "tritium fp8 kernel"))
 PAIR_ROUNDS = 7

@@ -58,6 +58,14 @@ def test_fp8_kernel_matches_twin_on_cuda(case):
     assert kernel_err.mean() <= 1.01 * twin_err.mean()
     assert kernel_err.max() <= 1.5 * twin_err.max()
     assert (out - want).abs().mean() <= 0.3 * twin_err.mean()
+    # fp8_mha's epilogue: the same fp32 out scaled, rounded once to E4M3, its amax recorded
+    o_scale = (200.0 / out.abs().amax()).reshape(1)
+    amax = torch.zeros(1, device="cuda")
+    hp, _, out8 = K.flash_attention_fp8_fwd(q, k, v, descale, causal, d ** -0.5, band=band,
+                                            fp8_out=K.FP8Out(o_scale, amax, layout == "sbhd"))
+    assert torch.equal(hp, out) and out8.transpose(0, 1).is_contiguous() == (layout == "sbhd")
+    assert torch.equal(out8.float(), quantize_e4m3(out, o_scale).float())
+    assert amax.item() == out.abs().max().item() > 0
     v_keys_contiguous = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
     again, _ = K.flash_attention_fp8_fwd(q, k, v_keys_contiguous, descale, causal, d ** -0.5,
                                          band=band)
