@@ -14,10 +14,12 @@ rows: the second warpgroup repeats the first's wgmma).
 entries and bench_flash_attention.py's --sweep-fp8 candidates, causal and no mask, with the same
 figures plus the most wgmma groups any `wgmma.wait_group N` of the PTX leaves in flight (0:
 every wait drains the tensor cores, so inside one program a block's softmax never overlaps a
-product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md).
+product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
+entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import subprocess
@@ -67,17 +69,19 @@ def probe(kind, cfg, split):
             f"{ws}{_repeated(ttgir)}")
 
 
-def probe_fp8(cfg, causal: bool) -> str:
-    """probe() for the FP8 forward (kind fwd_fp8) at one mask."""
+def probe_fp8(cfg, causal: bool, fp8_out: bool = False) -> str:
+    """probe() for the FP8 forward (kind fwd_fp8) at one mask; fp8_out: with fp8_mha's
+    epilogue (the E4M3 out and its amax beside the bf16 out)."""
     fn, d = FA._fwd_kernel, B.D
-    types = {"qk_scale": "fp32", "o_ptr": "*bf16", "descale_ptr": "*fp32",
+    types = {"qk_scale": "fp32", "o_ptr": "*bf16", "descale_ptr": "*fp32", "o8_ptr": "*fp8e4nv",
              "q_src": f"tensordesc<fp8e4nv[1, {cfg.block_m}, {d}]>",
              "k_src": f"tensordesc<fp8e4nv[1, {cfg.block_n}, {d}]>",
              "v_src": f"tensordesc<fp8e4nv[1, 1, {d}, {cfg.block_n}]>"}
     sig = {p.name: "constexpr" if p.is_constexpr else
            types.get(p.name, "*fp32" if p.name.endswith("_ptr") else "i32") for p in fn.params}
     cx = dict(CAUSAL=causal, SPLIT=False, PREC="tf32", D=d, BLOCK_M=cfg.block_m,
-              BLOCK_N=cfg.block_n, TMA=True, WS=cfg.ws, FP8=True, VT=True)
+              BLOCK_N=cfg.block_n, TMA=True, WS=cfg.ws, FP8=True, VT=True, O8=fp8_out,
+              O8_AMAX=fp8_out)
     c = _compile(fn, sig, cx, cfg)
     if isinstance(c, str):
         return c
@@ -90,9 +94,12 @@ def probe_fp8(cfg, causal: bool) -> str:
 
 
 def _compile(fn, signature: dict, constexprs: dict, cfg):
-    """The kernel compiled for sm90 at cfg's warps and stages, or why it does not compile."""
+    """The kernel compiled for sm90 at cfg's warps and stages, or why it does not compile.
+    Constexprs not given take the kernel's defaults (ASTSource would leave them None)."""
+    defaults = {p.name: p.default for p in fn.params
+                if p.is_constexpr and p.default is not inspect.Parameter.empty}
     try:
-        return triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+        return triton.compile(ASTSource(fn, signature, constexprs={**defaults, **constexprs}),
                               target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=cfg.warps, num_stages=cfg.stages))
     except Exception as exc:
@@ -129,6 +136,9 @@ def main_fp8():
             tag = " (GPU_CFG)" if i == 0 else ""
             print(f"fp8 fwd {'causal' if causal else 'nomask'} {tuple(cfg)}{tag}: "
                   f"{probe_fp8(cfg, causal)}", flush=True)
+            if i == 0:
+                print(f"  with fp8_mha's E4M3 out: {probe_fp8(cfg, causal, fp8_out=True)}",
+                      flush=True)
 
 
 def main():

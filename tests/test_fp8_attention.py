@@ -101,7 +101,10 @@ def test_emulation_matches_independent_emulation(case):
 # --- error vs fp64 -------------------------------------------------------------------------
 # bounds (max, mean): bf16 attention's errors are its output / gradient roundings (bf16 u =
 # 2^-9); FP8's are the quantization of q, k, v and P (u = 2^-4), see the module note
-BOUNDS = {"bf16": (2.0 ** -7, 2.0 ** -8), "fp8 delayed": (2 * U, U), "fp8 current": (2 * U, U)}
+BOUNDS = {"bf16": (2.0 ** -7, 2.0 ** -8), "fp8 delayed": (2 * U, U), "fp8 current": (2 * U, U),
+          # fp8_mha's E4M3 output: one more rounding (mean), and saturation where this call's
+          # max exceeds the warm-up's amax history (max: 0.15 in one row, docs/numerics.md)
+          "fp8_mha delayed": (3 * U, U)}
 
 
 def test_error_vs_fp64_within_bounds():
@@ -113,6 +116,9 @@ def test_error_vs_fp64_within_bounds():
             assert mx <= max_b and mean <= mean_b, (shape, mode, name, mx, mean)
         if mode != "bf16":  # FP8 is measurably worse than bf16 (the quantization is real)
             assert errs["out"][1] > 4 * rows[(shape, "bf16")]["out"][1]
+        if mode == "fp8_mha delayed":   # the output's own rounding on top; the same gradients
+            assert errs["out"][1] > rows[(shape, "fp8 delayed")]["out"][1]
+            assert errs["dq"] == rows[(shape, "fp8 delayed")]["dq"]
 
 
 # --- delayed scaling state -----------------------------------------------------------------

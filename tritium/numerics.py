@@ -450,7 +450,7 @@ CPU/gloo tables are in `docs/context_parallel.md`.
 # (b, s, h, h_kv, d, mask, layout)
 ATTN_SHAPES = ((2, 128, 4, 2, 64, "causal", "bshd"), (1, 256, 2, 2, 128, "no_mask", "sbhd"),
                (2, 96, 4, 1, 128, "causal", "bshd"))
-ATTN_MODES = ("bf16", "fp8 delayed", "fp8 current")
+ATTN_MODES = ("bf16", "fp8 delayed", "fp8 current", "fp8_mha delayed")
 
 
 def _attn_data(shape, gen):
@@ -474,7 +474,8 @@ def _attn_run(module, q, k, v, dy, recipe=None) -> dict:
 def attention_fp8_errors(shapes=ATTN_SHAPES, seed: int = 0) -> dict:
     """{(shape, mode): {tensor: (max rel, mean rel)}} of DotProductAttention vs float64 on the
     same bf16 inputs: bf16 attention, and FP8 attention (fp8_dpa) under delayed scaling (after
-    WARMUP_STEPS steps on fresh data of the same distribution) and current scaling. max rel =
+    WARMUP_STEPS steps on fresh data of the same distribution) and current scaling, and
+    fp8_mha under delayed scaling (its output: the E4M3 values the projection takes). max rel =
     max|a - r| / max|r|, mean rel = mean|a - r| / mean|r|. CPU: the FP8 emulation."""
     from .attention import DotProductAttention
     from .fp8 import recipe as R
@@ -487,10 +488,11 @@ def attention_fp8_errors(shapes=ATTN_SHAPES, seed: int = 0) -> dict:
         q, k, v, dy = _attn_data(shape, gen)
         exact = _attn_run(m, *(x.double() for x in (q, k, v)), dy.double())
         delayed = R.DelayedScaling(fp8_dpa=True, amax_history_len=16)
-        for _ in range(WARMUP_STEPS):
-            _attn_run(m, *_attn_data(shape, gen), delayed)
+        mha = R.DelayedScaling(fp8_mha=True, amax_history_len=16)
+        for _ in range(WARMUP_STEPS):   # the q/k/v state and fp8_mha's output state
+            _attn_run(m, *_attn_data(shape, gen), mha)
         recipes = {"bf16": None, "fp8 delayed": delayed,
-                   "fp8 current": R.Float8CurrentScaling(fp8_dpa=True)}
+                   "fp8 current": R.Float8CurrentScaling(fp8_dpa=True), "fp8_mha delayed": mha}
         for mode in ATTN_MODES:
             got = _attn_run(m, q, k, v, dy, recipes[mode])
             rows[(shape, mode)] = {
@@ -502,7 +504,8 @@ def attention_fp8_errors(shapes=ATTN_SHAPES, seed: int = 0) -> dict:
 
 def attention_fp8_appendix(seed: int = 0) -> str:
     """The FP8 attention section of docs/numerics.md (CPU emulation; a few seconds)."""
-    lines = ["## DotProductAttention: bf16 vs FP8 attention (fp8_dpa)", "", ATTN_INTRO.strip(),
+    lines = ["## DotProductAttention: bf16 vs FP8 attention (fp8_dpa, fp8_mha)", "",
+             ATTN_INTRO.strip(),
              "",
              "| shape (b, s, h, h_kv, d, mask, layout) | mode | output | grad q | grad k | "
              "grad v |", "|---|---|---|---|---|---|"]
@@ -532,6 +535,14 @@ quantized q, k, v (and of out, through rowsum(dO * out)), not that of FP8 backwa
 The Triton kernel quantizes P against the running row max of its key tile (the CPU emulation
 against the exact one): that changes which values round where, not the size of the error;
 tests/interp/test_flash_attention_fp8_kernel.py holds the kernel to its twin.
+
+"fp8_mha delayed" measures the E4M3 output the output projection takes (fp8_mha: the fp32
+output rounded once at the delayed output scale); its gradients are fp8_dpa's. Its mean error
+adds the output's E4M3 rounding to the attention's; its max adds saturation where this call's
+output exceeds the amax history of the warm-up steps (a delayed scale's known limit: in the
+sbhd row the warm-up's output amax was 0.616, this call's 0.726, which saturates to 448 / scale).
+Under fp8_dpa the projection's own delayed-scaling cast of the 16-bit output rounds and
+saturates the same way; the fp8_dpa rows stop before it.
 """
 
 
