@@ -267,3 +267,86 @@ def test_dcp_round_trip_and_checkpoints_saved_under_fp8_dpa(tmp_path):
                        dpa.core_attention.fp8_attn_state.scale)
     _step(fresh, x, _delayed())
     assert fresh.core_attention.fp8_out_state.amax_history.amax() > 0
+
+
+@pytest.mark.parametrize("r", [recipe.DelayedScaling(fp8_dpa=True, amax_history_len=2),
+                               _delayed(), recipe.Float8CurrentScaling(fp8_mha=True)],
+                         ids=["dpa-delayed", "mha-delayed", "mha-current"])
+def test_compiled_fp8_attention_has_no_graph_break_and_equals_eager(r):
+    """Under torch.compile (after te.prepare_fp8, which now makes the attention states too)
+    FP8 attention traces whole; fp8_mha's output crosses the trace as a carrier and the fp8
+    pieces (functional/fused_cast.py), so the projection still takes it without a cast.
+    aot_eager runs the eager ATen ops: outputs and gradients equal eager's bit for bit."""
+    import copy
+    x = torch.randn(32, 2, 128, generator=torch.Generator().manual_seed(9)).to(torch.bfloat16)
+    base = _mha()
+    results = []
+    for compiled in (False, True):
+        mha = copy.deepcopy(base)
+        te.prepare_fp8(mha, r)
+        assert (mha.core_attention.fp8_out_state is not None) == (
+            isinstance(r, recipe.DelayedScaling) and r.fp8_mha)
+
+        def step(xx):
+            with te.fp8_autocast(fp8_recipe=r):
+                return mha(xx)
+        if compiled:
+            assert torch._dynamo.explain(step)(x.clone().requires_grad_()).graph_break_count == 0
+            _rewind(mha, base)
+            step = torch.compile(step, fullgraph=True, backend="aot_eager")
+        runs = []
+        for _ in range(3):
+            xx = x.clone().requires_grad_()
+            y = step(xx)
+            y.float().square().sum().backward()
+            runs.append([y.detach(), xx.grad] + [p.grad.clone() for p in mha.parameters()])
+            mha.zero_grad(set_to_none=True)
+        if r.fp8_mha and isinstance(r, recipe.DelayedScaling):   # the carrier path: no cast
+            assert not mha.proj.fp8_meta.fwd.amax_history[:, 0].any()
+        results.append(runs)
+        torch._dynamo.reset()
+    for a_run, b_run in zip(*results):
+        for a, b in zip(a_run, b_run):
+            assert torch.equal(a, b)
+
+
+def _rewind(mha, base):
+    """Back to base's FP8 states (explain ran a step)."""
+    for m, b in zip(mha.modules(), base.modules()):
+        for attr in ("fp8_attn_state", "fp8_out_state"):
+            if getattr(m, attr, None) is not None:
+                getattr(m, attr).amax_history.zero_()
+                getattr(m, attr).scale.fill_(1.0)
+        meta = getattr(m, "fp8_meta", None)
+        for st in (() if meta is None else (meta.fwd, meta.bwd)):
+            if st is not None:
+                st.amax_history.zero_()
+                st.scale.fill_(1.0)
+
+
+def test_fp8_forward_custom_op_matches_the_twin():
+    """tritium::flash_attn_fp8_fwd (the CPU twin behind it here): torch.library.opcheck (fake
+    implementation, autograd registration, AOT dispatch), and its results are the twin's."""
+    from tritium.ops import attention as ops
+    from tritium.ref import flash_attention as R
+    gen = torch.Generator().manual_seed(12)
+    q, k, v = (quantize_e4m3(torch.randn(2, 24, n, 64, generator=gen), torch.tensor([100.0]))
+               for n in (4, 2, 2))
+    descale = torch.full((3,), 0.01)
+    for o8 in ((None, None, False, True), (torch.tensor([50.0]), torch.zeros(1), True, False)):
+        args = (q, k, v, descale, True, 0.125, torch.bfloat16, *o8)
+        # (its schema check compares fp8 inputs with an op CPU fp8 lacks: the rest of opcheck)
+        torch.library.opcheck(ops.flash_attn_fp8_fwd, args, test_utils=(
+            "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
+        amax = None if o8[1] is None else torch.zeros(1)
+        out, lse, out8 = ops.flash_attn_fp8_fwd(*args[:8], amax, *o8[2:])
+        want = R.flash_attention_fp8_fwd(q, k, v, descale, True, 0.125, torch.bfloat16,
+                                         fp8_out=None if o8[0] is None else
+                                         type("O", (), dict(scale=o8[0], amax=None,
+                                                            seq_first=o8[2], keep_hp=o8[3])))
+        assert torch.equal(lse, want[1])
+        if o8[0] is None:
+            assert torch.equal(out, want[0]) and out8.numel() == 0
+        else:
+            assert out.numel() == 0 and torch.equal(out8.float(), want[2].float())
+            assert out8.transpose(0, 1).is_contiguous() and amax.item() > 0

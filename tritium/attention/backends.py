@@ -584,6 +584,11 @@ class TritonBackend(_Backend):
     def check(self, q, k, v, a) -> Optional[str]:
         if torch.compiler.is_compiling():  # first: nothing below is traced
             return "triton: eager only (under torch.compile another backend runs)"
+        return self.check_call(q, k, v, a)
+
+    @staticmethod
+    def check_call(q, k, v, a) -> Optional[str]:
+        """What the kernel takes (device, dtype, masks), whether traced or not."""
         if not _device.use_triton(q):
             return ("triton: needs CUDA tensors (or CPU tensors under TRITON_INTERPRET=1) and "
                     "an importable triton")

@@ -240,7 +240,7 @@ def dot_product_attention(query_layer, key_layer, value_layer, *, qkv_format="sb
         F.record_amaxes(fp8, q, k, v)
     if fp8 is not None and not fp8.calibrating:
         be = _choose_fp8_cached(q, k, v, args, _backend_name(backend))
-        out, lse = F.FP8Attention.apply(q, k, v, args, be, fp8, qkv_format)
+        out, lse = F.apply(q, k, v, args, be, fp8, qkv_format)
     else:
         be = B.choose_cached(q, k, v, args, _backend_name(backend))
         out, lse = _apply_attention(q, k, v, args, be)

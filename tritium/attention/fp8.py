@@ -36,6 +36,7 @@ from ..fp8.formats import E4M3
 from ..fp8.recipe import DelayedScaling, Float8CurrentScaling, recipe_from_dict
 from ..fp8.scaling import ScalingState
 from ..fp8.tensor import Float8Tensor
+from ..functional.fused_cast import carrier_outputs, from_carrier
 from ..ref import attention as ref_attention
 from . import backends as B
 from . import masks as M
@@ -69,10 +70,8 @@ def plan_for(owner: torch.nn.Module, device: torch.device) -> Optional[FP8AttnPl
         return None
     state = current_autocast()
     recipe = state.recipe
-    # fp8_mha: the output in FP8 too, where a Float8Tensor can leave the call (not in a
-    # torch.compile trace: docs/compile.md) and not while calibrating (16-bit attention)
-    fp8_output = (bool(recipe.fp8_mha) and state.enabled
-                  and not torch.compiler.is_compiling())
+    # fp8_mha: the output in FP8 too (not while calibrating: 16-bit attention)
+    fp8_output = bool(recipe.fp8_mha) and state.enabled
     if isinstance(recipe, Float8CurrentScaling):
         return None if not state.enabled else FP8AttnPlan(recipe, None, False, fp8_output)
     assert isinstance(recipe, DelayedScaling)  # the recipes refuse fp8_dpa elsewhere
@@ -119,6 +118,17 @@ def new_state(owner: torch.nn.Module, recipe: DelayedScaling, device) -> Scaling
     if recipe.fp8_mha:
         _new(owner, "fp8_out_state", 1, recipe, device)
     return _new(owner, "fp8_attn_state", SLOTS, recipe, device)
+
+
+def prepare(owner: torch.nn.Module, recipe, device) -> None:
+    """The states owner's first FP8 attention call under `recipe` would make, made now where
+    missing (before torch.compile, or as a checkpoint's template)."""
+    if not isinstance(recipe, DelayedScaling) or not (recipe.fp8_dpa or recipe.fp8_mha):
+        return
+    if getattr(owner, "fp8_attn_state", None) is None:
+        _new(owner, "fp8_attn_state", SLOTS, recipe, device)
+    if recipe.fp8_mha and getattr(owner, "fp8_out_state", None) is None:
+        _new(owner, "fp8_out_state", 1, recipe, device)
 
 
 def extra_state(owner: torch.nn.Module) -> Optional[dict]:
@@ -298,20 +308,30 @@ class TritonFP8Backend:
     keys_contiguous_v = True   # its P @ V reads V with the keys contiguous (quantize's v8_t)
 
     def check(self, q, k, v, a) -> Optional[str]:
-        why = B.BACKENDS["triton"].check(q, k, v, a)
+        why = B.TritonBackend.check_call(q, k, v, a)
         if why is not None:
             return "triton_fp8: " + why.split(": ", 1)[-1]
         if a.d_qk not in (64, 128):
             return f"triton_fp8: head dim {a.d_qk} unsupported (the FP8 kernel takes 64, 128)"
         if a.fmt == "thd":
             return "triton_fp8: packed sequences (thd) are not in the FP8 forward"
+        if torch.compiler.is_compiling() and B.TritonBackend.mask(a)[1] is not None:
+            return ("triton_fp8: under torch.compile no sliding window or bottom-right causal "
+                    "(its custom ops take top-left causal or no mask)")
         return None
 
     def fwd(self, q8, k8, v8, descale, a, dtype, fp8_out=None):
         """-> (out or None, lse, out saved for backward[, out8 with fp8_out: the kernel's
-        epilogue writes it])."""
+        epilogue writes it]). Under torch.compile through the custom op (ops/attention.py)."""
         from ..kernels import flash_attention as FA
         causal, band = B.TritonBackend.mask(a)
+        if torch.compiler.is_compiling():
+            from ..ops import attention as ops
+            o8 = fp8_out or (None, None, False, True)
+            out, lse, out8 = ops.flash_attn_fp8_fwd(q8, k8, v8, descale, causal, a.scale, dtype,
+                                                    *o8)
+            out = out if o8[3] else None
+            return (out, lse, out) if fp8_out is None else (out, lse, out, out8)
         if fp8_out is None:
             out, lse = FA.flash_attention_fp8_fwd(q8, k8, v8, descale, causal, a.scale,
                                                   out_dtype=dtype, band=band)
@@ -322,6 +342,11 @@ class TritonFP8Backend:
         return out, lse, out, out8
 
     def bwd(self, dout, q, k, v, out, lse, a):
+        if torch.compiler.is_compiling():
+            from ..ops import attention as ops
+            grads = ops.flash_attn_bwd(dout, q, k, v, out, lse, B.TritonBackend.mask(a)[0],
+                                       a.scale, False)
+            return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
         return B.BACKENDS["triton"].bwd(dout, q, k, v, out, lse, None, a)
 
 
@@ -423,16 +448,30 @@ class FP8Attention(torch.autograd.Function):
             out8 = data.view(rows.shape)
         ctx.save_for_backward(q8, k8, v8, descale, saved if keep_hp else None, lse)
         ctx.mark_non_differentiable(lse)
-        return Float8Tensor(out8, scale_inv.reshape(1), E4M3, q.dtype), lse
+        scale_inv = scale_inv.reshape(1)
+        if torch.compiler.is_compiling():   # plain tensors out; `apply` makes the Float8Tensor
+            data = out8.reshape(-1, out8.shape[-1])
+            return (*carrier_outputs(ctx, out8.shape, q.dtype, data, None, scale_inv), lse)
+        return Float8Tensor(out8, scale_inv, E4M3, q.dtype), lse
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
+    def backward(ctx, dout, *_not_differentiable):
         q8, k8, v8, descale, out, lse = ctx.saved_tensors
         if ctx.fmt is not None:   # the gradient of the formatted FP8 output
             dout = _unformatted(dout, ctx.fmt, out.shape)
         q, k, v = (dequantize(x, descale[i], ctx.dtype) for i, x in enumerate((q8, k8, v8)))
         dq, dk, dv = ctx.backend.bwd(dout, q, k, v, out, lse, ctx.args)
         return dq, dk, dv, None, None, None, None
+
+
+def apply(q, k, v, args, backend, plan: FP8AttnPlan, fmt: str):
+    """FP8Attention -> (out, lse): under fp8_mha out is the Float8Tensor (in `fmt`), also
+    under torch.compile, where the Function returns a carrier and the fp8 pieces instead
+    (functional/fused_cast.py) and the projection's Linear takes the carrier's gradient path."""
+    res = FP8Attention.apply(q, k, v, args, backend, plan, fmt)
+    if len(res) == 2:
+        return res
+    return from_carrier(res[:4], E4M3, res[0].shape), res[4]
 
 
 def _formatted(out: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -450,6 +489,6 @@ def _unformatted(dout: torch.Tensor, fmt: str, shape) -> torch.Tensor:
     return dout.reshape(shape)
 
 
-__all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "choose", "plan_for", "active",
-           "quantize", "dequantize", "record_amaxes", "record_out_amax", "new_state",
+__all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "apply", "choose", "plan_for", "active",
+           "quantize", "dequantize", "record_amaxes", "record_out_amax", "new_state", "prepare",
            "extra_state", "check_extra_state", "check_saved_entry", "load_extra_state"]

@@ -149,11 +149,10 @@ def _prepare_fp8_meta(model: torch.nn.Module, fp8_recipe) -> None:
         if m.fp8_meta.recipe is None and fp8_recipe is not None:
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
             m.fp8_meta.prepare(fp8_recipe, device)
-    if isinstance(fp8_recipe, DelayedScaling) and (fp8_recipe.fp8_dpa or fp8_recipe.fp8_mha):
+    if isinstance(fp8_recipe, DelayedScaling):
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         for name, m in _attn_modules(model):
-            if m.fp8_attn_state is None:
-                attn_fp8.new_state(m, fp8_recipe, device)
+            attn_fp8.prepare(m, fp8_recipe, device)
 
 
 def _reduce_pending_amaxes(model: torch.nn.Module, amax_group) -> None:

@@ -65,17 +65,22 @@ def check_fp8_dims(owner: str, sizes: dict) -> None:
 
 def prepare_fp8(model: torch.nn.Module, fp8_recipe) -> None:
     """Create every FP8 module's scaling state for `fp8_recipe` now, as its first forward under
-    fp8_autocast would. Before torch.compile it spares the compiled model the graph break of
-    that first call (docs/compile.md)."""
+    fp8_autocast would (FP8 attention's too, under fp8_dpa / fp8_mha). Before torch.compile it
+    spares the compiled model the graph break of that first call (docs/compile.md)."""
     if not isinstance(fp8_recipe, Recipe):
         raise TypeError("prepare_fp8: fp8_recipe must be a tritium recipe (e.g. "
                         f"recipe.DelayedScaling()), got {type(fp8_recipe).__name__}")
+    from ..attention import fp8 as attn_fp8
+    from ..attention.dot_product_attention import DotProductAttention
+    model_device = next((p.device for p in model.parameters()), torch.device("cpu"))
     for m in model.modules():
         if isinstance(m, FP8Module):
             device = next((p.device for p in m.parameters()), torch.device("cpu"))
             m.fp8_meta.prepare(fp8_recipe, device)
             if m._fp8_param_recipe is not None:
                 m._link_fp8_params()
+        elif isinstance(m, DotProductAttention):   # fp8_dpa / fp8_mha under DelayedScaling
+            attn_fp8.prepare(m, fp8_recipe, model_device)
 
 
 class FP8Module(torch.nn.Module):
