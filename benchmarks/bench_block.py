@@ -183,6 +183,8 @@ def main(argv=None):
          False),
         ("tritium TransformerLayer fp8 delayed fp8_mha", lambda: ours, fp8_attention("fp8_mha"),
          False),
+        ("tritium TransformerLayer fp8 delayed fp8_mha compiled", lambda: ours,
+         fp8_attention("fp8_mha"), True),
         ("tritium TransformerLayer bf16 compiled", lambda: ours, None, True),
         ("tritium TransformerLayer fp8 delayed compiled", lambda: ours, fp8_delayed, True),
         ("tritium TransformerLayer fp8 current compiled", lambda: ours, fp8_current, True)]
