@@ -58,7 +58,8 @@ def test_mmparams_qparams_and_current_scaling_fields():
     assert r.fp8_quant_fwd_inp == r.fp8_quant_bwd_grad == recipe.QParams(True, 1e-3)
     with pytest.raises(NotImplementedError, match="fp8_gemm_fprop"):
         recipe.Float8CurrentScaling(fp8_gemm_fprop=recipe.MMParams(use_split_accumulator=True))
-    assert recipe.DelayedScaling(fp8_dpa=True).fp8_dpa and recipe.DelayedScaling(fp8_mha=True).fp8_mha
+    assert recipe.DelayedScaling(fp8_dpa=True).fp8_dpa
+    assert recipe.DelayedScaling(fp8_mha=True).fp8_mha
 
 
 def test_get_default_recipe():

@@ -8,8 +8,10 @@ tp_size=1, and runs both on the same full data: the TP side on its shard of the 
 the TP results made whole again (outputs, input grads, parameter grads unsharded) next to the
 unsharded module's; the tests compare them at TE's fp32 tolerance, in high precision and under
 emulated FP8 delayed scaling (2 steps, so the second runs on updated scales; amaxes reduced
-over `fp8_group` = the TP group). For FP8 the scale and amax-history tensors of every rank are
-also gathered: identical bit for bit across ranks, and equal to the unsharded module's.
+over `fp8_group` = the TP group; with fp8_mha also FP8 attention, whose output the row-parallel
+projection takes in E4M3). For FP8 the scale and amax-history tensors of every rank are also
+gathered (FP8 attention's too): identical bit for bit across ranks, and equal to the unsharded
+module's.
 Also: shard_state_dict round trip, DeviceMesh groups, te.distributed.checkpoint (recompute ==
 no recompute, FP8 state included), CudaRNGStatesTracker, and the misconfiguration errors.
 """
@@ -32,7 +34,9 @@ KINDS = ("linear-col", "linear-row", "lnlinear", "lnmlp-gelu", "lnmlp-swiglu", "
 # layer-bshd: sequence parallelism splits dim 0, which for bshd is the batch
 CASES2 = [f"{k}/{'sp' if sp else 'tp'}/{'fp8' if f else 'hp'}" for k in KINDS
           for sp in (False, True) for f in (False, True)] + [
-              "layer-bshd/sp/hp", "layer-bshd/sp/fp8", "layer-postln/sp/hp"]
+              "layer-bshd/sp/hp", "layer-bshd/sp/fp8", "layer-postln/sp/hp",
+              # FP8 attention handing the row-parallel projection its E4M3 output (fp8_mha)
+              "mha/tp/fp8mha", "layer-llama/sp/fp8mha"]
 CASES4 = ["linear-col/sp/fp8", "linear-row/sp/fp8", "lnmlp-swiglu/sp/fp8", "layer-llama/sp/fp8",
           "layer-te/tp/hp"]
 
@@ -89,7 +93,7 @@ def _module_case(name, group, world, rank, device="cpu", dtype=torch.float32):
     from tritium import recipe
     from tritium.distributed import tensor_parallel as T
     kind, mode, prec = name.split("/")
-    sp, fp8 = mode == "sp", prec == "fp8"
+    sp, fp8 = mode == "sp", prec.startswith("fp8")
     torch.manual_seed(_seed(name) + rank)          # a different init on every rank
     tp_mod, hidden = _build(kind, dict(tp_group=group, sequence_parallel=sp), world, device,
                             dtype)
@@ -104,7 +108,7 @@ def _module_case(name, group, world, rank, device="cpu", dtype=torch.float32):
     in_dim = -1 if kind == "linear-row" else (0 if sp else None)
     out_dim = -1 if col else (0 if sp else None)
     out_blocks = (32, 16, 16) if kind == "lnlinear" else (64,)
-    rcp = recipe.DelayedScaling(amax_history_len=4)
+    rcp = recipe.DelayedScaling(amax_history_len=4, fp8_mha=prec == "fp8mha")
     g = torch.Generator().manual_seed(_seed(name))  # the same data on every rank
     kw = {}
     if kind in ("layer-llama", "layer-bshd"):  # bshd: x [S, B, h] is read as [batch, seq, h]
@@ -488,7 +492,7 @@ def _check(name, res):
         assert a.shape == b.shape, (name, i, a.shape, b.shape)
         assert b.abs().max() > 0, (name, i)
         torch.testing.assert_close(a, b, **FP32_TOL, msg=lambda m: f"{name} tensor {i}: {m}")
-    if name.endswith("fp8"):
+    if name.split("/")[-1].startswith("fp8"):
         assert res["same_across_ranks"], f"{name}: FP8 scales / amax histories differ by rank"
         assert res["scales_moved"], f"{name}: the scales never left 1.0"
         for a, b in zip(res["states"], res["ref_states"]):

@@ -178,12 +178,17 @@ def all_gather_sizes(owner=None, name: str = "all_gather_single"):
 
 
 def fp8_states(model) -> list:
-    """Copies of every module's delayed-scaling scales and amax histories (forward, backward)."""
+    """Copies of every module's delayed-scaling scales and amax histories (forward, backward;
+    FP8 attention's q/k/v and output states where a module has them)."""
     out = []
     for m in model.modules():
         meta = getattr(m, "fp8_meta", None)
         if meta is not None and meta.fwd is not None:
             out += [meta.fwd.scale, meta.fwd.amax_history, meta.bwd.scale, meta.bwd.amax_history]
+        for attr in ("fp8_attn_state", "fp8_out_state"):
+            st = getattr(m, attr, None)
+            if st is not None:
+                out += [st.scale, st.amax_history]
     return [t.clone() for t in out]
 
 

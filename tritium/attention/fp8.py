@@ -1,4 +1,5 @@
-"""FP8 attention (TE's `fp8_dpa`): E4M3 Q, K, V and P in the forward, a 16-bit backward.
+"""FP8 attention (TE's `fp8_dpa`, `fp8_mha`): E4M3 Q, K, V and P in the forward, a 16-bit
+backward; under fp8_mha an E4M3 output for the output projection (`FP8Attention`).
 
 Inside `fp8_autocast(recipe=DelayedScaling(fp8_dpa=True))` (or Float8CurrentScaling) a
 DotProductAttention call quantizes q, k, v to E4M3 with one scale per tensor:
@@ -21,8 +22,9 @@ bf16 flash backward (triton_fp8) or the reference backward (torch_fp8). TE's FP8
 quantizes dO and dS; this one does not (accuracy first; the speed target is the forward). The
 gradient reaching the unquantized q, k, v is the one at the quantized point (straight through).
 Calibration (`fp8_autocast(enabled=False, calibrating=True)`) records the amaxes under delayed
-scaling and runs the 16-bit attention. Not here: FP8 attention with dropout, context
-parallelism, fp8_mha (FP8 in and out of the attention block).
+scaling (the output's too under fp8_mha) and runs the 16-bit attention. Under torch.compile
+triton_fp8 runs through the custom ops of ops/attention.py (no band there: windows take the
+emulation). Not here: FP8 attention with dropout, context parallelism.
 """
 from __future__ import annotations
 
@@ -113,20 +115,17 @@ def _new(owner, attr: str, slots: int, recipe: DelayedScaling, device) -> Scalin
 
 
 def new_state(owner: torch.nn.Module, recipe: DelayedScaling, device) -> ScalingState:
-    """A fresh q/k/v state for owner (also the template a distributed checkpoint loads into),
-    and under fp8_mha a fresh output state."""
-    if recipe.fp8_mha:
-        _new(owner, "fp8_out_state", 1, recipe, device)
+    """A fresh q/k/v state for owner."""
     return _new(owner, "fp8_attn_state", SLOTS, recipe, device)
 
 
 def prepare(owner: torch.nn.Module, recipe, device) -> None:
     """The states owner's first FP8 attention call under `recipe` would make, made now where
-    missing (before torch.compile, or as a checkpoint's template)."""
+    missing (before torch.compile, or as the template a distributed checkpoint loads into)."""
     if not isinstance(recipe, DelayedScaling) or not (recipe.fp8_dpa or recipe.fp8_mha):
         return
     if getattr(owner, "fp8_attn_state", None) is None:
-        _new(owner, "fp8_attn_state", SLOTS, recipe, device)
+        new_state(owner, recipe, device)
     if recipe.fp8_mha and getattr(owner, "fp8_out_state", None) is None:
         _new(owner, "fp8_out_state", 1, recipe, device)
 
