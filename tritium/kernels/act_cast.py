@@ -42,12 +42,7 @@ from ..fp8.formats import fp8_max
 from ._launch import Launcher
 from .activation import (_CODE, GATED, _bwd_values, _check, _check_bwd, _fwd_values,
                          _rows_view)
-from .cast import _TL_FP8, _abs_max_nan, _bytes, _scaled_fp8, _trans_in_registers
-
-
-@triton.jit
-def _nan_max(a, b):
-    return tl.where((b > a) | (b != b), b, a)
+from .cast import _TL_FP8, _abs_max_nan, _bytes, _nan_max, _scaled_fp8, _trans_in_registers
 
 
 @triton.jit

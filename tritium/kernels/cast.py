@@ -48,6 +48,12 @@ def _current_scale(amax, FP8_MAX: tl.constexpr, EPS: tl.constexpr, POW2: tl.cons
 
 
 @triton.jit
+def _nan_max(a, b):
+    """A max combine (tl.reduce) that propagates NaN."""
+    return tl.where((b > a) | (b != b), b, a)
+
+
+@triton.jit
 def _abs_max_nan(x):
     """max|x| over a block, NaN if any element is NaN (tl.max alone would drop NaN)."""
     m = tl.max(tl.abs(x))

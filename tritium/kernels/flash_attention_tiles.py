@@ -44,7 +44,7 @@ import math
 import triton
 import triton.language as tl
 
-from .cast import _abs_max_nan, _scaled_fp8
+from .cast import _nan_max, _scaled_fp8
 
 LOG2E = 1.4426950408889634
 LOG2_P_SCALE = tl.constexpr(math.log2(448.0))  # the FP8 forward's P scale as an exponent
@@ -331,6 +331,11 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
     if FP8:  # l_i and acc carry P_SCALE (their ratio does not)
         acc = acc * tl.load(descale_ptr + 2)
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    if O8 and O8_AMAX:   # this program's max|out| = max over rows of max|acc| / l (division
+        # keeps order), reduced before out exists (no tile-sized temporary); NaN propagates
+        row_max = tl.reduce(tl.abs(acc), 1, _nan_max) / l_safe
+        tl.store(o8_amax_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
+                 tl.reduce(row_max, 0, _nan_max))
     out = acc / l_safe[:, None]
     lse = tl.where(l_i > 0.0, (_exp_base(m_i, FP8) + tl.log2(l_safe)) * 0.6931471805599453,
                    float("-inf"))
@@ -342,9 +347,6 @@ def _fwd_kernel(q_src, k_src, v_src, o_ptr, lse_ptr, descale_ptr,
                          o8_ptr.dtype.element_ty)
         tl.store(o8_ptr + b * s8b + h * s8h + offs_m[:, None] * s8s + offs_d[None, :] * s8d,
                  x8, mask=m_ok[:, None])
-        if O8_AMAX:   # this program's max|out|, reduced after the launch (no atomics)
-            tl.store(o8_amax_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0),
-                     _abs_max_nan(tl.where(m_ok[:, None], out, 0.0)))
     tl.store(lse_ptr + b * slb + h * slh + offs_m * sls, lse, mask=m_ok)
 
 
