@@ -98,7 +98,11 @@ def test_output_is_float8_in_the_callers_format(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["bshd", "sbhd"])
-def test_backward_is_fp8_dpas_and_no_grad_keeps_no_16_bit_out(fmt):
+def test_backward_is_fp8_dpas_and_no_grad_keeps_no_16_bit_out(fmt, monkeypatch):
+    from tritium.attention import fp8 as F
+    backend = F.FP8_BACKENDS["torch_fp8"]
+    specs, fwd = [], backend.fwd
+    monkeypatch.setattr(backend, "fwd", lambda *a: (specs.append(a[6:]), fwd(*a))[1])
     gen = torch.Generator().manual_seed(21 + len(fmt))
     (q, k, v), _ = _call(fmt, gen)
     grads = []
@@ -123,6 +127,8 @@ def test_backward_is_fp8_dpas_and_no_grad_keeps_no_16_bit_out(fmt):
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=_delayed()):
         without = m(q, k, v)
     assert torch.equal(without._data.float(), with_grad._data.float())
+    keep_hp = [spec[0][3] for spec in specs if spec and spec[0] is not None]
+    assert keep_hp == [True, True, False]   # fp8_mha with grad (twice), then without
 
 
 def _mha(seed=0):

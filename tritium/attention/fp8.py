@@ -421,7 +421,7 @@ class FP8Attention(torch.autograd.Function):
     only the projection's GEMMs)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, args, backend, plan, fmt):
+    def forward(ctx, q, k, v, args, backend, plan, fmt, keep_hp):
         q8, k8, v8, descale, v8_t = quantize(plan, q, k, v, backend.keys_contiguous_v)
         v_in = v8 if v8_t is None else v8_t
         ctx.args, ctx.backend, ctx.dtype = args, backend, q.dtype
@@ -431,7 +431,6 @@ class FP8Attention(torch.autograd.Function):
             ctx.save_for_backward(q8, k8, v8, descale, saved, lse)
             ctx.mark_non_differentiable(lse)
             return out, lse
-        keep_hp = any(ctx.needs_input_grad[:3])
         if plan.out_scales is not None:   # delayed: the scale is known, one fused pass
             scale = plan.out_scales.scale_slot(0)
             spec = (scale, plan.out_scales.amax_slot(0), fmt == "sbhd", keep_hp)
@@ -460,14 +459,16 @@ class FP8Attention(torch.autograd.Function):
             dout = _unformatted(dout, ctx.fmt, out.shape)
         q, k, v = (dequantize(x, descale[i], ctx.dtype) for i, x in enumerate((q8, k8, v8)))
         dq, dk, dv = ctx.backend.bwd(dout, q, k, v, out, lse, ctx.args)
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def apply(q, k, v, args, backend, plan: FP8AttnPlan, fmt: str):
     """FP8Attention -> (out, lse): under fp8_mha out is the Float8Tensor (in `fmt`), also
     under torch.compile, where the Function returns a carrier and the fp8 pieces instead
-    (functional/fused_cast.py) and the projection's Linear takes the carrier's gradient path."""
-    res = FP8Attention.apply(q, k, v, args, backend, plan, fmt)
+    (functional/fused_cast.py) and the projection's Linear takes the carrier's gradient path.
+    keep_hp: the 16-bit out is written beside the E4M3 one only where a backward may follow."""
+    keep_hp = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    res = FP8Attention.apply(q, k, v, args, backend, plan, fmt, keep_hp)
     if len(res) == 2:
         return res
     return from_carrier(res[:4], E4M3, res[0].shape), res[4]
