@@ -84,6 +84,8 @@ from .fp8.autocast import AutocastState, FP8Region, current as current_autocast,
 from .fp8.autocast import _is_process_group, _state as _autocast_stack
 from .fp8.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .fp8.tensor import Float8Tensor
+from .attention import fp8 as attn_fp8
+from .attention.dot_product_attention import DotProductAttention
 from .modules.base import FP8Module
 
 _NEW_NAMES = {"enabled": "fp8_enabled", "calibrating": "fp8_calibrating",
@@ -341,6 +343,13 @@ def _fp8_modules(c) -> list:
         c, torch.nn.Module) else []
 
 
+def _attention_modules(c) -> list:
+    """c's DotProductAttentions: their FP8 attention states (fp8_dpa / fp8_mha) are made
+    before warm-up and restored after it, like the GEMM modules' states."""
+    return [m for m in c.modules() if isinstance(m, DotProductAttention)] if isinstance(
+        c, torch.nn.Module) else []
+
+
 # ------------------------------------------------------------------ one captured callable
 class _Callable:
     """Everything one graphed callable replays with (static buffers, graphs, FP8 bookkeeping)."""
@@ -361,6 +370,7 @@ class _Callable:
         self.surface = tuple(self.inputs) + self.params
         self.training = func.training if self.is_module else None
         self.fp8_modules = _fp8_modules(func)
+        self.attention_modules = _attention_modules(func)
         self.flag: Optional[torch.Tensor] = None
         self.main_grads = [(p, p.main_grad) for p in self.params
                            if getattr(p, "main_grad", None) is not None]
@@ -403,11 +413,12 @@ class _Callable:
     # -- what warm-up may change and must give back
     def snapshot(self) -> list:
         saved = []
-        for m in self.fp8_modules:
-            for state in (m.fp8_meta.fwd, m.fp8_meta.bwd):
-                if state is not None:
-                    saved += [(state.scale, state.scale.clone()),
-                              (state.amax_history, state.amax_history.clone())]
+        states = [s for m in self.fp8_modules for s in (m.fp8_meta.fwd, m.fp8_meta.bwd)]
+        states += [s for m in self.attention_modules for s in (m.fp8_attn_state, m.fp8_out_state)]
+        for state in states:
+            if state is not None:
+                saved += [(state.scale, state.scale.clone()),
+                          (state.amax_history, state.amax_history.clone())]
         saved += [(g, g.clone()) for _, g in self.main_grads]
         return saved
 
@@ -744,6 +755,8 @@ def _warm_and_capture(caps, cfg, num_warmup_iters, allow_unused_input, pool, ret
         for cap in caps:
             for m in cap.fp8_modules:  # the states exist before the snapshot and the capture
                 m.fp8_meta.prepare(cfg.recipe, next(m.parameters()).device)
+            for m in cap.attention_modules:
+                attn_fp8.prepare(m, cfg.recipe, (cap.params or cap.inputs)[0].device)
     saved = [s for cap in caps for s in cap.snapshot()]
     rng = _cuda.get_rng_state()
     for cap in caps:

@@ -265,3 +265,24 @@ def test_default_attention_backend(_seed):
                     caching=True, seed=_seed)
     for g, w in zip(graphed, eager):
         torch.testing.assert_close(g.float(), w.float(), rtol=0.125, atol=0.0675)
+
+
+@needs_fp8
+@pytest.mark.parametrize("flag", ["fp8_dpa", "fp8_mha"])
+def test_graphed_equals_eager_with_fp8_attention(flag, det_attention, _seed):
+    """FP8 attention (the emulation here: det_attention forces the torch backends) graphed:
+    its q/k/v and output states exist before warm-up and are restored after it, so the
+    graphed run equals eager bit for bit, the attention states included."""
+    shape = MODELS["MultiheadAttention"][1]
+    rec = recipe.DelayedScaling(amax_history_len=8, amax_compute_algo="max", **{flag: True})
+    mods = [_build("MultiheadAttention", _seed) for _ in range(2)]
+    eager = train((mods[0],), shape, graph=False, fp8=True, caching=False, seed=_seed, rec=rec)
+    graphed = train((mods[1],), shape, graph=True, fp8=True, caching=False, seed=_seed, rec=rec)
+    assert_same(graphed, eager)
+    eager_attn, graphed_attn = (m.core_attention for m in mods)
+    assert (graphed_attn.fp8_out_state is None) == (flag == "fp8_dpa")
+    for attr in ("fp8_attn_state", "fp8_out_state"):
+        a, b = getattr(eager_attn, attr), getattr(graphed_attn, attr)
+        if b is not None:
+            assert torch.equal(a.scale, b.scale) and torch.equal(a.amax_history, b.amax_history)
+            assert b.scale.ne(1).any()   # the updates ran
