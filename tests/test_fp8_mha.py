@@ -161,21 +161,27 @@ def test_projection_takes_the_fp8_output_without_a_cast():
         context = mha.core_attention(q, k, v)
         by_hand = mha.proj(context)
     assert isinstance(context, Float8Tensor)
-    for st, hist, scale in start:   # rewind the update the call above made, then the module
-        st.amax_history.copy_(hist)
-        st.scale.copy_(scale)
+    _restore(start)   # rewind the update the call above made, then the whole module
     with torch.no_grad(), te.fp8_autocast(fp8_recipe=_delayed()):
         assert torch.equal(mha(x), by_hand)
 
 
-def _states(mha, saved=None):
+def _states(mha):
+    """(state, its amax history, its scale) of every FP8 state in mha, copied now."""
     out = []
     for m in mha.modules():
-        for st in (getattr(getattr(m, "fp8_meta", None), "fwd", None),
+        meta = getattr(m, "fp8_meta", None)
+        for st in (getattr(meta, "fwd", None), getattr(meta, "bwd", None),
                    getattr(m, "fp8_attn_state", None), getattr(m, "fp8_out_state", None)):
             if st is not None:
                 out.append((st, st.amax_history.clone(), st.scale.clone()))
     return out
+
+
+def _restore(saved) -> None:
+    for st, hist, scale in saved:
+        st.amax_history.copy_(hist)
+        st.scale.copy_(scale)
 
 
 def test_current_scaling_equals_fp8_dpa_bit_for_bit():
@@ -192,9 +198,7 @@ def test_checkpoint_core_attention_reproduces_fp8_mha():
     _step(mha, x, _delayed())   # scales off their initial ones
     start = _states(mha)
     plain = _step(mha, x, _delayed())
-    for st, hist, scale in start:
-        st.amax_history.copy_(hist)
-        st.scale.copy_(scale)
+    _restore(start)
     ckpt = _step(mha, x, _delayed(), checkpoint_core_attention=True)
     for a, b in zip(plain, ckpt):
         assert torch.equal(a, b)
@@ -297,8 +301,9 @@ def test_compiled_fp8_attention_has_no_graph_break_and_equals_eager(r):
             with te.fp8_autocast(fp8_recipe=r):
                 return mha(xx)
         if compiled:
+            start = _states(mha)
             assert torch._dynamo.explain(step)(x.clone().requires_grad_()).graph_break_count == 0
-            _rewind(mha, base)
+            _restore(start)   # explain ran a step
             step = torch.compile(step, fullgraph=True, backend="aot_eager")
         runs = []
         for _ in range(3):
@@ -314,20 +319,6 @@ def test_compiled_fp8_attention_has_no_graph_break_and_equals_eager(r):
     for a_run, b_run in zip(*results):
         for a, b in zip(a_run, b_run):
             assert torch.equal(a, b)
-
-
-def _rewind(mha, base):
-    """Back to base's FP8 states (explain ran a step)."""
-    for m, b in zip(mha.modules(), base.modules()):
-        for attr in ("fp8_attn_state", "fp8_out_state"):
-            if getattr(m, attr, None) is not None:
-                getattr(m, attr).amax_history.zero_()
-                getattr(m, attr).scale.fill_(1.0)
-        meta = getattr(m, "fp8_meta", None)
-        for st in (() if meta is None else (meta.fwd, meta.bwd)):
-            if st is not None:
-                st.amax_history.zero_()
-                st.scale.fill_(1.0)
 
 
 def test_fp8_forward_custom_op_matches_the_twin():
