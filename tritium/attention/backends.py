@@ -704,6 +704,23 @@ def choose(q, k, v, a: AttnArgs, backend: str = "auto"):
     return chosen, reasons
 
 
+def format_out(out: torch.Tensor, qkv_format: str) -> torch.Tensor:
+    """A backend's out ([b, s, h, d] bshd, [t, h, d] thd) in the caller's format: [b, s, h*d],
+    [s, b, h*d] (a view where the memory is [s, b, h, d] already, else a copy), [t, h*d]."""
+    h, d = out.shape[-2], out.shape[-1]
+    if qkv_format == "sbhd":
+        out = out.transpose(0, 1)
+    return out.reshape(*out.shape[:-2], h * d)
+
+
+def unformat_grad(dout: torch.Tensor, qkv_format: str, shape) -> torch.Tensor:
+    """The inverse of `format_out` for a gradient: back to the backend's `shape`."""
+    if qkv_format == "sbhd":
+        b, s, h, d = shape
+        return dout.reshape(s, b, h, d).transpose(0, 1)
+    return dout.reshape(shape)
+
+
 def reason_line(name: str, reason: str) -> str:
     return reason if reason.startswith(name + ":") else f"{name}: {reason}"
 
@@ -731,4 +748,4 @@ def choose_cached(q, k, v, a: AttnArgs, backend: str = "auto"):
 
 
 __all__ = ["AttnArgs", "BACKENDS", "DeviceFacts", "choose", "choose_cached", "device_facts",
-           "resolve_name"]
+           "format_out", "resolve_name", "unformat_grad"]

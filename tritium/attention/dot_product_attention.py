@@ -191,13 +191,6 @@ def prepare(q, k, v, *, qkv_format="sbhd", attn_mask_type="causal", attention_ma
     return q, k, v, args
 
 
-def _format_out(out, qkv_format):
-    h, d = out.shape[-2], out.shape[-1]
-    if qkv_format == "sbhd":
-        out = out.transpose(0, 1)
-    return out.reshape(*out.shape[:-2], h * d)
-
-
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, args, backend):
@@ -247,7 +240,7 @@ def dot_product_attention(query_layer, key_layer, value_layer, *, qkv_format="sb
         if fp8 is not None and fp8.out_scales is not None:   # calibrating under fp8_mha
             F.record_out_amax(fp8, out)
     if not (fp8 is not None and fp8.fp8_output):   # fp8_mha's output comes formatted
-        out = _format_out(out, qkv_format)
+        out = B.format_out(out, qkv_format)
     return (out, lse) if return_lse else out
 
 

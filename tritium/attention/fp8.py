@@ -435,11 +435,11 @@ class FP8Attention(torch.autograd.Function):
             scale = plan.out_scales.scale_slot(0)
             spec = (scale, plan.out_scales.amax_slot(0), fmt == "sbhd", keep_hp)
             out, lse, saved, out8 = backend.fwd(q8, k8, v_in, descale, args, q.dtype, spec)
-            out8 = _formatted(out8, fmt)
+            out8 = B.format_out(out8, fmt)
             scale_inv = torch.reciprocal(scale)
         else:                             # current: measure the 16-bit out, then cast it
             out, lse, saved = backend.fwd(q8, k8, v_in, descale, args, q.dtype)
-            rows = _formatted(out, fmt)
+            rows = B.format_out(out, fmt)
             data, _, scale_inv = cast.quantize_2d(
                 rows.reshape(-1, rows.shape[-1]), E4M3, scale=None, amax=None, pad_rows_to=1,
                 current=(float(plan.recipe.amax_epsilon), plan.recipe.power_2_scale))
@@ -456,7 +456,7 @@ class FP8Attention(torch.autograd.Function):
     def backward(ctx, dout, *_not_differentiable):
         q8, k8, v8, descale, out, lse = ctx.saved_tensors
         if ctx.fmt is not None:   # the gradient of the formatted FP8 output
-            dout = _unformatted(dout, ctx.fmt, out.shape)
+            dout = B.unformat_grad(dout, ctx.fmt, out.shape)
         q, k, v = (dequantize(x, descale[i], ctx.dtype) for i, x in enumerate((q8, k8, v8)))
         dq, dk, dv = ctx.backend.bwd(dout, q, k, v, out, lse, ctx.args)
         return dq, dk, dv, None, None, None, None, None
@@ -472,21 +472,6 @@ def apply(q, k, v, args, backend, plan: FP8AttnPlan, fmt: str):
     if len(res) == 2:
         return res
     return from_carrier(res[:4], E4M3, res[0].shape), res[4]
-
-
-def _formatted(out: torch.Tensor, fmt: str) -> torch.Tensor:
-    """The attention output in the caller's format (bshd / thd views; sbhd: a view where the
-    memory is [s, b, h, d] already, as the kernel writes the E4M3 out, else a copy)."""
-    if fmt == "sbhd":
-        out = out.transpose(0, 1)
-    return out.reshape(*out.shape[:-2], out.shape[-2] * out.shape[-1])
-
-
-def _unformatted(dout: torch.Tensor, fmt: str, shape) -> torch.Tensor:
-    if fmt == "sbhd":
-        b, s, h, d = shape
-        return dout.reshape(s, b, h, d).transpose(0, 1)
-    return dout.reshape(shape)
 
 
 __all__ = ["FP8AttnPlan", "FP8Attention", "FP8_BACKENDS", "apply", "choose", "plan_for", "active",

@@ -249,7 +249,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         _fwd_kernel[grid](*srcs, out, lse, lse, lay.s_q, lay.s_kv, h, h // h_kv, scale * LOG2E,
                           *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
                           band_lo, band_hi, lay.cu_q if varlen else lse,
-                          lay.cu_kv if varlen else lse, lse, 0, 0, 0, 0, lse, lse,
+                          lay.cu_kv if varlen else lse, *_no_fp8_out(lse),
                           CAUSAL=causal, SPLIT=bool(split),
                           PREC=_prec(q.dtype), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                           TMA=tma, WS=cfg.ws and tma, WINDOW=window, VARLEN=varlen is not None,
@@ -282,6 +282,12 @@ def fp8_supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and k.dtype == q.dtype and v.dtype == q.dtype and q.shape[-1] in FP8_HEAD_DIMS
             and k.shape[-1] == q.shape[-1] == v.shape[-1] and q.shape[0] == k.shape[0]
             and k.shape == v.shape and k.shape[2] > 0 and q.shape[2] % k.shape[2] == 0)
+
+
+def _no_fp8_out(dummy: torch.Tensor) -> tuple:
+    """The forward kernel's E4M3-output arguments (pointer, 4 strides, scale, amax) where it
+    writes none (O8=False: never read)."""
+    return (dummy, 0, 0, 0, 0, dummy, dummy)
 
 
 class FP8Out(NamedTuple):
@@ -354,7 +360,7 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         partial = (torch.empty(grid[0] * grid[1], dtype=torch.float32, device=q.device)
                    if fp8_out is not None and fp8_out.amax is not None else None)
         o8 = (out8, *out8.stride(), fp8_out.scale, lse if partial is None else partial) \
-            if out8 is not None else (lse, 0, 0, 0, 0, lse, lse)
+            if out8 is not None else _no_fp8_out(lse)
         _fwd_kernel[grid](q_src, k_src, v_src, out, lse, descale, s_q, s_kv, h, h // h_kv,
                           scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
                           *lse.stride(), band_lo, band_hi, lse, lse, *o8, CAUSAL=causal,

@@ -38,7 +38,8 @@ import torch
 
 from .. import backends as B
 from .. import masks as M
-from ..dot_product_attention import _backend_name, _format_out, dot_product_attention, prepare
+from ..backends import format_out
+from ..dot_product_attention import _backend_name, dot_product_attention, prepare
 from .layout import chunk_ids, gather_unshard, positions, resolve_group, shard, unshard
 from .merge import Precision
 
@@ -145,7 +146,7 @@ def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
         from .p2p import RingAttention as Fn
     else:
         from .all_gather import AllGatherAttention as Fn
-    return _format_out(Fn.apply(q, k, v, cfg), qkv_format)
+    return format_out(Fn.apply(q, k, v, cfg), qkv_format)
 
 
 __all__ = ["context_parallel_attention", "shard", "unshard", "positions", "gather_unshard",
