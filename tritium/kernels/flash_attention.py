@@ -293,8 +293,9 @@ def _no_fp8_out(dummy: torch.Tensor) -> tuple:
 class FP8Out(NamedTuple):
     """The FP8 forward's E4M3 output (fp8_mha): `scale` fp32 [1] (out is multiplied by it,
     saturated to +-448 and rounded once from fp32), `amax` fp32 [1] or None (max|out|
-    max-recorded there: each program writes its own max, one small launch reduces them), `seq_first`: the E4M3 out's memory is [s, b, h, d] (an sbhd caller's
-    [s, b, h * d] without a copy), `keep_hp`: out_dtype's out is written too (the backward's)."""
+    max-recorded there: each program writes its own max, one small launch reduces them),
+    `seq_first`: the E4M3 out's memory is [s, b, h, d] (an sbhd caller's [s, b, h * d] without
+    a copy), `keep_hp`: out_dtype's out is written too (the backward's)."""
     scale: torch.Tensor
     amax: Optional[torch.Tensor]
     seq_first: bool = False
