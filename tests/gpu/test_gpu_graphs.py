@@ -275,11 +275,11 @@ def test_graphed_equals_eager_with_fp8_attention(flag, det_attention, _seed):
     graphed run equals eager bit for bit, the attention states included."""
     shape = MODELS["MultiheadAttention"][1]
     rec = recipe.DelayedScaling(amax_history_len=8, amax_compute_algo="max", **{flag: True})
-    mods = [_build("MultiheadAttention", _seed) for _ in range(2)]
-    eager = train((mods[0],), shape, graph=False, fp8=True, caching=False, seed=_seed, rec=rec)
-    graphed = train((mods[1],), shape, graph=True, fp8=True, caching=False, seed=_seed, rec=rec)
+    mods = [_build("MultiheadAttention", _seed) for _ in range(2)]   # each a 1-tuple
+    eager = train(mods[0], shape, graph=False, fp8=True, caching=False, seed=_seed, rec=rec)
+    graphed = train(mods[1], shape, graph=True, fp8=True, caching=False, seed=_seed, rec=rec)
     assert_same(graphed, eager)
-    eager_attn, graphed_attn = (m.core_attention for m in mods)
+    eager_attn, graphed_attn = (m[0].core_attention for m in mods)
     assert (graphed_attn.fp8_out_state is None) == (flag == "fp8_dpa")
     for attr in ("fp8_attn_state", "fp8_out_state"):
         a, b = getattr(eager_attn, attr), getattr(graphed_attn, attr)
