@@ -24,6 +24,8 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
     inside one program.
 
+On Hopper the speed mode's forward runs `flash_attention_sm90` (Gluon, warp-specialized) where
+its `applies()` holds (contiguous bshd, d = 128, s_q / s_kv multiples of 128, no band).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -46,6 +48,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from . import flash_attention_sm90 as sm90
 from .cast import amax_into
 from .flash_attention_tiles import LOG2E, _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel
 
@@ -235,6 +238,8 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     out_dtype = _check(q, k, v, out_dtype, "out_dtype", backward=False)
     b, t_q, h, d = q.shape
     t_kv, h_kv = k.shape[1], k.shape[2]
+    if not split and band is None and varlen is None and sm90.applies(q, k, v, out_dtype):
+        return sm90.flash_attention_fwd(q, k, v, causal, scale)  # Hopper: the Gluon kernel
     window, causal, band_lo, band_hi = _band(band, causal, lay.s_q, lay.s_kv)
     out = torch.empty(b, t_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(b, h, t_q, dtype=torch.float32, device=q.device)

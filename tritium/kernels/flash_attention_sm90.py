@@ -1,0 +1,289 @@
+"""Hopper (sm90) flash-attention forward in Gluon: the speed mode's forward where it applies.
+
+Triton 3.6's compiler does not overlap a block's softmax with tensor-core work in the flash
+forward (docs/attention.md, "Tried"), and its warp specialization does not compile for it. Gluon
+(Triton's explicit-layout language, `triton.experimental.gluon`) states the schedule itself,
+FlashAttention-3's, written here from its description:
+  * a 1-warp loader partition streams K and V blocks by TMA into a ring of `stages` buffers
+    (ready / empty mbarriers; each K and V buffer is released by both consumers);
+  * two consumer warpgroups (4 warps each, 64 query rows of the 128-row tile each), registers
+    moved to them by setmaxnreg (240 each, the loader 24);
+  * ping-pong: a warpgroup issues its two products (the next block's Q K^T and this block's
+    P V, both async wgmma) only in its turn (two mbarriers passed back and forth), then runs
+    the next softmax while the other warpgroup's products run on the tensor cores;
+  * softmax in fp32 with exp2 (the scale folded into one FMA), P rounded once to the input
+    dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once.
+Contract (a subset of `flash_attention.flash_attention_fwd`'s, same outputs): q [b, s_q, h, d],
+k / v [b, s_kv, h_kv, d] contiguous bshd, fp16 / bf16, d = 128, s_q and s_kv multiples of 128,
+no mask or top-left causal; -> out [b, s_q, h, d] in the input dtype, lse fp32 [b, h, s_q]
+(natural log). `applies()` says when; the Triton kernel runs everything else.
+Twin: `tritium.ref.flash_attention.flash_attention_fwd` (the GPU tier compares them). Gluon
+does not run under TRITON_INTERPRET: this kernel has no interpreter tier.
+Measured on an H200 (B4 H32 S4096 D128, alternating rounds): 1.05-1.06x cuDNN's forward
+(benchmarks/RESULTS.md, the flash table).
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # Gluon's Hopper API (Triton >= 3.5); without it the Triton kernel runs everything
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
+except ImportError:  # pragma: no cover - older Triton
+    gluon = None
+
+ENABLED = True   # False: the Triton kernel runs every forward (tests, bisecting)
+BLOCK_M, BLOCK_N, HEAD_DIM, STAGES = 128, 128, 128, 2
+CONSUMER_REGS, LOADER_REGS = 240, 24
+LOG2E = 1.4426950408889634
+
+
+def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> bool:
+    """Can this kernel run the speed-mode forward of these bshd tensors?"""
+    return (ENABLED and gluon is not None and q.is_cuda and q.dim() == 4
+            and torch.cuda.get_device_capability(q.device)[0] == 9
+            and q.dtype in (torch.bfloat16, torch.float16) and out_dtype == q.dtype
+            and k.dtype == q.dtype and v.dtype == q.dtype
+            and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
+            and q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0
+            and q.shape[1] % BLOCK_M == 0 and k.shape[1] % BLOCK_N == 0 and q.shape[1] > 0
+            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+
+
+if gluon is not None:
+    @gluon.jit
+    def _softmax_step(s, m_i, l_i, qk_scale, cols, rows, n0, S_K, MASK: gl.constexpr,
+                      CAUSAL: gl.constexpr):
+        """Online softmax of one score block (raw Q K^T, fp32): -> (P, alpha, m, l); m in
+        log2 units of the scaled scores."""
+        if MASK:
+            keep = (n0 + cols)[None, :] < S_K
+            if CAUSAL:
+                keep = keep & ((n0 + cols)[None, :] <= rows[:, None])
+            s = gl.where(keep, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
+        alpha = gl.exp2(m_i - m_new)
+        p = gl.exp2(s * qk_scale - m_new[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        return p, alpha, m_new, l_i
+
+    @gluon.jit
+    def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                k_empty, v_empty, q_row, q_col, kv_row, kv_col, n_blocks):
+        """The TMA partition: Q once, then K / V block j into ring slot j % stages once both
+        consumers released the slot's previous block."""
+        NSTAGE: gl.constexpr = k_smem.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+        for j in range(n_blocks):
+            st = j % NSTAGE
+            free = ((j // NSTAGE) & 1) ^ 1   # a fresh barrier passes this parity at once
+            mbarrier.wait(k_empty.index(st), free)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col],
+                                            k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), free)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col],
+                                            v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
+                  HALF: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warpgroup's 64 query rows (HALF 0 / 1 of the tile): scores, softmax, P V,
+        ping-ponged with the other warpgroup; then out (TMA store) and lse."""
+        BM: gl.constexpr = q_smem.shape[0]
+        NSTAGE: gl.constexpr = k_smem.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        D: gl.constexpr = k_smem.shape[2]
+        HM: gl.constexpr = BM // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                     k_width=2)
+        q_half = q_smem.slice(HALF * HM, HM)
+        r0 = m0 + HALF * HM
+        if CAUSAL:
+            n_free = r0 // BN          # key blocks wholly visible to every row of this half
+        else:
+            n_free = S_K // BN
+        rows = r0 + gl.arange(0, HM, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        m_i = gl.full([HM], -float("inf"), gl.float32, layout=gl.SliceLayout(1, s_layout))
+        l_i = gl.full([HM], 0.0, gl.float32, layout=gl.SliceLayout(1, s_layout))
+        acc = warpgroup_mma_init(gl.zeros([HM, D], gl.float32, layout=o_layout))
+        zero_s = gl.zeros([HM, BN], gl.float32, layout=s_layout)
+
+        mbarrier.wait(q_bar, 0)
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), zero_s, use_acc=False,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        if n_free > 0:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
+                                               False, CAUSAL)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
+                                               True, CAUSAL)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
+        for j in range(n_blocks - 1):
+            st = j % NSTAGE
+            nxt = j + 1
+            nst = nxt % NSTAGE
+            # this warpgroup's turn: block j+1's scores and block j's P V on the tensor cores
+            mbarrier.wait(turn.index(HALF), (j & 1) ^ (1 - HALF))
+            mbarrier.wait(k_ready.index(nst), (nxt // NSTAGE) & 1)
+            s_next = warpgroup_mma(q_half, k_smem.index(nst).permute((1, 0)), zero_s,
+                                   use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(st), (j // NSTAGE) & 1)
+            acc = warpgroup_mma(p16, v_smem.index(st), acc, is_async=True)
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
+            mbarrier.arrive(k_empty.index(nst), count=1)
+            if nxt >= n_free:
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
+                                                   nxt * BN, S_K, True, CAUSAL)
+            else:
+                p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
+                                                   nxt * BN, S_K, False, CAUSAL)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(st), count=1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+            p16 = gl.convert_layout(p.to(dtype), p_layout)
+            acc = warpgroup_mma_init(acc)
+        last = n_blocks - 1
+        lst = last % NSTAGE
+        mbarrier.wait(turn.index(HALF), (last & 1) ^ (1 - HALF))
+        mbarrier.wait(v_ready.index(lst), (last // NSTAGE) & 1)
+        acc = warpgroup_mma(p16, v_smem.index(lst), acc, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(lst), count=1)
+
+        out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
+        gl.store(lse_ptr + lse_off + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+        q_half.store(out.to(dtype))      # this half's Q tile is no longer read
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [q_row + HALF * HM, q_col], q_half)
+        tma.store_wait(pendings=0)
+
+    # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
+    @gluon.jit
+    def _rows_0(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
+                  False)
+
+    @gluon.jit
+    def _rows_1(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
+                  False)
+
+    @gluon.jit
+    def _rows_0_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks,
+                       qk_scale):
+        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
+                  True)
+
+    @gluon.jit
+    def _rows_1_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks,
+                       qk_scale):
+        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, q_row, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
+                  True)
+
+    @gluon.jit
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, S_Q, S_K, H, G, qk_scale,
+                    CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                    D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                    LOADER_REGS: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest rows first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // H
+        off_h = pid_bh % H
+        m0 = pid_m * BM
+        if CAUSAL:
+            n_blocks = gl.cdiv(gl.minimum(S_K, m0 + BM), BN)
+        else:
+            n_blocks = gl.cdiv(S_K, BN)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)   # released by both consumers
+            mbarrier.init(v_empty.index(i), count=2)
+
+        q_row = off_b * S_Q + m0
+        args = (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, q_row, off_h * D, m0, pid_bh * S_Q, S_Q, S_K, n_blocks,
+                qk_scale)
+        load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                     k_empty, v_empty, q_row, off_h * D, off_b * S_K, (off_h // G) * D,
+                     n_blocks)
+        if CAUSAL:
+            gl.warp_specialize([(_rows_0_causal, args), (_rows_1_causal, args),
+                                (_loader, load_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([(_rows_0, args), (_rows_1, args), (_loader, load_args)],
+                               [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _descriptors(q, k, v, out):
+    """TMA descriptors of the [b * s, h * d] views: q / out boxes of BLOCK_M rows (out's of
+    half: each consumer stores its own rows), k / v of BLOCK_N."""
+    b, s_q, h, d = q.shape
+    s_kv, h_kv = k.shape[1], k.shape[2]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(x, rows, box):
+        view = x.view(rows, x.shape[2] * d)
+        layout = gl.NVMMASharedLayout.get_default_for([box, d], gdt)
+        return GluonDesc(view, list(view.shape), list(view.stride()), [box, d], layout)
+
+    return (desc(q, b * s_q, BLOCK_M), desc(k, b * s_kv, BLOCK_N), desc(v, b * s_kv, BLOCK_N),
+            desc(out, b * s_q, BLOCK_M // 2))
+
+
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        scale: float):
+    """The speed-mode forward where `applies(q, k, v, q.dtype)`: -> (out [b, s_q, h, d] in
+    q's dtype, lse fp32 [b, h, s_q], natural log)."""
+    b, s_q, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
+    grid = (s_q // BLOCK_M, b * h)
+    _fwd_kernel[grid](*_descriptors(q, k, v, out), lse, s_q, k.shape[1], h, h // k.shape[2],
+                      scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d,
+                      NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                      num_warps=4)
+    return out, lse
