@@ -139,7 +139,7 @@ def attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     f32, inf = torch.float32, float("inf")
     groups = q8.shape[2] // k8.shape[2]
     d = descale.float()
-    qk_scale = torch.tensor(scale * _LOG2E, dtype=f32, device=q8.device) * d[0] * d[1]
+    qk_scale = d[0] * (scale * _LOG2E) * d[1]   # no host tensor: CUDA graphs capture this
     s = torch.matmul(q8.to(f32).transpose(1, 2), _heads_first(k8, groups, f32).transpose(-1, -2))
     s = s * qk_scale
     if mask is not None:
