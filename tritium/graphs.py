@@ -122,8 +122,14 @@ class _CaptureRegion(FP8Region):
     def register(self, fwd, bwd, recipe, group, again: bool = False) -> bool:
         first = super().register(fwd, bwd, recipe, group, again)
         if not any(c[0] is fwd and c[1] is bwd for c in self.calls):
-            self.calls.append((fwd, bwd, recipe, group))
+            self.calls.append((fwd, bwd, recipe, group, False))
         return first
+
+    def register_forward(self, fwd, recipe, group) -> None:
+        """FP8 attention's forward-only states: replayed with register_forward."""
+        super().register_forward(fwd, recipe, group)
+        if not any(c[0] is fwd and c[4] for c in self.calls):
+            self.calls.append((fwd, None, recipe, group, True))
 
     def forward_done(self) -> None:
         pass
@@ -503,8 +509,12 @@ def _replay(cap: _Callable, args, kwargs, is_first_microbatch):
     if cap.registrations:
         outer = current_autocast()
         region, own = (FP8Region(), True) if outer is None else (outer.region, False)
-        firsts = [region.register(*r) for r in cap.registrations]
-        bwd_region = region if firsts[0] else None
+        firsts = [region.register(fwd, bwd, rec, group) for fwd, bwd, rec, group, only
+                  in cap.registrations if not only]
+        for fwd, _, rec, group, only in cap.registrations:
+            if only:
+                region.register_forward(fwd, rec, group)
+        bwd_region = region if firsts and firsts[0] else None
     out = _Graphed.apply(cap, bwd_region, *inputs, *cap.params)
     if own and torch.is_grad_enabled():
         region.forward_done()
