@@ -57,6 +57,16 @@ def _err(x, ref):
     return (x.double() - ref).abs().max().item()
 
 
+def assert_as_close_as_cudnn(tag, got, ref, theirs):
+    """got / theirs: (out, dq, dk, dv); ref: fp64_attention's (out, lse, dq, dk, dv). Each of
+    got within 2x cuDNN's max abs error vs fp64."""
+    for tname, x, r, c in zip(("out", "dq", "dk", "dv"), got, (ref[0], *ref[2:]), theirs):
+        assert x.shape == r.shape, tname
+        e, ec = _err(x, r), _err(c, r)
+        print(f"{tag} {tname}: {e:.2e} vs cudnn {ec:.2e}")
+        assert e < 2 * ec, tname
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_fp32_partials_beat_cudnn_vs_fp64(name):
     from tritium.kernels import flash_attention as FA
@@ -90,11 +100,7 @@ def test_nosplit_is_a_16bit_kernel_without_the_final_rounding():
     theirs = _cudnn(q, k, v, do, True)
     out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False)
     grads = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False)
-    for tname, x, r, c in zip(("out", "dq", "dk", "dv"), (out, *grads),
-                              (ref[0], *ref[2:]), theirs):
-        e, ec = _err(x, r), _err(c, r)
-        print(f"nosplit {tname}: {e:.2e} vs cudnn {ec:.2e}")
-        assert e < 2 * ec, tname
+    assert_as_close_as_cudnn("nosplit", (out, *grads), ref, theirs)
 
 
 def test_backward_with_merged_out_lse():
@@ -160,12 +166,8 @@ def test_speed_mode_options_16bit_outputs(name, option, monkeypatch):
                                    grad_dtype=bf)
     ref = fp64_attention(q, k, v, do, causal, scale)
     theirs = _cudnn(q, k, v, do, causal)
-    for tname, x, r, c in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref[0], *ref[2:]),
-                              theirs):
-        assert x.dtype == bf and x.shape == r.shape
-        e, ec = _err(x, r), _err(c, r)
-        print(f"{option} {name} {tname}: {e:.2e} vs cudnn {ec:.2e}")
-        assert e < 2 * ec, tname
+    assert all(x.dtype == bf for x in (out, *grads))
+    assert_as_close_as_cudnn(f"{option} {name}", (out, *grads), ref, theirs)
 
 
 def _packed(lens, h, h_kv, seed):
