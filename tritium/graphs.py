@@ -509,11 +509,12 @@ def _replay(cap: _Callable, args, kwargs, is_first_microbatch):
     if cap.registrations:
         outer = current_autocast()
         region, own = (FP8Region(), True) if outer is None else (outer.region, False)
-        firsts = [region.register(fwd, bwd, rec, group) for fwd, bwd, rec, group, only
-                  in cap.registrations if not only]
-        for fwd, _, rec, group, only in cap.registrations:
-            if only:
+        firsts = []   # did the modules' registrations make this the region's first?
+        for fwd, bwd, rec, group, forward_only in cap.registrations:
+            if forward_only:
                 region.register_forward(fwd, rec, group)
+            else:
+                firsts.append(region.register(fwd, bwd, rec, group))
         bwd_region = region if firsts and firsts[0] else None
     out = _Graphed.apply(cap, bwd_region, *inputs, *cap.params)
     if own and torch.is_grad_enabled():
