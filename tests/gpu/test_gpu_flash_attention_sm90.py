@@ -78,3 +78,26 @@ def test_forward_backward_close_to_fp64_as_cudnn():
     ref = fp64_attention(q, k, v, do, True, scale)
     theirs = _cudnn(q, k, v, do, True)
     assert_as_close_as_cudnn("sm90 fwd", (out, *grads), ref, theirs)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dkdv_equals_twin(name, _seed):
+    """The Gluon dK / dV kernel against the twin's backward (fp32 math on the same values),
+    fed the twin's (out, lse); dq (the Triton kernel) too."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s_q, s_kv, h, h_kv, causal, dtype = CASES[name]
+    q, k, v, do = _inputs(b, s_q, s_kv, h, h_kv, dtype, _seed)
+    scale = 1 / math.sqrt(D)
+    out, lse = twin.flash_attention_fwd(q, k, v, causal, scale)
+    out = out.to(dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)   # fp32
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                 grad_dtype=dtype)
+    assert sm90.applies(q, k, v, dtype)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.dtype == dtype and x.shape == r.shape, tname
+        rel = (x.float() - r).abs() / r.abs().max()
+        print(f"{name} {tname}: max {rel.max().item():.2e} mean {rel.mean().item():.2e}")
+        assert rel.max().item() < 2 ** -6 and rel.mean().item() < 2 ** -10, tname

@@ -13,6 +13,11 @@ FlashAttention-3's, written here from its description:
     the next softmax while the other warpgroup's products run on the tensor cores;
   * softmax in fp32 with exp2 (the scale folded into one FMA), P rounded once to the input
     dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once.
+Backward (`dkdv`): dK / dV of one 128-key block per program, the same partitions: the loader
+brings K / V once and Q / dO per (head of the GQA group, 64-row query block) into a 2-slot ring;
+each consumer warpgroup owns 64 keys (dK, dV accumulators of 64 x 128 in fp32) and, in its turn,
+issues S^T = K Q^T and dP^T = V dO^T, then (P^T, dS^T rounded to 16 bits, as the Triton speed
+mode) dV += P^T dO and dK += dS^T Q. dQ stays the Triton dq kernel's; delta its delta kernel's.
 Contract (a subset of `flash_attention.flash_attention_fwd`'s, same outputs): q [b, s_q, h, d],
 k / v [b, s_kv, h_kv, d] contiguous bshd, fp16 / bf16, d = 128, s_q and s_kv multiples of 128,
 no mask or top-left causal; -> out [b, s_q, h, d] in the input dtype, lse fp32 [b, h, s_q]
@@ -294,3 +299,240 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                       NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
                       num_warps=4)
     return out, lse
+
+
+# --------------------------------------------------------------------------------------------
+# backward: dK / dV of one 128-key block (dQ stays the Triton kernel's)
+
+BWD_BLOCK_M, BWD_STAGES = 64, 2
+
+if gluon is not None:
+    @gluon.jit
+    def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                     q_ready, q_empty, kv_row, kv_col, q_row0, q_col0, G, i_start, n_qblocks):
+        """K / V of the key block once, then Q and dO of each (head of the group, query block)
+        into ring slot it % stages once both consumers released it."""
+        NSTAGE: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_bar, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_bar, v_smem)
+        it = 0
+        for g in range(G):
+            for i in range(i_start, n_qblocks):
+                st = it % NSTAGE
+                mbarrier.wait(q_empty.index(st), ((it // NSTAGE) & 1) ^ 1)
+                mbarrier.expect(q_ready.index(st),
+                                q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(q_desc, [q_row0 + i * BM, q_col0 + g * D],
+                                                q_ready.index(st), q_smem.index(st))
+                tma.async_copy_global_to_shared(do_desc, [q_row0 + i * BM, q_col0 + g * D],
+                                                q_ready.index(st), do_smem.index(st))
+                it += 1
+
+    @gluon.jit
+    def _dkdv_step(q_smem, k_half, v_half, do_smem, q_ready, q_empty, turn, lse_ptr, delta_ptr,
+                   lse_base, m, it, dk, dv, keys, cols, qk_scale, HALF: gl.constexpr,
+                   MASK: gl.constexpr):
+        """One query block (rows m.., ring slot it % stages) into this warpgroup's dK, dV."""
+        NSTAGE: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        HN: gl.constexpr = k_half.shape[0]
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                     k_width=2)
+        st = it % NSTAGE
+        lse = gl.load(lse_ptr + lse_base + m + cols)
+        lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = gl.load(delta_ptr + lse_base + m + cols)
+        zero_s = gl.zeros([HN, BM], gl.float32, layout=s_layout)
+        mbarrier.wait(q_ready.index(st), (it // NSTAGE) & 1)
+        mbarrier.wait(turn.index(HALF), 1 - HALF)      # this warpgroup's turn (1 / 2)
+        st_acc = warpgroup_mma(k_half, q_smem.index(st).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+        dpt_acc = warpgroup_mma(v_half, do_smem.index(st).permute((1, 0)), zero_s,
+                                use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        s_t, dp_t = warpgroup_mma_wait(num_outstanding=0, deps=(st_acc, dpt_acc))
+        if MASK:   # key j seen by row i iff j <= i
+            s_t = gl.where(keys[:, None] <= (m + cols)[None, :], s_t, -float("inf"))
+        p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+        ds_t = p_t * (dp_t - delta[None, :])
+        p16 = gl.convert_layout(p_t.to(dtype), a_layout)
+        ds16 = gl.convert_layout(ds_t.to(dtype), a_layout)
+        mbarrier.wait(turn.index(HALF), HALF)          # this warpgroup's turn (2 / 2)
+        dv = warpgroup_mma(p16, do_smem.index(st), dv, is_async=True)
+        dk = warpgroup_mma(ds16, q_smem.index(st), dk, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+        mbarrier.arrive(q_empty.index(st), count=1)
+        return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
+
+    @gluon.jit
+    def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale, HALF: gl.constexpr,
+                       CAUSAL: gl.constexpr):
+        """One warpgroup's 64 keys of the block: S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO,
+        dK += dS^T Q, each pair of products issued in this warpgroup's turn."""
+        NSTAGE: gl.constexpr = q_smem.shape[0]
+        BM: gl.constexpr = q_smem.shape[1]
+        D: gl.constexpr = q_smem.shape[2]
+        BN: gl.constexpr = k_smem.shape[0]
+        HN: gl.constexpr = BN // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        k_half = k_smem.slice(HALF * HN, HN)
+        v_half = v_smem.slice(HALF * HN, HN)
+        keys = n0 + HALF * HN + gl.arange(0, HN, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BM, layout=gl.SliceLayout(0, s_layout))
+        dk = warpgroup_mma_init(gl.zeros([HN, D], gl.float32, layout=acc_layout))
+        dv = warpgroup_mma_init(gl.zeros([HN, D], gl.float32, layout=acc_layout))
+        mbarrier.wait(kv_bar, 0)
+        it = 0
+        for g in range(G):
+            lse_base = lse_base0 + g * S_Q
+            if CAUSAL:   # the diagonal's query blocks first, masked: key j seen by row i iff j <= i
+                i_free = gl.minimum(i_start + BN // BM, n_qblocks)
+                for i in range(i_start, i_free):
+                    dk, dv = _dkdv_step(q_smem, k_half, v_half, do_smem, q_ready, q_empty, turn,
+                                        lse_ptr, delta_ptr, lse_base, i * BM, it, dk, dv, keys,
+                                        cols, qk_scale, HALF, True)
+                    it += 1
+            else:
+                i_free = i_start
+            for i in range(i_free, n_qblocks):
+                dk, dv = _dkdv_step(q_smem, k_half, v_half, do_smem, q_ready, q_empty, turn,
+                                    lse_ptr, delta_ptr, lse_base, i * BM, it, dk, dv, keys, cols,
+                                    qk_scale, HALF, False)
+                it += 1
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        k_half.store((dk * scale).to(dtype))     # this half's K / V are no longer read
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [kv_row + HALF * HN, kv_col], k_half)
+        tma.async_copy_shared_to_global(dv_desc, [kv_row + HALF * HN, kv_col], v_half)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _keys_0(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G, i_start,
+                n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale, 0, False)
+
+    @gluon.jit
+    def _keys_1(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G, i_start,
+                n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale, 1, False)
+
+    @gluon.jit
+    def _keys_0_causal(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale, 0, True)
+
+    @gluon.jit
+    def _keys_1_causal(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                       kv_bar, q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale, 1, True)
+
+    @gluon.jit
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
+                     S_Q, S_KV, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
+                     BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
+                     NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                     LOADER_REGS: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)          # (batch, kv head)
+        off_b = pid_bh // H_KV
+        off_hk = pid_bh % H_KV
+        n0 = pid_n * BN
+        if CAUSAL:   # query blocks wholly above the diagonal see none of these keys
+            i_start = n0 // BM
+        else:
+            i_start = 0
+        n_qblocks = S_Q // BM
+
+        q_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BN, D], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        for s in gl.static_range(NSTAGE):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)   # released by both consumers
+
+        kv_row = off_b * S_KV + n0
+        kv_col = off_hk * D
+        lse_base0 = (off_b * H_KV * G + off_hk * G) * S_Q
+        args = (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                q_ready, q_empty, turn, kv_row, kv_col, n0, lse_base0, S_Q, G, i_start,
+                n_qblocks, qk_scale, scale)
+        load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
+                     q_ready, q_empty, kv_row, kv_col, off_b * S_Q, off_hk * G * D, G,
+                     i_start, n_qblocks)
+        if CAUSAL:
+            gl.warp_specialize([(_keys_0_causal, args), (_keys_1_causal, args),
+                                (_dkdv_loader, load_args)], [4, 1],
+                               [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([(_keys_0, args), (_keys_1, args), (_dkdv_loader, load_args)],
+                               [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def _bwd_descriptors(q, k, v, dout, dk, dv):
+    """[b * s, h * d] views: q / dout boxes of BWD_BLOCK_M rows, k / v of BLOCK_N, dk / dv of
+    half (each consumer stores its own keys)."""
+    b, s_q, h, d = q.shape
+    s_kv = k.shape[1]
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+
+    def desc(x, rows, box):
+        view = x.view(rows, x.shape[2] * d)
+        layout = gl.NVMMASharedLayout.get_default_for([box, d], gdt)
+        return GluonDesc(view, list(view.shape), list(view.stride()), [box, d], layout)
+
+    return (desc(q, b * s_q, BWD_BLOCK_M), desc(k, b * s_kv, BLOCK_N),
+            desc(v, b * s_kv, BLOCK_N), desc(dout, b * s_q, BWD_BLOCK_M),
+            desc(dk, b * s_kv, BLOCK_N // 2), desc(dv, b * s_kv, BLOCK_N // 2))
+
+
+def dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """dK, dV (q's dtype, shaped like k / v) of the speed-mode backward where
+    `applies(q, k, v, q.dtype)` and dout / lse / delta are contiguous (lse, delta fp32
+    [b, h, s_q]; delta = rowsum(dO * out))."""
+    b, s_q, h, d = q.shape
+    s_kv, h_kv = k.shape[1], k.shape[2]
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    grid = (s_kv // BLOCK_N, b * h_kv)
+    _dkdv_kernel[grid](*_bwd_descriptors(q, k, v, dout, dk, dv), lse, delta, s_q, s_kv, h_kv,
+                       h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
+                       BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
+                       LOADER_REGS=LOADER_REGS, num_warps=4)
+    return dk, dv
