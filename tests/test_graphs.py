@@ -26,7 +26,7 @@ import tritium as te
 from tritium import graphs, recipe
 from tritium.graphs import make_graphed_callables
 
-from testlib import fp8_state
+from testlib import fp8_state, fp8_states
 
 pytestmark = pytest.mark.cpu
 
@@ -253,6 +253,26 @@ def test_graphed_equals_eager(emulated, make, shapes, fp8, caching):
     graphed, mods = train(make, shapes, graph=True, fp8=fp8, caching=caching)
     assert_same(graphed, eager)
     assert all(m.forward.__name__ == "call" for m in mods)
+
+
+@pytest.mark.parametrize("flag", ["fp8_dpa", "fp8_mha"])
+def test_graphed_equals_eager_with_fp8_attention(emulated, flag):
+    """FP8 attention's forward-only states (q/k/v; fp8_mha's output): made before the warm-up,
+    restored after it and registered again at every replay, so they update at the autocast
+    exit as eager's do."""
+    rec = recipe.DelayedScaling(amax_history_len=4, **{flag: True})
+
+    def make():
+        return (te.MultiheadAttention(H, 4, attention_dropout=0.0, device="cpu"),)
+
+    eager, eager_mods = train(make, [(8, 2, H)], graph=False, recipe_=rec)
+    graphed, graphed_mods = train(make, [(8, 2, H)], graph=True, recipe_=rec)
+    assert_same(graphed, eager)
+    states = fp8_states(graphed_mods[0])
+    assert_same(states, fp8_states(eager_mods[0]))
+    attn = graphed_mods[0].core_attention
+    assert attn.fp8_attn_state.scale.ne(1).any()       # the updates ran
+    assert (attn.fp8_out_state is None) == (flag == "fp8_dpa")
 
 
 @pytest.mark.parametrize("make,shapes", [
