@@ -438,17 +438,18 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window,
                  VARLEN=varlen is not None)
 
-    cfg = dkdv_cfg
     if (not split and not atomic and band is None and varlen is None
             and grad_dtype == q.dtype and sm90.applies(q, k, v, q.dtype)
-            and dout.is_contiguous() and lse.is_contiguous()):
-        dk, dv = sm90.dkdv(q, k, v, dout, lse, delta, causal, scale)   # Hopper: Gluon
-    else:
-        srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
-        _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
-            *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
-            scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
+            and dout.is_contiguous() and lse.is_contiguous()):   # Hopper: the Gluon kernels
+        dk, dv = sm90.dkdv(q, k, v, dout, lse, delta, causal, scale)
+        return sm90.dq(q, k, v, dout, lse, delta, causal, scale), dk, dv
+
+    cfg = dkdv_cfg
+    srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
+    _dkdv_kernel[(triton.cdiv(lay.s_kv, cfg.block_n), lay.batch * h_kv)](
+        *srcs, lse, delta, dk, dv, dq, lay.s_q, lay.s_kv, h_kv, h // h_kv,
+        scale * LOG2E, scale, *common, **flags, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        TMA=tma, ATOMIC_DQ=atomic, num_warps=cfg.warps, num_stages=cfg.stages)
     if atomic:
         return unbatch(dq.to(grad_dtype), dk, dv)
 

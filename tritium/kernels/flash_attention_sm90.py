@@ -17,7 +17,10 @@ Backward (`dkdv`): dK / dV of one 128-key block per program, the same partitions
 brings K / V once and Q / dO per (head of the GQA group, 64-row query block) into a 2-slot ring;
 each consumer warpgroup owns 64 keys (dK, dV accumulators of 64 x 128 in fp32) and, in its turn,
 issues S^T = K Q^T and dP^T = V dO^T, then (P^T, dS^T rounded to 16 bits, as the Triton speed
-mode) dV += P^T dO and dK += dS^T Q. dQ stays the Triton dq kernel's; delta its delta kernel's.
+mode) dV += P^T dO and dK += dS^T Q. `dq`: per 128-row query tile as the forward (K / V
+streamed), S = Q K^T and dP = dO V^T in a warpgroup's first turn, dQ += dS K in its second
+(7 products per tile pair in all, as the Triton backward; no atomics). delta: the Triton
+delta kernel's.
 Contract (a subset of `flash_attention.flash_attention_fwd`'s, same outputs): q [b, s_q, h, d],
 k / v [b, s_kv, h_kv, d] contiguous bshd, fp16 / bf16, d = 128, s_q and s_kv multiples of 128,
 no mask or top-left causal; -> out [b, s_q, h, d] in the input dtype, lse fp32 [b, h, s_q]
@@ -536,3 +539,204 @@ def dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
                        BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                        LOADER_REGS=LOADER_REGS, num_warps=4)
     return dk, dv
+
+
+# --------------------------------------------------------------------------------------------
+# backward: dQ of one 128-row query tile (two warpgroups of 64 rows), K / V streamed
+
+if gluon is not None:
+    @gluon.jit
+    def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
+                   k_ready, v_ready, k_empty, v_empty, q_row, q_col, kv_row, kv_col, n_blocks):
+        NSTAGE: gl.constexpr = k_smem.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_bar, q_smem)
+        tma.async_copy_global_to_shared(do_desc, [q_row, q_col], q_bar, do_smem)
+        for j in range(n_blocks):
+            st = j % NSTAGE
+            free = ((j // NSTAGE) & 1) ^ 1
+            mbarrier.wait(k_empty.index(st), free)
+            mbarrier.expect(k_ready.index(st), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BN, kv_col],
+                                            k_ready.index(st), k_smem.index(st))
+            mbarrier.wait(v_empty.index(st), free)
+            mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BN, kv_col],
+                                            v_ready.index(st), v_smem.index(st))
+
+    @gluon.jit
+    def _dq_step(q_half, do_half, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, turn, j,
+                 dq, lse, delta, rows, cols, qk_scale, HALF: gl.constexpr, MASK: gl.constexpr):
+        """Key block j into this warpgroup's dQ: S = Q K^T and dP = dO V^T in its first turn,
+        dQ += dS K in its second."""
+        NSTAGE: gl.constexpr = k_smem.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        D: gl.constexpr = k_smem.shape[2]
+        HM: gl.constexpr = q_half.shape[0]
+        dtype: gl.constexpr = q_half.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
+                                                     k_width=2)
+        st = j % NSTAGE
+        ph = (j // NSTAGE) & 1
+        zero_s = gl.zeros([HM, BN], gl.float32, layout=s_layout)
+        mbarrier.wait(k_ready.index(st), ph)
+        mbarrier.wait(v_ready.index(st), ph)
+        mbarrier.wait(turn.index(HALF), 1 - HALF)      # this warpgroup's turn (1 / 2)
+        s_acc = warpgroup_mma(q_half, k_smem.index(st).permute((1, 0)), zero_s, use_acc=False,
+                              is_async=True)
+        dp_acc = warpgroup_mma(do_half, v_smem.index(st).permute((1, 0)), zero_s,
+                               use_acc=False, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s_acc, dp_acc))
+        mbarrier.arrive(v_empty.index(st), count=1)
+        if MASK:   # key j seen by row i iff j <= i
+            s = gl.where((j * BN + cols)[None, :] <= rows[:, None], s, -float("inf"))
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        ds16 = gl.convert_layout((p * (dp - delta[:, None])).to(dtype), a_layout)
+        mbarrier.wait(turn.index(HALF), HALF)          # this warpgroup's turn (2 / 2)
+        dq = warpgroup_mma(ds16, k_smem.index(st), dq, is_async=True)
+        mbarrier.arrive(turn.index(1 - HALF), count=1)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(k_empty.index(st), count=1)
+        return warpgroup_mma_init(dq)
+
+    @gluon.jit
+    def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                     n_blocks, qk_scale, scale, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+        BM: gl.constexpr = q_smem.shape[0]
+        BN: gl.constexpr = k_smem.shape[1]
+        D: gl.constexpr = k_smem.shape[2]
+        HM: gl.constexpr = BM // 2
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        q_half = q_smem.slice(HALF * HM, HM)
+        do_half = do_smem.slice(HALF * HM, HM)
+        r0 = m0 + HALF * HM
+        rows = r0 + gl.arange(0, HM, layout=gl.SliceLayout(1, s_layout))
+        cols = gl.arange(0, BN, layout=gl.SliceLayout(0, s_layout))
+        lse = gl.load(lse_ptr + lse_off + rows)
+        lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+        delta = gl.load(delta_ptr + lse_off + rows)
+        dq = warpgroup_mma_init(gl.zeros([HM, D], gl.float32, layout=acc_layout))
+        if CAUSAL:
+            n_free = gl.minimum(r0 // BN, n_blocks)   # key blocks wholly visible to the half
+        else:
+            n_free = n_blocks
+        mbarrier.wait(q_bar, 0)
+        for j in range(n_free):
+            dq = _dq_step(q_half, do_half, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                          turn, j, dq, lse, delta, rows, cols, qk_scale, HALF, False)
+        for j in range(n_free, n_blocks):
+            dq = _dq_step(q_half, do_half, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                          turn, j, dq, lse, delta, rows, cols, qk_scale, HALF, True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        q_half.store((dq * scale).to(dtype))          # this half's Q is no longer read
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dq_desc, [q_row + HALF * HM, q_col], q_half)
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _dq_rows_0(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                   k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                   n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                     n_blocks, qk_scale, scale, 0, False)
+
+    @gluon.jit
+    def _dq_rows_1(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                   k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                   n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                     n_blocks, qk_scale, scale, 1, False)
+
+    @gluon.jit
+    def _dq_rows_0_causal(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                          k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off,
+                          S_KV, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                     n_blocks, qk_scale, scale, 0, True)
+
+    @gluon.jit
+    def _dq_rows_1_causal(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                          k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off,
+                          S_KV, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, turn, q_row, q_col, m0, lse_off, S_KV,
+                     n_blocks, qk_scale, scale, 1, True)
+
+    @gluon.jit
+    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, S_Q, S_KV, H, G,
+                   qk_scale, scale, CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+                   D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   LOADER_REGS: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        pid_m = gl.program_id(0)
+        if CAUSAL:  # the longest rows first
+            pid_m = gl.num_programs(0) - 1 - pid_m
+        pid_bh = gl.program_id(1)
+        off_b = pid_bh // H
+        off_h = pid_bh % H
+        m0 = pid_m * BM
+        if CAUSAL:
+            n_blocks = gl.cdiv(gl.minimum(S_KV, m0 + BM), BN)
+        else:
+            n_blocks = gl.cdiv(S_KV, BN)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, BN, D], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        for i in gl.static_range(NSTAGE):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)
+            mbarrier.init(v_empty.index(i), count=2)
+
+        q_row = off_b * S_Q + m0
+        args = (dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready,
+                v_ready, k_empty, v_empty, turn, q_row, off_h * D, m0, pid_bh * S_Q, S_KV,
+                n_blocks, qk_scale, scale)
+        load_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
+                     k_ready, v_ready, k_empty, v_empty, q_row, off_h * D, off_b * S_KV,
+                     (off_h // G) * D, n_blocks)
+        if CAUSAL:
+            gl.warp_specialize([(_dq_rows_0_causal, args), (_dq_rows_1_causal, args),
+                                (_dq_loader, load_args)], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([(_dq_rows_0, args), (_dq_rows_1, args), (_dq_loader, load_args)],
+                               [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def dq(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """dQ (q's dtype) of the speed-mode backward, on the terms of `dkdv`."""
+    b, s_q, h, d = q.shape
+    out = torch.empty_like(q)
+    q_desc, k_desc, v_desc, dq_desc = _descriptors(q, k, v, out)
+    do_desc = _descriptors(dout, k, v, out)[0]
+    grid = (s_q // BLOCK_M, b * h)
+    _dq_kernel[grid](q_desc, do_desc, k_desc, v_desc, dq_desc, lse, delta, s_q, k.shape[1], h,
+                     h // k.shape[2], scale * LOG2E, scale, CAUSAL=bool(causal), BM=BLOCK_M,
+                     BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+                     LOADER_REGS=LOADER_REGS, num_warps=4)
+    return out
