@@ -1,5 +1,6 @@
 """Usage: python scripts/flash_regs.py [nosplit|split] [fwd|dkdv|dq ...]
        python scripts/flash_regs.py fp8
+       python scripts/flash_regs.py sm90
 
 Registers, spills and shared memory of the flash attention kernels (tritium/kernels/
 flash_attention.py) for sm90, without a GPU: each candidate config of benchmarks/
@@ -16,6 +17,9 @@ figures plus the most wgmma groups any `wgmma.wait_group N` of the PTX leaves in
 every wait drains the tensor cores, so inside one program a block's softmax never overlaps a
 product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
 entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
+`sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90.py (bf16, D=128, GQA-4
+descriptors, causal and no mask) at their module constants: registers at launch (the
+partitions then move theirs with setmaxnreg), bytes spilled, shared memory.
 """
 from __future__ import annotations
 
@@ -141,9 +145,34 @@ def main_fp8():
                       flush=True)
 
 
+def main_sm90():
+    import torch
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+    from tritium.kernels import flash_attention_sm90 as sm90
+    q = torch.empty(2, 1024, 8, B.D, dtype=torch.bfloat16)
+    k = torch.empty(2, 1024, 2, B.D, dtype=torch.bfloat16)
+    descs = sm90._descriptors(q, k, k, q)
+    signature = {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"),
+                                                   descs)}
+    signature.update(lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32", qk_scale="fp32")
+    for causal in (True, False):
+        constexprs = dict(CAUSAL=causal, BM=sm90.BLOCK_M, BN=sm90.BLOCK_N, D=B.D,
+                          NSTAGE=sm90.STAGES, CONSUMER_REGS=sm90.CONSUMER_REGS,
+                          LOADER_REGS=sm90.LOADER_REGS)
+        sig = {**signature, **{n: "constexpr" for n in constexprs}}
+        kernel = triton.compile(GluonASTSource(sm90._fwd_kernel, sig, constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+        regs, spill = _ptxas(kernel.asm["ptx"])
+        print(f"sm90 fwd {'causal' if causal else 'nomask'}: {regs} registers at launch, "
+              f"{spill} bytes spilled, {kernel.metadata.shared} bytes of shared memory")
+
+
 def main():
     if "fp8" in sys.argv[1:]:
         return main_fp8()
+    if "sm90" in sys.argv[1:]:
+        return main_sm90()
     modes = [a == "split" for a in sys.argv[1:] if a in ("split", "nosplit")] or [False, True]
     kinds = [a for a in sys.argv[1:] if a in KERNELS] or list(KERNELS)
     for split in modes:
