@@ -11,6 +11,8 @@ PTX, cubin; ~20 s for all on 2 cores): frontend errors, lowering errors and ptxa
 (e.g. too much shared memory) fail here; without the wheel's ptxas the compiles are skipped.
 Helpers called from kernels are compiled through their callers. A top-level kernel (a JIT
 function no other JIT function of its module calls) missing from `KERNELS` fails the test.
+Gluon kernels (`flash_attention_sm90`) compile through GluonASTSource; their warp_specialize
+partitions, handed over as `(fn, args)`, count as called.
 Triton compiles only the branches the constexprs take: `VARIANTS` adds second constexpr sets
 where large branches hide, and `test_jit_code_reads_only_constexpr_globals` checks the global
 reads of every JIT function's whole source statically.
@@ -36,6 +38,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+try:  # Gluon (Triton >= 3.5): tritium.kernels.flash_attention_sm90
+    from triton.experimental.gluon._runtime import GluonASTSource
+except ImportError:
+    GluonASTSource = None
 from triton.runtime.jit import JITCallable, JITFunction  # noqa: E402
 
 import tritium.kernels as kernels_pkg  # noqa: E402
@@ -298,6 +304,26 @@ KERNELS[("flash_attention_tiles", "_delta_kernel")] = (
 _FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
 
 
+def _sm90_types() -> dict:
+    """The Gluon forward's descriptor types (their layouts are part of the type) as its
+    launcher makes them: bf16 [b * s, h * d] views, GQA-4, on CPU tensors (nothing launched)."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
+    descs = _fa.sm90._descriptors(q, k, k, q)
+    return {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)}
+
+
+if _fa.sm90.gluon is not None:
+    KERNELS[("flash_attention_sm90", "_fwd_kernel")] = (
+        {**_sm90_types(), "qk_scale": "fp32"},
+        dict(CAUSAL=True, BM=_fa.sm90.BLOCK_M, BN=_fa.sm90.BLOCK_N, D=128,
+             NSTAGE=_fa.sm90.STAGES, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
+             LOADER_REGS=_fa.sm90.LOADER_REGS),
+        dict(num_warps=4))
+
+
 def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
     """The FP8 forward (fp8_dpa) at its config for the mask: E4M3 q/k descriptors of the
     [b, s, h * d] view, V keys-contiguous (VT) through a descriptor of its [b, h, d, s] view,
@@ -366,6 +392,7 @@ VARIANTS = {
         for dt, split in (("fp32", True), ("bf16", False))],
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
+    ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
@@ -401,8 +428,8 @@ def _launched_kernels() -> dict:
     """The JIT functions no JIT function of the package calls (the ones launchers launch)."""
     jits = _jit_functions()
 
-    def called(name, fn):
-        call = re.compile(rf"(?<![\w.]){re.escape(name)}\s*\(")
+    def called(name, fn):   # or handed to Gluon's warp_specialize as a partition: (name, args)
+        call = re.compile(rf"(?<![\w.]){re.escape(name)}\s*\(|\(\s*{re.escape(name)}\s*,")
         return any(other is not fn and other.__globals__.get(name) is fn and call.search(other.src)
                    for other in jits.values())
     return {key: fn for key, fn in jits.items() if not called(key[1], fn)}
@@ -451,7 +478,8 @@ def test_compiles_for_sm90(key, variant, monkeypatch, tmp_path):
         types = {**types, **over.pop("_types", {})}
         options = {**options, **over.pop("_options", {})}
         constexprs = {**constexprs, **over}
-    src = ASTSource(fn, _signature(fn, types, constexprs), constexprs=constexprs)
+    source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+    src = source(fn, _signature(fn, types, constexprs), constexprs=constexprs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert compiled.asm["cubin"], f"{key}: empty cubin"
     assert ".target sm_90a" in compiled.asm["ptx"]
