@@ -60,7 +60,7 @@ def test_not_applied_outside_its_contract():
     q, k, v, _ = _inputs(1, 256, 256, 4, 2, torch.bfloat16, 0)
     assert not sm90.applies(q, k, v, torch.float32)                      # fp32 out (split)
     assert not sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)  # not 128-aligned
-    assert not sm90.applies(q.transpose(0, 1), k, v, q.dtype)            # strided
+    assert not sm90.applies(q.transpose(0, 1), k, v, q.dtype)            # sbhd memory
     assert not sm90.applies(q[..., :64], k[..., :64], v[..., :64], q.dtype)   # d = 64
 
 
@@ -101,3 +101,29 @@ def test_dkdv_equals_twin(name, _seed):
         rel = (x.float() - r).abs() / r.abs().max()
         print(f"{name} {tname}: max {rel.max().item():.2e} mean {rel.mean().item():.2e}")
         assert rel.max().item() < 2 ** -6 and rel.mean().item() < 2 ** -10, tname
+
+
+def test_views_of_a_fused_projection(_seed):
+    """q / k / v split from one [b, s, (h + 2 h_kv) * d] projection (rows strided): the Gluon
+    kernels read them in place, forward and backward equal the twin's as in the tests above."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s, h, h_kv = 2, 512, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(_seed)
+    qkv = torch.randn(b, s, (h + 2 * h_kv) * D, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    q, k, v = (x.unflatten(-1, (-1, D)) for x in qkv.split([h * D, h_kv * D, h_kv * D], -1))
+    do = torch.randn(b, s, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert not q.is_contiguous() and sm90.applies(q, k, v, q.dtype)
+    scale = 1 / math.sqrt(D)
+    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=q.dtype)
+    ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, True, scale)
+    rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
+    assert rel.max().item() < 2 ** -6
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
+                                 grad_dtype=q.dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname

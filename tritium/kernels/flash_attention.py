@@ -440,7 +440,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     if (not split and not atomic and band is None and varlen is None
             and grad_dtype == q.dtype and sm90.applies(q, k, v, q.dtype)
-            and dout.is_contiguous() and lse.is_contiguous()):   # Hopper: the Gluon kernels
+            and sm90._rows_view(dout) and lse.is_contiguous()):   # Hopper: the Gluon kernels
         dk, dv = sm90.dkdv(q, k, v, dout, lse, delta, causal, scale)
         return sm90.dq(q, k, v, dout, lse, delta, causal, scale), dk, dv
 

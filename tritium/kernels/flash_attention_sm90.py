@@ -22,7 +22,8 @@ streamed), S = Q K^T and dP = dO V^T in a warpgroup's first turn, dQ += dS K in 
 (7 products per tile pair in all, as the Triton backward; no atomics). delta: the Triton
 delta kernel's.
 Contract (a subset of `flash_attention.flash_attention_fwd`'s, same outputs): q [b, s_q, h, d],
-k / v [b, s_kv, h_kv, d] contiguous bshd, fp16 / bf16, d = 128, s_q and s_kv multiples of 128,
+k / v [b, s_kv, h_kv, d] bshd whose [b * s, h * d] matrix has unit-stride rows (`_rows_view`:
+contiguous, or split from a fused QKV projection), fp16 / bf16, d = 128, s_q and s_kv multiples of 128,
 no mask or top-left causal; -> out [b, s_q, h, d] in the input dtype, lse fp32 [b, h, s_q]
 (natural log). `applies()` says when; the Triton kernel runs everything else.
 Twin: `tritium.ref.flash_attention.flash_attention_fwd` (the GPU tier compares them). Gluon
@@ -65,7 +66,25 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> boo
             and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
             and q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0
             and q.shape[1] % BLOCK_M == 0 and k.shape[1] % BLOCK_N == 0 and q.shape[1] > 0
-            and q.is_contiguous() and k.is_contiguous() and v.is_contiguous())
+            and all(_rows_view(x) for x in (q, k, v)))
+
+
+def _rows_view(x: torch.Tensor) -> bool:
+    """Is bshd x a [b * s, h * d] matrix with unit-stride rows TMA can read: d and the heads
+    packed, the batches back to back, row stride and base 16-byte aligned? (contiguous
+    tensors, and q / k / v split from a fused [b, s, (h + 2 h_kv) * d] projection)"""
+    b, s, h, d = x.shape
+    sb, ss, sh, sd = x.stride()
+    return (sd == 1 and (sh == d or h == 1) and (sb == s * ss or b == 1)
+            and (ss * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0)
+
+
+def _matrix_desc(x: torch.Tensor, box: int):
+    """A TMA descriptor of bshd x as its [b * s, h * d] matrix (`_rows_view`), box rows."""
+    b, s, h, d = x.shape
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([box, d], gdt)
+    return GluonDesc(x, [b * s, h * d], [x.stride(1), 1], [box, d], layout)
 
 
 if gluon is not None:
@@ -276,17 +295,8 @@ if gluon is not None:
 def _descriptors(q, k, v, out):
     """TMA descriptors of the [b * s, h * d] views: q / out boxes of BLOCK_M rows (out's of
     half: each consumer stores its own rows), k / v of BLOCK_N."""
-    b, s_q, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(x, rows, box):
-        view = x.view(rows, x.shape[2] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([box, d], gdt)
-        return GluonDesc(view, list(view.shape), list(view.stride()), [box, d], layout)
-
-    return (desc(q, b * s_q, BLOCK_M), desc(k, b * s_kv, BLOCK_N), desc(v, b * s_kv, BLOCK_N),
-            desc(out, b * s_q, BLOCK_M // 2))
+    return (_matrix_desc(q, BLOCK_M), _matrix_desc(k, BLOCK_N), _matrix_desc(v, BLOCK_N),
+            _matrix_desc(out, BLOCK_M // 2))
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -512,18 +522,9 @@ if gluon is not None:
 def _bwd_descriptors(q, k, v, dout, dk, dv):
     """[b * s, h * d] views: q / dout boxes of BWD_BLOCK_M rows, k / v of BLOCK_N, dk / dv of
     half (each consumer stores its own keys)."""
-    b, s_q, h, d = q.shape
-    s_kv = k.shape[1]
-    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
-
-    def desc(x, rows, box):
-        view = x.view(rows, x.shape[2] * d)
-        layout = gl.NVMMASharedLayout.get_default_for([box, d], gdt)
-        return GluonDesc(view, list(view.shape), list(view.stride()), [box, d], layout)
-
-    return (desc(q, b * s_q, BWD_BLOCK_M), desc(k, b * s_kv, BLOCK_N),
-            desc(v, b * s_kv, BLOCK_N), desc(dout, b * s_q, BWD_BLOCK_M),
-            desc(dk, b * s_kv, BLOCK_N // 2), desc(dv, b * s_kv, BLOCK_N // 2))
+    return (_matrix_desc(q, BWD_BLOCK_M), _matrix_desc(k, BLOCK_N), _matrix_desc(v, BLOCK_N),
+            _matrix_desc(dout, BWD_BLOCK_M), _matrix_desc(dk, BLOCK_N // 2),
+            _matrix_desc(dv, BLOCK_N // 2))
 
 
 def dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
