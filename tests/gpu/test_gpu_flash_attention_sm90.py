@@ -25,6 +25,9 @@ CASES = {  # b, s_q, s_kv, h, h_kv, causal, dtype
     "q-shorter-causal": (1, 512, 1536, 4, 2, True, torch.bfloat16),
     "q-longer-nomask": (2, 1536, 512, 4, 1, False, torch.float16),
     "one-tile": (3, 128, 128, 2, 2, True, torch.float16),
+    "ragged-causal-gqa": (2, 1000, 1000, 8, 2, True, torch.bfloat16),   # tails everywhere
+    "ragged-cross-nomask": (1, 300, 700, 4, 4, False, torch.float16),
+    "short-kv-causal": (1, 384, 100, 4, 2, True, torch.bfloat16),       # one key tile, masked
 }
 
 
@@ -58,10 +61,36 @@ def test_kernel_equals_twin(name, _seed):
 def test_not_applied_outside_its_contract():
     from tritium.kernels import flash_attention_sm90 as sm90
     q, k, v, _ = _inputs(1, 256, 256, 4, 2, torch.bfloat16, 0)
+    assert sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)     # any lengths
     assert not sm90.applies(q, k, v, torch.float32)                      # fp32 out (split)
-    assert not sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)  # not 128-aligned
-    assert not sm90.applies(q.transpose(0, 1), k, v, q.dtype)            # sbhd memory
     assert not sm90.applies(q[..., :64], k[..., :64], v[..., :64], q.dtype)   # d = 64
+    wide = torch.zeros(1, 256, 4, 2 * D, device="cuda", dtype=q.dtype)
+    assert not sm90.applies(wide[..., ::2], k, v, q.dtype)               # d not unit-stride
+
+
+def test_sbhd_memory(_seed):
+    """q / k / v / dout in [s, b, h, d] memory (TE's sbhd), seen as bshd: the kernels read
+    them in place (3D TMA views), forward and backward equal the twin's."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s, h, h_kv = 2, 640, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(_seed)
+    mk = lambda n: torch.randn(s, b, n, D, device="cuda", generator=g,  # noqa: E731
+                               dtype=torch.bfloat16).transpose(0, 1)
+    q, k, v, do = mk(h), mk(h_kv), mk(h_kv), mk(h)
+    assert sm90.applies(q, k, v, q.dtype)
+    scale = 1 / math.sqrt(D)
+    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=q.dtype)
+    ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, True, scale)
+    rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
+    assert rel.max().item() < 2 ** -6
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
+                                 grad_dtype=q.dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname
 
 
 def test_forward_backward_close_to_fp64_as_cudnn():

@@ -24,8 +24,8 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
     inside one program.
 
-On Hopper the speed mode's forward runs `flash_attention_sm90` (Gluon, warp-specialized) where
-its `applies()` holds (contiguous bshd, d = 128, s_q / s_kv multiples of 128, no band).
+On Hopper the speed mode runs `flash_attention_sm90` (Gluon, warp-specialized: forward, dK/dV,
+dQ) where its `applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -440,7 +440,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
     if (not split and not atomic and band is None and varlen is None
             and grad_dtype == q.dtype and sm90.applies(q, k, v, q.dtype)
-            and sm90._rows_view(dout) and lse.is_contiguous()):   # Hopper: the Gluon kernels
+            and sm90.tma_view(dout) and lse.is_contiguous()):   # Hopper: the Gluon kernels
         dk, dv = sm90.dkdv(q, k, v, dout, lse, delta, causal, scale)
         return sm90.dq(q, k, v, dout, lse, delta, causal, scale), dk, dv
 
