@@ -1,7 +1,8 @@
 """Hopper (sm90) flash-attention forward in Gluon: the speed mode's forward where it applies.
 
 Triton 3.6's compiler does not overlap a block's softmax with tensor-core work in the flash
-forward (docs/attention.md, "Tried"), and its warp specialization does not compile for it. Gluon
+forward (docs/attention.md, "Tried"), and its automatic warp specialization of the key loop
+compiles at 8 warps only, where it gained nothing (flash_attention.GPU_CFG). Gluon
 (Triton's explicit-layout language, `triton.experimental.gluon`) states the schedule itself,
 FlashAttention-3's, written here from its description:
   * a 1-warp loader partition streams K and V blocks by TMA into a ring of `stages` buffers
