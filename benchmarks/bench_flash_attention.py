@@ -3,25 +3,24 @@
 Cases (issue 26): B4 H32 S4096 D128 bf16, causal and no mask, MHA and GQA-8 (8 kv heads), fwd
 and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or where this torch's
 cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
-kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN does,
-out and grads in bf16 like SDPA's; on sm90 its forward is the Gluon kernel of
-tritium/kernels/flash_attention_sm90.py, configs "fwd=sm90"), "tritium flash split" (the exact mode context parallelism
-runs: head/tail split of P / dS, fp32 out and grads), and the forward alone of FP8 attention
-(recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward): "tritium fp8 kernel" (the
-FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with the per-tensor
-current-scaling quantization of q, k, v that DotProductAttention runs first: an amax pass, then
-the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe: the
-scales from a history, the amaxes recorded in the cast's own pass) and "tritium fp8 layer, mha"
-(that, with fp8_mha's E4M3 out and its amax written by the epilogue too); their err_vs_cudnn
-compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half;
-fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours -
-cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most;
-a wrong config shows here). The two comparisons issue 26 sets targets on (the speed mode's
-fwd+bwd, the FP8 kernel's forward, each against cuDNN's) are also timed in PAIR_ROUNDS
+kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN
+does, out and grads in bf16 like SDPA's; on sm90 its forward is the Gluon kernel of
+tritium/kernels/flash_attention_sm90.py, configs "fwd=sm90"), "tritium flash split" (the exact
+mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and the forward
+alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward):
+"tritium fp8 kernel" (the FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with
+the per-tensor current-scaling quantization of q, k, v that DotProductAttention runs first: an
+amax pass, then the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa
+recipe: the scales from a history, the amaxes recorded in the cast's own pass) and "tritium fp8
+layer, mha" (that, with fp8_mha's E4M3 out and its amax written by the epilogue too); their
+err_vs_cudnn compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs
+(causal half; fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn:
+max |ours - cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2
+at most; a wrong config shows here). The two comparisons issue 26 sets targets on (the speed
+mode's fwd+bwd, the FP8 kernel's forward, each against cuDNN's) are also timed in PAIR_ROUNDS
 alternating rounds at the B4 H32 shapes, and those rows carry `paired_speedup`, the median of
-the rounds' own ratios (`harness.paired_speedups`; the GPU's clock drifts between calls:
-cuDNN's causal forward read 0.91-1.05 ms across one process on an H200), which the targets
-read.
+the rounds' own ratios (`harness.paired_speedups`; the GPU's clock drifts between calls: cuDNN's
+causal forward read 0.91-1.05 ms across one process on an H200), which the targets read.
 
 --seq adds B1 H12 D128 causal cases at those lengths and --cp the blocks one rank computes in a
 cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),

@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from testlib import fp64_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9,
@@ -96,17 +95,9 @@ def test_sbhd_memory(_seed):
 def test_forward_backward_close_to_fp64_as_cudnn():
     """The speed mode's fwd + bwd on the Gluon forward's (out, lse): every tensor within 2x
     cuDNN's max error vs fp64 (GQA, causal)."""
-    from tritium.kernels import flash_attention as FA
-    from test_gpu_flash_attention import _cudnn, assert_as_close_as_cudnn
+    from test_gpu_flash_attention import speed_mode_as_close_as_cudnn
     q, k, v, do = _inputs(1, 2048, 2048, 12, 4, torch.bfloat16, 5)
-    scale = 1 / math.sqrt(D)
-    bf = torch.bfloat16
-    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=bf)
-    grads = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
-                                   grad_dtype=bf)
-    ref = fp64_attention(q, k, v, do, True, scale)
-    theirs = _cudnn(q, k, v, do, True)
-    assert_as_close_as_cudnn("sm90 fwd", (out, *grads), ref, theirs)
+    speed_mode_as_close_as_cudnn("sm90 fwd", q, k, v, do, True)
 
 
 @pytest.mark.parametrize("name", list(CASES))

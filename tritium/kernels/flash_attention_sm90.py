@@ -52,10 +52,11 @@ try:  # Gluon's Hopper API (Triton >= 3.5); without it the Triton kernel runs ev
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
+from .flash_attention_tiles import LOG2E
+
 ENABLED = True   # False: the Triton kernel runs every forward (tests, bisecting)
 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES = 128, 128, 128, 2
 CONSUMER_REGS, LOADER_REGS = 240, 24
-LOG2E = 1.4426950408889634
 
 
 @functools.lru_cache(maxsize=None)
