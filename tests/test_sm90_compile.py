@@ -315,21 +315,6 @@ def _sm90_types() -> dict:
     return {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)}
 
 
-def _sm90_fp8_types() -> dict:
-    """The Gluon forward's descriptor types for FP8 attention: E4M3 q / k, keys-contiguous V
-    as [b, h, d, s], bf16 out."""
-    import torch
-    from triton.runtime.jit import mangle_type
-    sm90 = _fa.sm90
-    q = torch.empty(2, 1024, 8, 128, dtype=torch.float8_e4m3fn)
-    k = torch.empty(2, 1024, 2, 128, dtype=torch.float8_e4m3fn)
-    v = k.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    out = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
-    descs = (sm90._desc(q, sm90.BLOCK_M), sm90._desc(k, sm90.BLOCK_N),
-             sm90._desc_vt(v, sm90.BLOCK_N), sm90._desc(out, sm90.BLOCK_M // 2))
-    return {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)}
-
-
 def _sm90_bwd_types() -> dict:
     """The Gluon dK / dV kernel's descriptor types, as `_sm90_types`."""
     import torch
@@ -428,9 +413,7 @@ VARIANTS = {
         for dt, split in (("fp32", True), ("bf16", False))],
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
-    ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False),
-                                              dict(_types=_sm90_fp8_types()),
-                                              dict(CAUSAL=False, _types=_sm90_fp8_types())],
+    ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_sm90", "_dkdv_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_sm90", "_dq_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [

@@ -356,9 +356,6 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             cfg = cfg._replace(block_n=int(block_n))
         if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
             v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-        if (fp8_out is None and not window and cfg.block_n == sm90.BLOCK_N
-                and out_dtype is not None and sm90.applies_fp8(q, k, v, out_dtype)):
-            return sm90.flash_attention_fp8_fwd(q, k, v, descale, causal, scale, out_dtype)
         (q_src, k_src), tma = _srcs(cfg, q, k)
         v_src = _value_src(cfg, v) if tma else None
         if v_src is None:

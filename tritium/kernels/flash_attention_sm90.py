@@ -14,11 +14,6 @@ FlashAttention-3's, written here from its description:
     the next softmax while the other warpgroup's products run on the tensor cores;
   * softmax in fp32 with exp2 (the scale folded into one FMA), P rounded once to the input
     dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once.
-FP8 (`flash_attention_fp8_fwd`, fp8_dpa without fp8_mha's E4M3 out): the same kernel on E4M3
-q / k / v (wgmma k = 32), the q / k dequant scales folded into the scores' scale, P times 448
-rounded to E4M3 at 128-key tiles (the twin's block_n; the base lowered by log2 448), V read as
-[d, keys] tiles of its keys-contiguous [b, h, d, s] view (E4M3 wgmma reads B K-major), out
-written 16-bit from its own buffer.
 Backward (`dkdv`): dK / dV of one 128-key block per program, the same partitions: the loader
 brings K / V once and Q / dO per (head of the GQA group, 64-row query block) into a 2-slot ring;
 each consumer warpgroup owns 64 keys (dK, dV accumulators of 64 x 128 in fp32) and, in its turn,
@@ -89,8 +84,7 @@ def _desc(x: torch.Tensor, box: int):
     """A TMA descriptor of bshd x's [b, s, h * d] view with [1, box, d] boxes: rows past a
     sequence's end read as zeros and are not written (per batch)."""
     b, s, h, d = x.shape
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-           torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, box, d], gdt)
     return GluonDesc(x, [b, s, h * d], [x.stride(0), x.stride(1), 1], [1, box, d], layout)
 
@@ -98,10 +92,9 @@ def _desc(x: torch.Tensor, box: int):
 if gluon is not None:
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, cols, rows, n0, S_K, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, FP8: gl.constexpr):
+                      CAUSAL: gl.constexpr):
         """Online softmax of one score block (raw Q K^T, fp32): -> (P, alpha, m, l); m in
-        log2 units of the scaled scores. FP8: P comes out times 448 (E4M3's largest value:
-        the base lowered by log2 448, no multiply per score), l carries the factor too."""
+        log2 units of the scaled scores."""
         if MASK:
             keep = (n0 + cols)[None, :] < S_K
             if CAUSAL:
@@ -109,21 +102,9 @@ if gluon is not None:
             s = gl.where(keep, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        if FP8:
-            p = gl.exp2(s * qk_scale - (m_new - 8.807354922057604)[:, None])   # log2 448
-        else:
-            p = gl.exp2(s * qk_scale - m_new[:, None])
+        p = gl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
-
-    @gluon.jit
-    def _v_tile(v_smem, st, BN: gl.constexpr, D: gl.constexpr, FP8: gl.constexpr):
-        """Ring slot st's V as the [BN, D] B operand of P V (FP8: a [D, BN] tile transposed:
-        E4M3 wgmma reads B K-major)."""
-        if FP8:
-            return v_smem.index(st).reshape([D, BN]).permute((1, 0))
-        else:
-            return v_smem.index(st).reshape([BN, D])
 
     @gluon.jit
     def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
@@ -132,8 +113,6 @@ if gluon is not None:
         consumers released the slot's previous block."""
         NSTAGE: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[2]
-        D: gl.constexpr = k_smem.shape[3]
-        VT: gl.constexpr = v_smem.rank == 5
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [off_b, m0, q_col], q_bar, q_smem)
         for j in range(n_blocks):
@@ -145,17 +124,13 @@ if gluon is not None:
                                             k_ready.index(st), k_smem.index(st))
             mbarrier.wait(v_empty.index(st), free)
             mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            if VT:   # E4M3 V as [b, h, d, s]: keys contiguous, the K-major B operand of P V
-                tma.async_copy_global_to_shared(v_desc, [off_b, kv_col // D, 0, j * BN],
-                                                v_ready.index(st), v_smem.index(st))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [off_b, j * BN, kv_col],
-                                                v_ready.index(st), v_smem.index(st))
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BN, kv_col],
+                                            v_ready.index(st), v_smem.index(st))
 
     @gluon.jit
     def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
-                  o_smem, descale_ptr, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+                  HALF: gl.constexpr, CAUSAL: gl.constexpr):
         """One warpgroup's 64 query rows (HALF 0 / 1 of the tile): scores, softmax, P V,
         ping-ponged with the other warpgroup; then out (TMA store) and lse."""
         BM: gl.constexpr = q_smem.shape[1]
@@ -164,17 +139,13 @@ if gluon is not None:
         D: gl.constexpr = k_smem.shape[3]
         HM: gl.constexpr = BM // 2
         dtype: gl.constexpr = q_smem.dtype
-        FP8: gl.constexpr = dtype.primitive_bitwidth == 8   # E4M3 q/k/v, V as [d, keys]
-        MMA_K: gl.constexpr = 256 // dtype.primitive_bitwidth
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, MMA_K])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, MMA_K])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                     k_width=32 // dtype.primitive_bitwidth)
+                                                     k_width=2)
         q_half = q_smem.reshape([BM, D]).slice(HALF * HM, HM)
-        if FP8:   # the q and k dequant scales into the scores' scale (read here: no host sync)
-            qk_scale = qk_scale * gl.load(descale_ptr) * gl.load(descale_ptr + 1)
         r0 = m0 + HALF * HM
         if CAUSAL:   # key blocks wholly visible to every row of this half (and below S_K)
             n_free = gl.minimum(r0 // BN, S_K // BN)
@@ -195,11 +166,11 @@ if gluon is not None:
         mbarrier.arrive(k_empty.index(0), count=1)
         if n_free > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
-                                               False, CAUSAL, FP8)
+                                               False, CAUSAL)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
-                                               True, CAUSAL, FP8)
-        p16 = gl.convert_layout(p.to(dtype), p_layout)   # E4M3 for FP8 (P * 448 <= 448)
+                                               True, CAUSAL)
+        p16 = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(n_blocks - 1):
             st = j % NSTAGE
             nxt = j + 1
@@ -210,16 +181,16 @@ if gluon is not None:
             s_next = warpgroup_mma(q_half, k_smem.index(nst).reshape([BN, D]).permute((1, 0)),
                                    zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(st), (j // NSTAGE) & 1)
-            acc = warpgroup_mma(p16, _v_tile(v_smem, st, BN, D, FP8), acc, is_async=True)
+            acc = warpgroup_mma(p16, v_smem.index(st).reshape([BN, D]), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
             mbarrier.arrive(k_empty.index(nst), count=1)
             if nxt >= n_free:
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
-                                                   nxt * BN, S_K, True, CAUSAL, FP8)
+                                                   nxt * BN, S_K, True, CAUSAL)
             else:
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
-                                                   nxt * BN, S_K, False, CAUSAL, FP8)
+                                                   nxt * BN, S_K, False, CAUSAL)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -229,62 +200,53 @@ if gluon is not None:
         lst = last % NSTAGE
         mbarrier.wait(turn.index(HALF), (last & 1) ^ (1 - HALF))
         mbarrier.wait(v_ready.index(lst), (last // NSTAGE) & 1)
-        acc = warpgroup_mma(p16, _v_tile(v_smem, lst, BN, D, FP8), acc, is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - HALF), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(lst), count=1)
 
-        if FP8:   # l and acc carry the 448 (their ratio does not); V's dequant scale
-            acc = acc * gl.load(descale_ptr + 2)
-            base = m_i - 8.807354922057604
-        else:
-            base = m_i
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        gl.store(lse_ptr + lse_off + rows, (base + gl.log2(l_i)) * 0.6931471805599453,
+        gl.store(lse_ptr + lse_off + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453,
                  mask=rows < S_Q)
-        BMO: gl.constexpr = o_smem.shape[1]   # 16-bit: Q's own buffer, no longer read
-        o_smem.reshape([BMO, D]).slice(HALF * HM, HM).store(out.to(o_smem.dtype))
+        q_half.store(out.to(dtype))      # this half's Q tile is no longer read
         fence_async_shared()             # TMA stores the rows below S_Q (a 3D view: per batch)
         tma.async_copy_shared_to_global(o_desc, [off_b, m0 + HALF * HM, q_col],
-                                        o_smem.slice(HALF * HM, HM, dim=1))
+                                        q_smem.slice(HALF * HM, HM, dim=1))
         tma.store_wait(pendings=0)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
     @gluon.jit
     def _rows_0(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
-                o_smem, descale_ptr):
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
         _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o_smem,
-                  descale_ptr, 0, False)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
+                  False)
 
     @gluon.jit
     def _rows_1(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
-                o_smem, descale_ptr):
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
         _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o_smem,
-                  descale_ptr, 1, False)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
+                  False)
 
     @gluon.jit
     def _rows_0_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                       qk_scale, o_smem, descale_ptr):
+                       qk_scale):
         _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o_smem,
-                  descale_ptr, 0, True)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
+                  True)
 
     @gluon.jit
     def _rows_1_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                       qk_scale, o_smem, descale_ptr):
+                       qk_scale):
         _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o_smem,
-                  descale_ptr, 1, True)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
+                  True)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, descale_ptr, S_Q, S_K, H, G,
-                    qk_scale,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, S_Q, S_K, H, G, qk_scale,
                     CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     LOADER_REGS: gl.constexpr):
@@ -303,13 +265,7 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(dtype, [1, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], k_desc.layout)
-        FP8: gl.constexpr = dtype.primitive_bitwidth == 8
-        if FP8:   # V as [b, h, d, s] tiles, out 16-bit in its own buffer
-            v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, 1, D, BN], v_desc.layout)
-            o_smem = gl.allocate_shared_memory(o_desc.dtype, [1, BM, D], o_desc.layout)
-        else:
-            v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], v_desc.layout)
-            o_smem = q_smem
+        v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
@@ -327,7 +283,7 @@ if gluon is not None:
 
         args = (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                 v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q, S_Q, S_K, n_blocks,
-                qk_scale, o_smem, descale_ptr)
+                qk_scale)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                      k_empty, v_empty, off_b, m0, off_h * D, (off_h // G) * D, n_blocks)
         if CAUSAL:
@@ -352,54 +308,10 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     grid = (-(-s_q // BLOCK_M), b * h)
-    _fwd_kernel[grid](*_descriptors(q, k, v, out), lse, lse, s_q, k.shape[1], h,
-                      h // k.shape[2], scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M,
-                      BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                      LOADER_REGS=LOADER_REGS, num_warps=4)
-    return out, lse
-
-
-def applies_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> bool:
-    """Can the Gluon forward run the FP8 forward (fp8_dpa, no E4M3 out) of these E4M3 bshd
-    tensors, V with its keys contiguous (what the layer's cast writes)?"""
-    return (ENABLED and gluon is not None and q.is_cuda and q.dim() == 4
-            and _is_sm90(q.device.index) and out_dtype in (torch.bfloat16, torch.float16)
-            and all(x.dtype == torch.float8_e4m3fn for x in (q, k, v))
-            and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
-            and q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0
-            and q.shape[1] > 0 and k.shape[1] > 0 and tma_view(q) and tma_view(k)
-            and _keys_contiguous(v))
-
-
-def _keys_contiguous(v: torch.Tensor) -> bool:
-    """Can TMA read E4M3 bshd v as [b, h, d, s] (keys contiguous, 16-byte strides)?"""
-    sb, ss, sh, sd = v.stride()
-    return (ss == 1 or v.shape[1] == 1) and v.data_ptr() % 16 == 0 and all(
-        x % 16 == 0 for x in (sb, sh, sd))
-
-
-def _desc_vt(v: torch.Tensor, box: int):
-    """A TMA descriptor of keys-contiguous E4M3 v's [b, h, d, s] view, [1, 1, d, box] boxes."""
-    b, s, h, d = v.shape
-    sb, ss, sh, sd = v.stride()
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, d, box], gl.float8e4nv)
-    return GluonDesc(v, [b, h, d, s], [sb, sh, sd, 1], [1, 1, d, box], layout)
-
-
-def flash_attention_fp8_fwd(q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
-                            descale: torch.Tensor, causal: bool, scale: float, out_dtype):
-    """The FP8 forward where `applies_fp8`: E4M3 q / k / v, descale fp32 [3] (q, k, v) ->
-    (out [b, s_q, h, d] in out_dtype, lse fp32 [b, h, s_q]); P quantized at 128-key tiles
-    (the twin's block_n)."""
-    b, s_q, h, d = q8.shape
-    out = torch.empty(b, s_q, h, d, dtype=out_dtype, device=q8.device)
-    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q8.device)
-    grid = (-(-s_q // BLOCK_M), b * h)
-    _fwd_kernel[grid](_desc(q8, BLOCK_M), _desc(k8, BLOCK_N), _desc_vt(v8, BLOCK_N),
-                      _desc(out, BLOCK_M // 2), lse, descale, s_q, k8.shape[1], h,
-                      h // k8.shape[2], scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M,
-                      BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                      LOADER_REGS=LOADER_REGS, num_warps=4)
+    _fwd_kernel[grid](*_descriptors(q, k, v, out), lse, s_q, k.shape[1], h, h // k.shape[2],
+                      scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d,
+                      NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
+                      num_warps=4)
     return out, lse
 
 
