@@ -338,7 +338,8 @@ if _fa.sm90.gluon is not None:
     _q = _sm90_types()
     KERNELS[("flash_attention_sm90", "_dq_kernel")] = (
         {"q_desc": _q["q_desc"], "do_desc": _q["q_desc"], "k_desc": _q["k_desc"],
-         "v_desc": _q["v_desc"], "dq_desc": _q["o_desc"], "qk_scale": "fp32", "scale": "fp32"},
+         "v_desc": _q["v_desc"], "dq_desc": _q["o_desc"], "o_ptr": "*bf16",
+         "qk_scale": "fp32", "scale": "fp32"},
         dict(_SM90_BWD, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
     KERNELS[("flash_attention_sm90", "_dkdv_kernel")] = (
         {**_sm90_bwd_types(), "qk_scale": "fp32", "scale": "fp32"},

@@ -102,8 +102,8 @@ def test_forward_backward_close_to_fp64_as_cudnn():
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_dkdv_equals_twin(name, _seed):
-    """The Gluon dK / dV kernel against the twin's backward (fp32 math on the same values),
-    fed the twin's (out, lse); dq (the Triton kernel) too."""
+    """The Gluon backward (dQ with delta, then dK / dV) against the twin's (fp32 math on the
+    same values), fed the twin's (out, lse)."""
     from tritium.kernels import flash_attention as FA
     from tritium.kernels import flash_attention_sm90 as sm90
     from tritium.ref import flash_attention as twin
@@ -115,7 +115,7 @@ def test_dkdv_equals_twin(name, _seed):
     want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)   # fp32
     got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
                                  grad_dtype=dtype)
-    assert sm90.applies(q, k, v, dtype)
+    assert sm90.applies_bwd(q, k, v, out, do, lse)
     for tname, x, r in zip(("dq", "dk", "dv"), got, want):
         assert x.dtype == dtype and x.shape == r.shape, tname
         rel = (x.float() - r).abs() / r.abs().max()

@@ -410,6 +410,9 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, t_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
+    if (not split and band is None and varlen is None and grad_dtype == q.dtype
+            and sm90.applies_bwd(q, k, v, out, dout, lse)):    # Hopper: the Gluon kernels
+        return sm90.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale)
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
@@ -438,11 +441,6 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window,
                  VARLEN=varlen is not None)
 
-    if (not split and not atomic and band is None and varlen is None
-            and grad_dtype == q.dtype and sm90.applies(q, k, v, q.dtype)
-            and sm90.tma_view(dout) and lse.is_contiguous()):   # Hopper: the Gluon kernels
-        dk, dv = sm90.dkdv(q, k, v, dout, lse, delta, causal, scale)
-        return sm90.dq(q, k, v, dout, lse, delta, causal, scale), dk, dv
 
     cfg = dkdv_cfg
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)

@@ -532,10 +532,8 @@ def _bwd_descriptors(q, k, v, dout, dk, dv):
             _desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2))
 
 
-def dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """dK, dV (q's dtype, shaped like k / v) of the speed-mode backward where
-    `applies(q, k, v, q.dtype)` and dout / lse / delta are contiguous (lse, delta fp32
-    [b, h, s_q]; delta = rowsum(dO * out))."""
+def _dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
+    """dK, dV (q's dtype, shaped like k / v); lse, delta fp32 [b, h, s_q] contiguous."""
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
@@ -614,9 +612,10 @@ if gluon is not None:
         return warpgroup_mma_init(dq)
 
     @gluon.jit
-    def _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                     k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                     n_blocks, qk_scale, scale, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+    def _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0,
+                     lse_off, S_Q, n_blocks, qk_scale, scale, HALF: gl.constexpr,
+                     CAUSAL: gl.constexpr):
         BM: gl.constexpr = q_smem.shape[1]
         BN: gl.constexpr = k_smem.shape[2]
         D: gl.constexpr = k_smem.shape[3]
@@ -634,13 +633,22 @@ if gluon is not None:
         inside = gl.minimum(rows, S_Q - 1)   # rows past S_Q: computed, not stored
         lse = gl.load(lse_ptr + lse_off + inside)
         lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = gl.load(delta_ptr + lse_off + inside)
+        mbarrier.wait(q_bar, 0)
+        # delta = rowsum(dO * out) of this half's rows, stored for the dK / dV kernel (run
+        # after this one): out read from global memory, dO from the tile in shared memory
+        o_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+        o_rows = r0 + gl.arange(0, HM, layout=gl.SliceLayout(1, o_layout))
+        o_cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_at = gl.minimum(o_rows, S_Q - 1).to(gl.int64) * o_ss
+        o = gl.load(o_ptr + o_base + o_at[:, None] + o_cols[None, :]).to(gl.float32)
+        delta = gl.sum(o * do_half.load(o_layout).to(gl.float32), axis=1)
+        gl.store(delta_ptr + lse_off + o_rows, delta, mask=o_rows < S_Q)
+        delta = gl.convert_layout(delta, gl.SliceLayout(1, s_layout))
         dq = warpgroup_mma_init(gl.zeros([HM, D], gl.float32, layout=acc_layout))
         if CAUSAL:
             n_free = gl.minimum(r0 // BN, n_blocks)   # key blocks wholly visible to the half
         else:
             n_free = n_blocks
-        mbarrier.wait(q_bar, 0)
         for j in range(n_free):
             dq = _dq_step(q_half, do_half, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                           turn, j, dq, lse, delta, rows, cols, qk_scale, HALF, False)
@@ -655,42 +663,42 @@ if gluon is not None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dq_rows_0(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                   k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                   n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                     k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                     n_blocks, qk_scale, scale, 0, False)
+    def _dq_rows_0(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                   k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
+                   q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+                     m0, lse_off, S_Q, n_blocks, qk_scale, scale, 0, False)
 
     @gluon.jit
-    def _dq_rows_1(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                   k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                   n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                     k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                     n_blocks, qk_scale, scale, 1, False)
+    def _dq_rows_1(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                   k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
+                   q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+                     m0, lse_off, S_Q, n_blocks, qk_scale, scale, 1, False)
 
     @gluon.jit
-    def _dq_rows_0_causal(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                          k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off,
-                          S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                     k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                     n_blocks, qk_scale, scale, 0, True)
+    def _dq_rows_0_causal(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                          k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
+                          q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+                     m0, lse_off, S_Q, n_blocks, qk_scale, scale, 0, True)
 
     @gluon.jit
-    def _dq_rows_1_causal(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                          k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off,
-                          S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar,
-                     k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q,
-                     n_blocks, qk_scale, scale, 1, True)
+    def _dq_rows_1_causal(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                          k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
+                          q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
+        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+                     m0, lse_off, S_Q, n_blocks, qk_scale, scale, 1, True)
 
     @gluon.jit
-    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, S_Q, S_KV, H, G,
-                   qk_scale, scale, CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                   D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   LOADER_REGS: gl.constexpr):
+    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, o_ptr, o_sb,
+                   o_ss, o_sh, S_Q, S_KV, H, G, qk_scale, scale, CAUSAL: gl.constexpr,
+                   BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+                   CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         pid_m = gl.program_id(0)
         if CAUSAL:  # the longest rows first
@@ -723,9 +731,10 @@ if gluon is not None:
             mbarrier.init(k_empty.index(i), count=2)
             mbarrier.init(v_empty.index(i), count=2)
 
-        args = (dq_desc, lse_ptr, delta_ptr, q_smem, do_smem, k_smem, v_smem, q_bar, k_ready,
-                v_ready, k_empty, v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q, S_Q,
-                n_blocks, qk_scale, scale)
+        o_base = off_b.to(gl.int64) * o_sb + off_h.to(gl.int64) * o_sh
+        args = (dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem, v_smem,
+                q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, off_h * D, m0,
+                pid_bh * S_Q, S_Q, n_blocks, qk_scale, scale)
         load_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
                      k_ready, v_ready, k_empty, v_empty, off_b, m0, off_h * D,
                      (off_h // G) * D, n_blocks)
@@ -737,15 +746,29 @@ if gluon is not None:
                                [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def dq(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """dQ (q's dtype) of the speed-mode backward, on the terms of `dkdv`."""
+def _dq(q, k, v, out, dout, lse, delta, causal: bool, scale: float):
+    """dQ (q's dtype); writes delta = rowsum(dO * out) for `_dkdv`."""
     b, s_q, h, d = q.shape
-    out = torch.empty_like(q)
-    q_desc, k_desc, v_desc, dq_desc = _descriptors(q, k, v, out)
-    do_desc = _descriptors(dout, k, v, out)[0]
+    dq = torch.empty_like(q)
+    q_desc, k_desc, v_desc, dq_desc = _descriptors(q, k, v, dq)
     grid = (-(-s_q // BLOCK_M), b * h)
-    _dq_kernel[grid](q_desc, do_desc, k_desc, v_desc, dq_desc, lse, delta, s_q, k.shape[1], h,
+    _dq_kernel[grid](q_desc, _desc(dout, BLOCK_M), k_desc, v_desc, dq_desc, lse, delta, out,
+                     out.stride(0), out.stride(1), out.stride(2), s_q, k.shape[1], h,
                      h // k.shape[2], scale * LOG2E, scale, CAUSAL=bool(causal), BM=BLOCK_M,
                      BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
                      LOADER_REGS=LOADER_REGS, num_warps=4)
-    return out
+    return dq
+
+
+def applies_bwd(q, k, v, out, dout, lse) -> bool:
+    """Can `flash_attention_bwd` run the speed-mode backward of these (16-bit grads)?"""
+    return (applies(q, k, v, q.dtype) and dout.dtype == q.dtype and tma_view(dout)
+            and out.stride(-1) == 1 and lse.dtype == torch.float32 and lse.is_contiguous())
+
+
+def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """(dq, dk, dv) in q's dtype where `applies_bwd`: the dQ kernel first (it also writes
+    delta = rowsum(dO * out)), then the dK / dV kernel."""
+    delta = torch.empty_like(lse)
+    dq = _dq(q, k, v, out, dout, lse, delta, causal, scale)
+    return (dq, *_dkdv(q, k, v, dout, lse, delta, causal, scale))
