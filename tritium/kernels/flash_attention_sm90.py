@@ -1,4 +1,4 @@
-"""Hopper (sm90) flash-attention forward in Gluon: the speed mode's forward where it applies.
+"""Hopper (sm90) flash attention in Gluon: the speed mode's forward and backward where they apply.
 
 Triton 3.6's compiler does not overlap a block's softmax with tensor-core work in the flash
 forward (docs/attention.md, "Tried"), and its automatic warp specialization of the key loop
@@ -14,23 +14,24 @@ FlashAttention-3's, written here from its description:
     the next softmax while the other warpgroup's products run on the tensor cores;
   * softmax in fp32 with exp2 (the scale folded into one FMA), P rounded once to the input
     dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once.
-Backward (`dkdv`): dK / dV of one 128-key block per program, the same partitions: the loader
-brings K / V once and Q / dO per (head of the GQA group, 64-row query block) into a 2-slot ring;
-each consumer warpgroup owns 64 keys (dK, dV accumulators of 64 x 128 in fp32) and, in its turn,
-issues S^T = K Q^T and dP^T = V dO^T, then (P^T, dS^T rounded to 16 bits, as the Triton speed
-mode) dV += P^T dO and dK += dS^T Q. `dq`: per 128-row query tile as the forward (K / V
-streamed), S = Q K^T and dP = dO V^T in a warpgroup's first turn, dQ += dS K in its second
-(7 products per tile pair in all, as the Triton backward; no atomics). delta: the Triton
-delta kernel's.
-Contract (a subset of `flash_attention.flash_attention_fwd`'s, same outputs): q [b, s_q, h, d],
-k / v [b, s_kv, h_kv, d] that TMA reads as [b, s, h * d] (`tma_view`: contiguous bshd, sbhd
-memory, q / k / v split from a fused projection; any lengths), fp16 / bf16, d = 128, no mask
-or top-left causal; -> out [b, s_q, h, d] in the input dtype, lse fp32 [b, h, s_q]
-(natural log). `applies()` says when; the Triton kernel runs everything else.
-Twin: `tritium.ref.flash_attention.flash_attention_fwd` (the GPU tier compares them). Gluon
-does not run under TRITON_INTERPRET: this kernel has no interpreter tier.
-Measured on an H200 (B4 H32 S4096 D128, alternating rounds): 1.05-1.06x cuDNN's forward
-(benchmarks/RESULTS.md, the flash table).
+Backward (`flash_attention_bwd`), two kernels on the same partitions. `_dq_kernel` first, per
+128-row query tile as the forward (K / V streamed): S = Q K^T and dP = dO V^T in a warpgroup's
+first turn, dQ += dS K in its second; its prologue writes delta = rowsum(dO * out) of its rows.
+Then `_dkdv_kernel`, one 128-key block per program: the loader brings K / V once and Q / dO per
+(head of the GQA group, 64-row query block) into a 2-slot ring; each consumer warpgroup owns 64
+keys (dK, dV accumulators of 64 x 128 in fp32) and, in its turn, issues S^T = K Q^T and
+dP^T = V dO^T, then (P^T, dS^T rounded to 16 bits, as the Triton speed mode) dV += P^T dO and
+dK += dS^T Q. 7 products per tile pair in all (as the Triton backward; no atomics).
+Contract (a subset of `flash_attention.flash_attention_fwd` / `_bwd`'s, same outputs):
+q [b, s_q, h, d], k / v [b, s_kv, h_kv, d] (and dO like q) that TMA reads as [b, s, h * d]
+(`tma_view`: contiguous bshd, sbhd memory, q / k / v split from a fused projection; any
+lengths), fp16 / bf16, d = 128, no mask or top-left causal; -> out [b, s_q, h, d] in the input
+dtype, lse fp32 [b, h, s_q] (natural log); grads in the input dtype. `applies()` /
+`applies_bwd()` say when; the Triton kernels run everything else.
+Twin: `tritium.ref.flash_attention` (the GPU tier compares them). Gluon does not run under
+TRITON_INTERPRET: these kernels have no interpreter tier.
+Measured on an H200 (B4 H32 S4096 D128, alternating rounds against cuDNN): forward 1.05-1.06x,
+fwd+bwd 0.88-0.91x (benchmarks/RESULTS.md, the flash table; docs/attention.md).
 """
 from __future__ import annotations
 
@@ -316,7 +317,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 
 
 # --------------------------------------------------------------------------------------------
-# backward: dK / dV of one 128-key block (dQ stays the Triton kernel's)
+# backward: dK / dV of one 128-key block (two warpgroups of 64 keys), Q / dO streamed
 
 BWD_BLOCK_M, BWD_STAGES = 64, 2
 
