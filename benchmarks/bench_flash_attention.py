@@ -4,10 +4,11 @@ Cases (issue 26): B4 H32 S4096 D128 bf16, causal and no mask, MHA and GQA-8 (8 k
 and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or where this torch's
 cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
 kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN
-does, out and grads in bf16 like SDPA's; on sm90 its forward is the Gluon kernel of
-tritium/kernels/flash_attention_sm90.py, configs "fwd=sm90"), "tritium flash split" (the exact
-mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and the forward
-alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward):
+does, out and grads in bf16 like SDPA's; on sm90 it runs the Gluon kernels (forward and
+backward) of tritium/kernels/flash_attention_sm90.py, configs "sm90"), "tritium flash split"
+(the exact mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and
+the forward alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16
+forward):
 "tritium fp8 kernel" (the FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with
 the per-tensor current-scaling quantization of q, k, v that DotProductAttention runs first: an
 amax pass, then the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa
@@ -123,7 +124,7 @@ def _steps(blocks, variant):
     configs = " ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)[6:]
                        for kind in ("fwd", "dkdv", "dq"))
     if not split and FA.sm90.applies(*blocks[0][:3], dt):
-        configs = "fwd=sm90 " + configs.split(" ", 1)[1]   # the Gluon forward runs
+        configs = "sm90"   # the Gluon kernels run, forward and backward
 
     def fwd():
         for q, k, v, _, c in blocks:
@@ -466,23 +467,23 @@ def sweep(split: bool):
     def bwd(c):
         return FA.flash_attention_bwd(do, q, k, v, *outs[c], c, scale, split=split,
                                       grad_dtype=dt)
-    print(f"sweep {mode}: fwd (the Triton kernel's configs: the sm90 Gluon kernel off)",
-          flush=True)
+    print(f"sweep {mode}: the Triton kernels' configs (the sm90 Gluon kernels off)", flush=True)
     enabled, FA.sm90.ENABLED = FA.sm90.ENABLED, False
     try:
+        print(f"sweep {mode}: fwd", flush=True)
         f_ms, _ = _time_cfgs("fwd", split, cands["fwd"], fwd, ref_fwd)
+        print(f"sweep {mode}: dkdv (+ delta + dq at its config)", flush=True)
+        sep_ms, sep = _time_cfgs("dkdv", split, cands["dkdv"], bwd, ref_bwd)
+        print(f"sweep {mode}: dq (+ delta + dkdv at the best above)", flush=True)
+        sep_ms, _ = _time_cfgs("dq", split, cands["dq"], bwd, ref_bwd)
+        at_ms = math.inf
+        if cands["atomic"]:
+            print(f"sweep {mode}: dkdv with atomic dq (+ delta, no dq kernel)", flush=True)
+            at_ms, _ = _time_cfgs("dkdv", split, cands["atomic"], bwd, ref_bwd)
+            if not at_ms < sep_ms and sep is not None:
+                FA.GPU_CFG["dkdv"][(D, split)] = sep
     finally:
         FA.sm90.ENABLED = enabled
-    print(f"sweep {mode}: dkdv (+ delta + dq at its config)", flush=True)
-    sep_ms, sep = _time_cfgs("dkdv", split, cands["dkdv"], bwd, ref_bwd)
-    print(f"sweep {mode}: dq (+ delta + dkdv at the best above)", flush=True)
-    sep_ms, _ = _time_cfgs("dq", split, cands["dq"], bwd, ref_bwd)
-    at_ms = math.inf
-    if cands["atomic"]:
-        print(f"sweep {mode}: dkdv with atomic dq (+ delta, no dq kernel)", flush=True)
-        at_ms, _ = _time_cfgs("dkdv", split, cands["atomic"], bwd, ref_bwd)
-        if not at_ms < sep_ms and sep is not None:
-            FA.GPU_CFG["dkdv"][(D, split)] = sep
     print(f"best {mode}: fwd {f_ms:.3f} ms, bwd {min(sep_ms, at_ms):.3f} ms (separate dq "
           f"{sep_ms:.3f}, atomic dq {at_ms:.3f}), causal + nomask summed; as arguments:")
     print(" ".join(_cfg_arg(kind, FA.GPU_CFG[kind][(D, split)], split)

@@ -166,6 +166,29 @@ def main_sm90():
         regs, spill = _ptxas(kernel.asm["ptx"])
         print(f"sm90 fwd {'causal' if causal else 'nomask'}: {regs} registers at launch, "
               f"{spill} bytes spilled, {kernel.metadata.shared} bytes of shared memory")
+    bwd_descs = sm90._bwd_descriptors(q, k, k, q, k, k)
+    kernels = {
+        "dkdv": (sm90._dkdv_kernel, ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc",
+                                     "dv_desc"), bwd_descs, dict(S_KV="i32", H_KV="i32"),
+                 sm90.BWD_BLOCK_M, sm90.BWD_STAGES),
+        "dq": (sm90._dq_kernel, ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
+               (descs[0], descs[0], descs[1], descs[2], descs[3]),
+               dict(o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_KV="i32", H="i32"),
+               sm90.BLOCK_M, sm90.STAGES)}
+    for name, (fn, names, ds, ints, bm, stages) in kernels.items():
+        signature = {n: mangle_type(d) for n, d in zip(names, ds)}
+        signature.update(lse_ptr="*fp32", delta_ptr="*fp32", **ints, S_Q="i32", G="i32",
+                         qk_scale="fp32", scale="fp32")
+        for causal in (True, False):
+            constexprs = dict(CAUSAL=causal, BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
+                              CONSUMER_REGS=sm90.CONSUMER_REGS, LOADER_REGS=sm90.LOADER_REGS)
+            sig = {**signature, **{n: "constexpr" for n in constexprs}}
+            kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constexprs),
+                                    target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            regs, spill = _ptxas(kernel.asm["ptx"])
+            print(f"sm90 {name} {'causal' if causal else 'nomask'}: {regs} registers at "
+                  f"launch, {spill} bytes spilled, {kernel.metadata.shared} bytes of shared "
+                  "memory")
 
 
 def main():

@@ -315,6 +315,17 @@ def _sm90_types() -> dict:
     return {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)}
 
 
+def _sm90_bwd_types() -> dict:
+    """The Gluon dK / dV kernel's descriptor types, as `_sm90_types`."""
+    import torch
+    from triton.runtime.jit import mangle_type
+    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
+    descs = _fa.sm90._bwd_descriptors(q, k, k, q, k, k)
+    names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")
+    return {n: mangle_type(d) for n, d in zip(names, descs)}
+
+
 if _fa.sm90.gluon is not None:
     KERNELS[("flash_attention_sm90", "_fwd_kernel")] = (
         {**_sm90_types(), "qk_scale": "fp32"},
@@ -322,6 +333,17 @@ if _fa.sm90.gluon is not None:
              NSTAGE=_fa.sm90.STAGES, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
              LOADER_REGS=_fa.sm90.LOADER_REGS),
         dict(num_warps=4))
+    _SM90_BWD = dict(CAUSAL=True, BN=_fa.sm90.BLOCK_N, D=128,
+                     CONSUMER_REGS=_fa.sm90.CONSUMER_REGS, LOADER_REGS=_fa.sm90.LOADER_REGS)
+    _q = _sm90_types()
+    KERNELS[("flash_attention_sm90", "_dq_kernel")] = (
+        {"q_desc": _q["q_desc"], "do_desc": _q["q_desc"], "k_desc": _q["k_desc"],
+         "v_desc": _q["v_desc"], "dq_desc": _q["o_desc"], "o_ptr": "*bf16",
+         "qk_scale": "fp32", "scale": "fp32"},
+        dict(_SM90_BWD, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
+    KERNELS[("flash_attention_sm90", "_dkdv_kernel")] = (
+        {**_sm90_bwd_types(), "qk_scale": "fp32", "scale": "fp32"},
+        dict(_SM90_BWD, BM=_fa.sm90.BWD_BLOCK_M, NSTAGE=_fa.sm90.BWD_STAGES), dict(num_warps=4))
 
 
 def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
@@ -393,6 +415,8 @@ VARIANTS = {
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
     ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False)],
+    ("flash_attention_sm90", "_dkdv_kernel"): [dict(CAUSAL=False)],
+    ("flash_attention_sm90", "_dq_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

@@ -24,6 +24,9 @@ CASES = {  # b, s_q, s_kv, h, h_kv, causal, dtype
     "q-shorter-causal": (1, 512, 1536, 4, 2, True, torch.bfloat16),
     "q-longer-nomask": (2, 1536, 512, 4, 1, False, torch.float16),
     "one-tile": (3, 128, 128, 2, 2, True, torch.float16),
+    "ragged-causal-gqa": (2, 1000, 1000, 8, 2, True, torch.bfloat16),   # tails everywhere
+    "ragged-cross-nomask": (1, 300, 700, 4, 4, False, torch.float16),
+    "short-kv-causal": (1, 384, 100, 4, 2, True, torch.bfloat16),       # one key tile, masked
 }
 
 
@@ -57,10 +60,36 @@ def test_kernel_equals_twin(name, _seed):
 def test_not_applied_outside_its_contract():
     from tritium.kernels import flash_attention_sm90 as sm90
     q, k, v, _ = _inputs(1, 256, 256, 4, 2, torch.bfloat16, 0)
+    assert sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)     # any lengths
     assert not sm90.applies(q, k, v, torch.float32)                      # fp32 out (split)
-    assert not sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)  # not 128-aligned
-    assert not sm90.applies(q.transpose(0, 1), k, v, q.dtype)            # strided
     assert not sm90.applies(q[..., :64], k[..., :64], v[..., :64], q.dtype)   # d = 64
+    wide = torch.zeros(1, 256, 4, 2 * D, device="cuda", dtype=q.dtype)
+    assert not sm90.applies(wide[..., ::2], k, v, q.dtype)               # d not unit-stride
+
+
+def test_sbhd_memory(_seed):
+    """q / k / v / dout in [s, b, h, d] memory (TE's sbhd), seen as bshd: the kernels read
+    them in place (3D TMA views), forward and backward equal the twin's."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s, h, h_kv = 2, 640, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(_seed)
+    mk = lambda n: torch.randn(s, b, n, D, device="cuda", generator=g,  # noqa: E731
+                               dtype=torch.bfloat16).transpose(0, 1)
+    q, k, v, do = mk(h), mk(h_kv), mk(h_kv), mk(h)
+    assert sm90.applies(q, k, v, q.dtype)
+    scale = 1 / math.sqrt(D)
+    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=q.dtype)
+    ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, True, scale)
+    rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
+    assert rel.max().item() < 2 ** -6
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
+                                 grad_dtype=q.dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname
 
 
 def test_forward_backward_close_to_fp64_as_cudnn():
@@ -69,3 +98,52 @@ def test_forward_backward_close_to_fp64_as_cudnn():
     from test_gpu_flash_attention import speed_mode_as_close_as_cudnn
     q, k, v, do = _inputs(1, 2048, 2048, 12, 4, torch.bfloat16, 5)
     speed_mode_as_close_as_cudnn("sm90 fwd", q, k, v, do, True)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dkdv_equals_twin(name, _seed):
+    """The Gluon backward (dQ with delta, then dK / dV) against the twin's (fp32 math on the
+    same values), fed the twin's (out, lse)."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s_q, s_kv, h, h_kv, causal, dtype = CASES[name]
+    q, k, v, do = _inputs(b, s_q, s_kv, h, h_kv, dtype, _seed)
+    scale = 1 / math.sqrt(D)
+    out, lse = twin.flash_attention_fwd(q, k, v, causal, scale)
+    out = out.to(dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)   # fp32
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                 grad_dtype=dtype)
+    assert sm90.applies_bwd(q, k, v, out, do, lse)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.dtype == dtype and x.shape == r.shape, tname
+        rel = (x.float() - r).abs() / r.abs().max()
+        print(f"{name} {tname}: max {rel.max().item():.2e} mean {rel.mean().item():.2e}")
+        assert rel.max().item() < 2 ** -6 and rel.mean().item() < 2 ** -10, tname
+
+
+def test_views_of_a_fused_projection(_seed):
+    """q / k / v split from one [b, s, (h + 2 h_kv) * d] projection (rows strided): the Gluon
+    kernels read them in place, forward and backward equal the twin's as in the tests above."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.ref import flash_attention as twin
+    b, s, h, h_kv = 2, 512, 8, 2
+    g = torch.Generator(device="cuda").manual_seed(_seed)
+    qkv = torch.randn(b, s, (h + 2 * h_kv) * D, device="cuda", generator=g,
+                      dtype=torch.bfloat16)
+    q, k, v = (x.unflatten(-1, (-1, D)) for x in qkv.split([h * D, h_kv * D, h_kv * D], -1))
+    do = torch.randn(b, s, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
+    assert not q.is_contiguous() and sm90.applies(q, k, v, q.dtype)
+    scale = 1 / math.sqrt(D)
+    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=q.dtype)
+    ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, True, scale)
+    rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
+    assert rel.max().item() < 2 ** -6
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    got = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
+                                 grad_dtype=q.dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname

@@ -24,8 +24,8 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
     inside one program.
 
-On Hopper the speed mode's forward runs `flash_attention_sm90` (Gluon, warp-specialized) where
-its `applies()` holds (contiguous bshd, d = 128, s_q / s_kv multiples of 128, no band).
+On Hopper the speed mode runs `flash_attention_sm90` (Gluon, warp-specialized: forward, dK/dV,
+dQ) where its `applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -410,6 +410,9 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, t_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
+    if (not split and band is None and varlen is None and grad_dtype == q.dtype
+            and sm90.applies_bwd(q, k, v, out, dout, lse)):    # Hopper: the Gluon kernels
+        return sm90.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale)
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
@@ -437,6 +440,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
               band_hi, cu_q, cu_kv, t_q)
     flags = dict(CAUSAL=causal, SPLIT=bool(split), PREC=_prec(q.dtype), D=d, WINDOW=window,
                  VARLEN=varlen is not None)
+
 
     cfg = dkdv_cfg
     srcs, tma = ((q, k, v, dout), False) if varlen is not None else _srcs(cfg, q, k, v, dout)
