@@ -5,7 +5,7 @@ and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or wh
 cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
 kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN
 does, out and grads in bf16 like SDPA's; on sm90 it runs the Gluon kernels (forward and
-backward) of tritium/kernels/flash_attention_sm90.py, configs "sm90"), "tritium flash split"
+backward) of tritium/kernels/flash_attention_sm90{,_bwd}.py, configs "sm90"), "tritium flash split"
 (the exact mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and
 the forward alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16
 forward):

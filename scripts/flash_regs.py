@@ -17,7 +17,7 @@ figures plus the most wgmma groups any `wgmma.wait_group N` of the PTX leaves in
 every wait drains the tensor cores, so inside one program a block's softmax never overlaps a
 product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
 entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
-`sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90.py (bf16, D=128, GQA-4
+`sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90{,_bwd}.py (bf16, D=128, GQA-4
 descriptors, causal and no mask) at their module constants: registers at launch (the
 partitions then move theirs with setmaxnreg), bytes spilled, shared memory.
 """
@@ -149,7 +149,7 @@ def main_sm90():
     import torch
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
-    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.kernels import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as sm90_bwd
     q = torch.empty(2, 1024, 8, B.D, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, B.D, dtype=torch.bfloat16)
     descs = sm90._descriptors(q, k, k, q)
@@ -166,12 +166,12 @@ def main_sm90():
         regs, spill = _ptxas(kernel.asm["ptx"])
         print(f"sm90 fwd {'causal' if causal else 'nomask'}: {regs} registers at launch, "
               f"{spill} bytes spilled, {kernel.metadata.shared} bytes of shared memory")
-    bwd_descs = sm90._bwd_descriptors(q, k, k, q, k, k)
+    bwd_descs = sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
     kernels = {
-        "dkdv": (sm90._dkdv_kernel, ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc",
+        "dkdv": (sm90_bwd._dkdv_kernel, ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc",
                                      "dv_desc"), bwd_descs, dict(S_KV="i32", H_KV="i32"),
-                 sm90.BWD_BLOCK_M, sm90.BWD_STAGES),
-        "dq": (sm90._dq_kernel, ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
+                 sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES),
+        "dq": (sm90_bwd._dq_kernel, ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
                (descs[0], descs[0], descs[1], descs[2], descs[3]),
                dict(o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_KV="i32", H="i32"),
                sm90.BLOCK_M, sm90.STAGES)}

@@ -11,8 +11,8 @@ PTX, cubin; ~20 s for all on 2 cores): frontend errors, lowering errors and ptxa
 (e.g. too much shared memory) fail here; without the wheel's ptxas the compiles are skipped.
 Helpers called from kernels are compiled through their callers. A top-level kernel (a JIT
 function no other JIT function of its module calls) missing from `KERNELS` fails the test.
-Gluon kernels (`flash_attention_sm90`) compile through GluonASTSource; their warp_specialize
-partitions, handed over as `(fn, args)`, count as called.
+Gluon kernels (`flash_attention_sm90`, `_sm90_bwd`) compile through GluonASTSource; their
+warp_specialize partitions, handed over as `(fn, args)`, count as called.
 Triton compiles only the branches the constexprs take: `VARIANTS` adds second constexpr sets
 where large branches hide, and `test_jit_code_reads_only_constexpr_globals` checks the global
 reads of every JIT function's whole source statically.
@@ -321,7 +321,7 @@ def _sm90_bwd_types() -> dict:
     from triton.runtime.jit import mangle_type
     q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
-    descs = _fa.sm90._bwd_descriptors(q, k, k, q, k, k)
+    descs = _fa.sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
     names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")
     return {n: mangle_type(d) for n, d in zip(names, descs)}
 
@@ -336,14 +336,15 @@ if _fa.sm90.gluon is not None:
     _SM90_BWD = dict(CAUSAL=True, BN=_fa.sm90.BLOCK_N, D=128,
                      CONSUMER_REGS=_fa.sm90.CONSUMER_REGS, LOADER_REGS=_fa.sm90.LOADER_REGS)
     _q = _sm90_types()
-    KERNELS[("flash_attention_sm90", "_dq_kernel")] = (
+    KERNELS[("flash_attention_sm90_bwd", "_dq_kernel")] = (
         {"q_desc": _q["q_desc"], "do_desc": _q["q_desc"], "k_desc": _q["k_desc"],
          "v_desc": _q["v_desc"], "dq_desc": _q["o_desc"], "o_ptr": "*bf16",
          "qk_scale": "fp32", "scale": "fp32"},
         dict(_SM90_BWD, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
-    KERNELS[("flash_attention_sm90", "_dkdv_kernel")] = (
+    KERNELS[("flash_attention_sm90_bwd", "_dkdv_kernel")] = (
         {**_sm90_bwd_types(), "qk_scale": "fp32", "scale": "fp32"},
-        dict(_SM90_BWD, BM=_fa.sm90.BWD_BLOCK_M, NSTAGE=_fa.sm90.BWD_STAGES), dict(num_warps=4))
+        dict(_SM90_BWD, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+        dict(num_warps=4))
 
 
 def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
@@ -415,8 +416,8 @@ VARIANTS = {
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
     ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False)],
-    ("flash_attention_sm90", "_dkdv_kernel"): [dict(CAUSAL=False)],
-    ("flash_attention_sm90", "_dq_kernel"): [dict(CAUSAL=False)],
+    ("flash_attention_sm90_bwd", "_dkdv_kernel"): [dict(CAUSAL=False)],
+    ("flash_attention_sm90_bwd", "_dq_kernel"): [dict(CAUSAL=False)],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

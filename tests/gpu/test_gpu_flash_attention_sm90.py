@@ -105,7 +105,7 @@ def test_dkdv_equals_twin(name, _seed):
     """The Gluon backward (dQ with delta, then dK / dV) against the twin's (fp32 math on the
     same values), fed the twin's (out, lse)."""
     from tritium.kernels import flash_attention as FA
-    from tritium.kernels import flash_attention_sm90 as sm90
+    from tritium.kernels import flash_attention_sm90_bwd as sm90_bwd
     from tritium.ref import flash_attention as twin
     b, s_q, s_kv, h, h_kv, causal, dtype = CASES[name]
     q, k, v, do = _inputs(b, s_q, s_kv, h, h_kv, dtype, _seed)
@@ -115,7 +115,7 @@ def test_dkdv_equals_twin(name, _seed):
     want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)   # fp32
     got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
                                  grad_dtype=dtype)
-    assert sm90.applies_bwd(q, k, v, out, do, lse)
+    assert sm90_bwd.applies_bwd(q, k, v, out, do, lse)
     for tname, x, r in zip(("dq", "dk", "dv"), got, want):
         assert x.dtype == dtype and x.shape == r.shape, tname
         rel = (x.float() - r).abs() / r.abs().max()

@@ -24,8 +24,9 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     out/lse of the whole ring, not this block's own. GQA sums dk/dv over a group in fp32,
     inside one program.
 
-On Hopper the speed mode runs `flash_attention_sm90` (Gluon, warp-specialized: forward, dK/dV,
-dQ) where its `applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band).
+On Hopper the speed mode runs `flash_attention_sm90` / `_sm90_bwd` (Gluon, warp-specialized:
+forward, dK/dV, dQ) where their `applies()` holds (TMA-readable bshd or sbhd memory, d = 128,
+no band).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -48,7 +49,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from . import flash_attention_sm90 as sm90
+from . import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as sm90_bwd
 from .cast import amax_into
 from .flash_attention_tiles import LOG2E, _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel
 
@@ -411,8 +412,8 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
     if (not split and band is None and varlen is None and grad_dtype == q.dtype
-            and sm90.applies_bwd(q, k, v, out, dout, lse)):    # Hopper: the Gluon kernels
-        return sm90.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale)
+            and sm90_bwd.applies_bwd(q, k, v, out, dout, lse)):   # Hopper: the Gluon kernels
+        return sm90_bwd.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale)
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
