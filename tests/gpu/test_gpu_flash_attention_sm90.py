@@ -65,6 +65,8 @@ def test_not_applied_outside_its_contract():
     assert not sm90.applies(q[..., :64], k[..., :64], v[..., :64], q.dtype)   # d = 64
     wide = torch.zeros(1, 256, 4, 2 * D, device="cuda", dtype=q.dtype)
     assert not sm90.applies(wide[..., ::2], k, v, q.dtype)               # d not unit-stride
+    assert not sm90.applies(q[:0], k[:0], v[:0], q.dtype)                # empty batch
+    assert not sm90.applies(q, k[:, :, :0], v[:, :, :0], q.dtype)        # no kv heads
 
 
 def test_sbhd_memory(_seed):

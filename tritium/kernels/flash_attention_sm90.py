@@ -60,8 +60,9 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> boo
             and q.dtype in (torch.bfloat16, torch.float16) and out_dtype == q.dtype
             and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
+            and q.numel() > 0 and k.numel() > 0
             and q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0
-            and q.shape[1] > 0 and k.shape[1] > 0 and all(tma_view(x) for x in (q, k, v)))
+            and all(tma_view(x) for x in (q, k, v)))
 
 
 def tma_view(x: torch.Tensor) -> bool:
