@@ -153,32 +153,25 @@ def main_sm90():
     q = torch.empty(2, 1024, 8, B.D, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, B.D, dtype=torch.bfloat16)
     descs = sm90._descriptors(q, k, k, q)
-    signature = {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"),
-                                                   descs)}
-    signature.update(lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32", qk_scale="fp32")
-    for causal in (True, False):
-        constexprs = dict(CAUSAL=causal, BM=sm90.BLOCK_M, BN=sm90.BLOCK_N, D=B.D,
-                          NSTAGE=sm90.STAGES, CONSUMER_REGS=sm90.CONSUMER_REGS,
-                          LOADER_REGS=sm90.LOADER_REGS)
-        sig = {**signature, **{n: "constexpr" for n in constexprs}}
-        kernel = triton.compile(GluonASTSource(sm90._fwd_kernel, sig, constexprs=constexprs),
-                                target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-        regs, spill = _ptxas(kernel.asm["ptx"])
-        print(f"sm90 fwd {'causal' if causal else 'nomask'}: {regs} registers at launch, "
-              f"{spill} bytes spilled, {kernel.metadata.shared} bytes of shared memory")
     bwd_descs = sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
-    kernels = {
-        "dkdv": (sm90_bwd._dkdv_kernel, ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc",
-                                     "dv_desc"), bwd_descs, dict(S_KV="i32", H_KV="i32"),
+    bwd = dict(lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", scale="fp32")
+    kernels = {   # name: (kernel, its descriptors by parameter, its other runtime types, BM, stages)
+        "fwd": (sm90._fwd_kernel, dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)),
+                dict(lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32", qk_scale="fp32"),
+                sm90.BLOCK_M, sm90.STAGES),
+        "dkdv": (sm90_bwd._dkdv_kernel,
+                 dict(zip(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"),
+                          bwd_descs)),
+                 dict(bwd, S_Q="i32", S_KV="i32", H_KV="i32", G="i32"),
                  sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES),
-        "dq": (sm90_bwd._dq_kernel, ("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
-               (descs[0], descs[0], descs[1], descs[2], descs[3]),
-               dict(o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_KV="i32", H="i32"),
+        "dq": (sm90_bwd._dq_kernel,
+               dict(zip(("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
+                        (descs[0], descs[0], descs[1], descs[2], descs[3]))),
+               dict(bwd, o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_Q="i32",
+                    S_KV="i32", H="i32", G="i32"),
                sm90.BLOCK_M, sm90.STAGES)}
-    for name, (fn, names, ds, ints, bm, stages) in kernels.items():
-        signature = {n: mangle_type(d) for n, d in zip(names, ds)}
-        signature.update(lse_ptr="*fp32", delta_ptr="*fp32", **ints, S_Q="i32", G="i32",
-                         qk_scale="fp32", scale="fp32")
+    for name, (fn, ds, types, bm, stages) in kernels.items():
+        signature = {**{n: mangle_type(d) for n, d in ds.items()}, **types}
         for causal in (True, False):
             constexprs = dict(CAUSAL=causal, BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
                               CONSUMER_REGS=sm90.CONSUMER_REGS, LOADER_REGS=sm90.LOADER_REGS)
