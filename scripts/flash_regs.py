@@ -155,7 +155,8 @@ def main_sm90():
     descs = sm90._descriptors(q, k, k, q)
     bwd_descs = sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
     bwd = dict(lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", scale="fp32")
-    kernels = {   # name: (kernel, its descriptors by parameter, its other runtime types, BM, stages)
+    # name: (kernel, its descriptors by parameter, its other runtime types, BM, stages)
+    kernels = {
         "fwd": (sm90._fwd_kernel, dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)),
                 dict(lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32", qk_scale="fp32"),
                 sm90.BLOCK_M, sm90.STAGES),
