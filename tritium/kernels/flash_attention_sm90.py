@@ -121,13 +121,29 @@ if gluon is not None:
                                             v_ready.index(st), v_smem.index(st))
 
     @gluon.jit
-    def _tile(S_K, H, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+    def _grouped(n_tiles):
+        """(tile, batch * heads + head) of this program of a 1D grid of n_tiles tiles per head:
+        tile-major within groups of 8 heads, so the programs that start last are the last
+        tiles of the last group (causal: the shortest) while 8 heads' K / V stay in L2."""
+        GROUP: gl.constexpr = 8
+        pid = gl.program_id(0)
+        n_bh = gl.num_programs(0) // n_tiles
+        first = (pid // (GROUP * n_tiles)) * GROUP
+        size = gl.minimum(n_bh - first, GROUP)
+        r = pid % (GROUP * n_tiles)
+        return r // size, first + r % size
+
+    @gluon.jit
+    def _tile(S_Q, S_K, H, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
         """This program's (batch * heads + head, batch, head, first row, key blocks to visit) of
-        a row-tiled kernel; causal: the longest rows first."""
-        pid_m = gl.program_id(0)
+        a row-tiled kernel; causal (a 1D grid, `_grouped`): the longest rows first."""
         if CAUSAL:
-            pid_m = gl.num_programs(0) - 1 - pid_m
-        pid_bh = gl.program_id(1)
+            n_tiles = gl.cdiv(S_Q, BM)
+            t, pid_bh = _grouped(n_tiles)
+            pid_m = n_tiles - 1 - t
+        else:
+            pid_m = gl.program_id(0)
+            pid_bh = gl.program_id(1)
         m0 = pid_m * BM
         if CAUSAL:
             n_blocks = gl.cdiv(gl.minimum(S_K, m0 + BM), BN)
@@ -288,7 +304,7 @@ if gluon is not None:
                     D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        pid_bh, off_b, off_h, m0, n_blocks = _tile(S_K, H, BM, BN, CAUSAL)
+        pid_bh, off_b, off_h, m0, n_blocks = _tile(S_Q, S_K, H, BM, BN, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [1, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], k_desc.layout)
@@ -308,6 +324,11 @@ if gluon is not None:
                                [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
+def launch_grid(n_tiles: int, n_bh: int, causal: bool) -> tuple:
+    """The launch grid of `_tile` / `_grouped`: 1D where causal (the longest tiles first)."""
+    return (n_tiles * n_bh,) if causal else (n_tiles, n_bh)
+
+
 def _descriptors(q, k, v, out):
     """TMA descriptors of the [b * s, h * d] views: q / out boxes of BLOCK_M rows (out's of
     half: each consumer stores its own rows), k / v of BLOCK_N."""
@@ -321,7 +342,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     b, s_q, h, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    grid = (-(-s_q // BLOCK_M), b * h)
+    grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
     _fwd_kernel[grid](*_descriptors(q, k, v, out), lse, s_q, k.shape[1], h, h // k.shape[2],
                       scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d,
                       NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,

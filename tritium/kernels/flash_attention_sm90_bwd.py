@@ -22,14 +22,14 @@ import torch
 
 from .flash_attention_sm90 import (
     BLOCK_M, BLOCK_N, CONSUMER_REGS, LOADER_REGS, LOG2E, STAGES, _desc, _descriptors, applies,
-    gluon, tma_view)
+    gluon, launch_grid, tma_view)
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .flash_attention_sm90 import _kv_ring, _stream_kv, _tile
+    from .flash_attention_sm90 import _grouped, _kv_ring, _stream_kv, _tile
 
 # --------------------------------------------------------------------------------------------
 # dK / dV of one 128-key block (two warpgroups of 64 keys), Q / dO streamed
@@ -198,8 +198,11 @@ if gluon is not None:
                      NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)          # (batch, kv head)
+        if CAUSAL:   # the longest key blocks (the first) first, `_grouped`
+            pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
+        else:
+            pid_n = gl.program_id(0)
+            pid_bh = gl.program_id(1)          # (batch, kv head)
         off_b = pid_bh // H_KV
         off_hk = pid_bh % H_KV
         n0 = pid_n * BN
@@ -253,7 +256,7 @@ def _dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     dk, dv = torch.empty_like(k), torch.empty_like(v)
-    grid = (-(-s_kv // BLOCK_N), b * h_kv)
+    grid = launch_grid(-(-s_kv // BLOCK_N), b * h_kv, causal)
     _dkdv_kernel[grid](*_bwd_descriptors(q, k, v, dout, dk, dv), lse, delta, s_q, s_kv, h_kv,
                        h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
                        BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
@@ -405,7 +408,7 @@ if gluon is not None:
                    BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        pid_bh, off_b, off_h, m0, n_blocks = _tile(S_KV, H, BM, BN, CAUSAL)
+        pid_bh, off_b, off_h, m0, n_blocks = _tile(S_Q, S_KV, H, BM, BN, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [1, BM, D], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [1, BM, D], do_desc.layout)
@@ -433,7 +436,7 @@ def _dq(q, k, v, out, dout, lse, delta, causal: bool, scale: float):
     b, s_q, h, d = q.shape
     dq = torch.empty_like(q)
     q_desc, k_desc, v_desc, dq_desc = _descriptors(q, k, v, dq)
-    grid = (-(-s_q // BLOCK_M), b * h)
+    grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
     _dq_kernel[grid](q_desc, _desc(dout, BLOCK_M), k_desc, v_desc, dq_desc, lse, delta, out,
                      out.stride(0), out.stride(1), out.stride(2), s_q, k.shape[1], h,
                      h // k.shape[2], scale * LOG2E, scale, CAUSAL=bool(causal), BM=BLOCK_M,
