@@ -17,8 +17,8 @@ figures plus the most wgmma groups any `wgmma.wait_group N` of the PTX leaves in
 every wait drains the tensor cores, so inside one program a block's softmax never overlaps a
 product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
 entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
-`sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90{,_bwd}.py (bf16, D=128, GQA-4
-descriptors, causal and no mask) at their module constants: registers at launch (the
+`sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90{,_bwd,_bwd_fused}.py (bf16,
+D=128, GQA-4 descriptors, causal and no mask) at their module constants: registers at launch (the
 partitions then move theirs with setmaxnreg), bytes spilled, shared memory.
 """
 from __future__ import annotations
@@ -150,6 +150,7 @@ def main_sm90():
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
     from tritium.kernels import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as sm90_bwd
+    from tritium.kernels import flash_attention_sm90_bwd_fused as fused
     q = torch.empty(2, 1024, 8, B.D, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, B.D, dtype=torch.bfloat16)
     descs = sm90._descriptors(q, k, k, q)
@@ -171,11 +172,18 @@ def main_sm90():
                dict(bwd, o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_Q="i32",
                     S_KV="i32", H="i32", G="i32"),
                sm90.BLOCK_M, sm90.STAGES)}
+    dq32 = torch.empty(q.shape, dtype=torch.float32)
+    kernels["fused"] = (fused._bwd_kernel, dict(
+        zip(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dq_desc"),
+            (*bwd_descs, fused._dq_desc(dq32)))),
+        dict(bwd, S_Q="i32", H_KV="i32", G="i32"), sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES)
     for name, (fn, ds, types, bm, stages) in kernels.items():
         signature = {**{n: mangle_type(d) for n, d in ds.items()}, **types}
-        for causal in (True, False):
-            constexprs = dict(CAUSAL=causal, BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
+        for causal in (True, False) if name != "fused" else (False,):
+            constexprs = dict(BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
                               CONSUMER_REGS=sm90.CONSUMER_REGS, LOADER_REGS=sm90.LOADER_REGS)
+            if name != "fused":   # no mask only
+                constexprs["CAUSAL"] = causal
             sig = {**signature, **{n: "constexpr" for n in constexprs}}
             kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constexprs),
                                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -69,22 +69,25 @@ def test_not_applied_outside_its_contract():
     assert not sm90.applies(q, k[:, :, :0], v[:, :, :0], q.dtype)        # no kv heads
 
 
-def _causal_fwd_bwd_equal_twin(q, k, v, do):
-    """Causal speed-mode forward and backward through the dispatch vs the twin: out within
-    2^-6 relative, lse to 1e-5, grads within 2^-6 of their max."""
+def _fwd_bwd_equal_twin(q, k, v, do):
+    """Speed-mode forward and backward through the dispatch vs the twin, causal and no mask
+    (the fused backward): out within 2^-6 relative, lse to 1e-5, grads within 2^-6 of their
+    max."""
     from tritium.kernels import flash_attention as FA
     from tritium.ref import flash_attention as twin
     scale = 1 / math.sqrt(D)
-    out, lse = FA.flash_attention_fwd(q, k, v, True, scale, split=False, out_dtype=q.dtype)
-    ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, True, scale)
-    rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
-    assert rel.max().item() < 2 ** -6
-    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    got = FA.flash_attention_bwd(do, q, k, v, out, lse, True, scale, split=False,
-                                 grad_dtype=q.dtype)
-    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
-    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
-        assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname
+    for causal in (True, False):
+        out, lse = FA.flash_attention_fwd(q, k, v, causal, scale, split=False,
+                                          out_dtype=q.dtype)
+        ref_out, ref_lse = twin.flash_attention_fwd(q, k, v, causal, scale)
+        rel = (out.float() - ref_out).abs() / ref_out.abs().clamp_min(1)
+        assert rel.max().item() < 2 ** -6
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+        got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                     grad_dtype=q.dtype)
+        want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
+        for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+            assert ((x.float() - r).abs() / r.abs().max()).max().item() < 2 ** -6, tname
 
 
 def test_sbhd_memory(_seed):
@@ -97,7 +100,7 @@ def test_sbhd_memory(_seed):
                                dtype=torch.bfloat16).transpose(0, 1)
     q, k, v, do = mk(h), mk(h_kv), mk(h_kv), mk(h)
     assert sm90.applies(q, k, v, q.dtype)
-    _causal_fwd_bwd_equal_twin(q, k, v, do)
+    _fwd_bwd_equal_twin(q, k, v, do)
 
 
 def test_forward_backward_close_to_fp64_as_cudnn():
@@ -142,4 +145,38 @@ def test_views_of_a_fused_projection(_seed):
     q, k, v = (x.unflatten(-1, (-1, D)) for x in qkv.split([h * D, h_kv * D, h_kv * D], -1))
     do = torch.randn(b, s, h, D, device="cuda", generator=g, dtype=torch.bfloat16)
     assert not q.is_contiguous() and sm90.applies(q, k, v, q.dtype)
-    _causal_fwd_bwd_equal_twin(q, k, v, do)
+    _fwd_bwd_equal_twin(q, k, v, do)
+
+
+def test_fused_backward_equals_two_kernel_backward(_seed):
+    """No mask: the one-kernel backward (dQ by TMA reduce-add in fp32) against the two-kernel
+    one on the same (out, lse): within a bf16 ulp of their max (the products are the same but
+    for the order of their sums: S vs S^T, dQ's fp32 adds); the dispatch takes it, but for
+    deterministic algorithms; causal is refused."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90_bwd as two
+    from tritium.kernels import flash_attention_sm90_bwd_fused as fused
+    if not fused.AVAILABLE:
+        pytest.skip("this Triton's Gluon has no TMA reduce")
+    q, k, v, do = _inputs(2, 1000, 1000, 8, 2, torch.bfloat16, _seed)   # GQA, ragged
+    scale = 1 / math.sqrt(D)
+    out, lse = FA.flash_attention_fwd(q, k, v, False, scale, split=False, out_dtype=q.dtype)
+    got = fused.flash_attention_bwd(do, q, k, v, out, lse, False, scale)
+    want = two.flash_attention_bwd(do, q, k, v, out, lse, False, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        assert x.dtype == q.dtype and x.shape == r.shape, tname
+        err = (x.float() - r.float()).abs().max() / r.float().abs().max()
+        assert err.item() < 2 ** -7, tname
+    dispatched = FA.flash_attention_bwd(do, q, k, v, out, lse, False, scale, split=False,
+                                        grad_dtype=q.dtype)
+    for x, r in zip(dispatched[1:], got[1:]):
+        assert torch.equal(x, r)         # dK, dV are bit-reproducible
+    torch.use_deterministic_algorithms(True)
+    try:   # deterministic: the two-kernel backward
+        for x, r in zip(FA.flash_attention_bwd(do, q, k, v, out, lse, False, scale, split=False,
+                                               grad_dtype=q.dtype), want):
+            assert torch.equal(x, r)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    with pytest.raises(ValueError, match="causal=False"):
+        fused.flash_attention_bwd(do, q, k, v, out, lse, True, scale)

@@ -25,8 +25,8 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     inside one program.
 
 On Hopper the speed mode runs `flash_attention_sm90` / `_sm90_bwd` (Gluon, warp-specialized:
-forward, dK/dV, dQ) where their `applies()` holds (TMA-readable bshd or sbhd memory, d = 128,
-no band).
+forward, dK/dV, dQ; without a mask `_sm90_bwd_fused`, one backward kernel) where their
+`applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -50,6 +50,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as sm90_bwd
+from . import flash_attention_sm90_bwd_fused as sm90_bwd_fused
 from .cast import amax_into
 from .flash_attention_tiles import LOG2E, _delta_kernel, _dkdv_kernel, _dq_kernel, _fwd_kernel
 
@@ -413,7 +414,10 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
     if (not split and band is None and varlen is None and grad_dtype == q.dtype
             and sm90_bwd.applies_bwd(q, k, v, out, dout, lse)):   # Hopper: the Gluon kernels
-        return sm90_bwd.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale)
+        fused = (sm90_bwd_fused.AVAILABLE and not causal    # no mask: one kernel, its dq
+                 and not torch.are_deterministic_algorithms_enabled())   # summed by atomics
+        return (sm90_bwd_fused if fused else sm90_bwd).flash_attention_bwd(
+            dout, q, k, v, out, lse, causal, scale)
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
