@@ -11,8 +11,8 @@ PTX, cubin; ~20 s for all on 2 cores): frontend errors, lowering errors and ptxa
 (e.g. too much shared memory) fail here; without the wheel's ptxas the compiles are skipped.
 Helpers called from kernels are compiled through their callers. A top-level kernel (a JIT
 function no other JIT function of its module calls) missing from `KERNELS` fails the test.
-Gluon kernels (`flash_attention_sm90`, `_sm90_bwd`) compile through GluonASTSource; their
-warp_specialize partitions, handed over as `(fn, args)`, count as called.
+Gluon kernels (`flash_attention_sm90`, `_sm90_bwd`, `_sm90_bwd_fused`) compile through
+GluonASTSource; their warp_specialize partitions, handed over as `(fn, args)`, count as called.
 Triton compiles only the branches the constexprs take: `VARIANTS` adds second constexpr sets
 where large branches hide, and `test_jit_code_reads_only_constexpr_globals` checks the global
 reads of every JIT function's whole source statically.
@@ -344,6 +344,19 @@ if _fa.sm90.gluon is not None:
     KERNELS[("flash_attention_sm90_bwd", "_dkdv_kernel")] = (
         {**_sm90_bwd_types(), "qk_scale": "fp32", "scale": "fp32"},
         dict(_SM90_BWD, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+        dict(num_warps=4))
+if _fa.sm90_bwd_fused.AVAILABLE:
+    def _sm90_fused_types() -> dict:
+        """The fused backward's: the dK / dV kernel's descriptors and the fp32 dQ's."""
+        import torch
+        from triton.runtime.jit import mangle_type
+        dq = torch.empty(2, 1024, 8, 128, dtype=torch.float32)
+        return {**_sm90_bwd_types(), "dq_desc": mangle_type(_fa.sm90_bwd_fused._dq_desc(dq))}
+    KERNELS[("flash_attention_sm90_bwd_fused", "_bwd_kernel")] = (
+        {**_sm90_fused_types(), "qk_scale": "fp32", "scale": "fp32"},
+        dict(BN=_fa.sm90.BLOCK_N, D=128, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
+             LOADER_REGS=_fa.sm90.LOADER_REGS, BM=_fa.sm90_bwd.BWD_BLOCK_M,
+             NSTAGE=_fa.sm90_bwd.BWD_STAGES),
         dict(num_warps=4))
 
 
