@@ -24,7 +24,7 @@ backward's `applies_bwd()`) say when; the Triton kernels run everything else.
 Twin: `tritium.ref.flash_attention` (the GPU tier compares them). Gluon does not run under
 TRITON_INTERPRET: these kernels have no interpreter tier.
 Measured on an H200 (B4 H32 S4096 D128, alternating rounds against cuDNN): forward 1.05-1.06x,
-fwd+bwd 0.88-0.91x (benchmarks/RESULTS.md, the flash table; docs/attention.md).
+fwd+bwd 0.90-0.97x (benchmarks/RESULTS.md, the flash table; docs/attention.md).
 """
 from __future__ import annotations
 
