@@ -110,6 +110,25 @@ if gluon is not None:
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
 
     @gluon.jit
+    def _store_dkdv(dk, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col,
+                    HALF: gl.constexpr):
+        """This warpgroup's keys of dK, dV (fp32, final) through its half of the K / V
+        buffers (no longer read) to global memory by TMA (the keys below S_KV: per batch)."""
+        BN: gl.constexpr = k_smem.shape[1]
+        HN: gl.constexpr = BN // 2
+        dtype: gl.constexpr = k_smem.dtype
+        k_half = k_smem.reshape([BN, k_smem.shape[2]]).slice(HALF * HN, HN)
+        v_half = v_smem.reshape([BN, v_smem.shape[2]]).slice(HALF * HN, HN)
+        k_half.store(dk.to(dtype))
+        v_half.store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [off_b, n0 + HALF * HN, kv_col],
+                                        k_smem.slice(HALF * HN, HN, dim=1))
+        tma.async_copy_shared_to_global(dv_desc, [off_b, n0 + HALF * HN, kv_col],
+                                        v_smem.slice(HALF * HN, HN, dim=1))
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
     def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
                        kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
                        i_start, n_qblocks, qk_scale, scale, HALF: gl.constexpr,
@@ -120,7 +139,6 @@ if gluon is not None:
         D: gl.constexpr = q_smem.shape[3]
         BN: gl.constexpr = k_smem.shape[1]
         HN: gl.constexpr = BN // 2
-        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -150,14 +168,7 @@ if gluon is not None:
                                     S_Q, qk_scale, HALF, False)
                 it += 1
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        k_half.store((dk * scale).to(dtype))     # this half's K / V are no longer read
-        v_half.store(dv.to(dtype))
-        fence_async_shared()             # TMA stores the keys below S_KV (3D views: per batch)
-        tma.async_copy_shared_to_global(dk_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        k_smem.slice(HALF * HN, HN, dim=1))
-        tma.async_copy_shared_to_global(dv_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        v_smem.slice(HALF * HN, HN, dim=1))
-        tma.store_wait(pendings=0)
+        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col, HALF)
 
     @gluon.jit
     def _keys_0(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,

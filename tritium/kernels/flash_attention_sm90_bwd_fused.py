@@ -45,7 +45,7 @@ if AVAILABLE:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
 
-    from .flash_attention_sm90_bwd import _dkdv_loader
+    from .flash_attention_sm90_bwd import _dkdv_loader, _store_dkdv
 
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -144,7 +144,6 @@ if AVAILABLE:
         BN: gl.constexpr = k_smem.shape[1]
         HN: gl.constexpr = BN // 2
         HD: gl.constexpr = D // 2
-        dtype: gl.constexpr = q_smem.dtype
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         k_half = k_smem.reshape([BN, D]).slice(HALF * HN, HN)
@@ -176,14 +175,7 @@ if AVAILABLE:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(pendings=0)
         mbarrier.wait(kv_free, 0)
-        k_half.store((dk * scale).to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()             # TMA stores the keys below S_KV (3D views: per batch)
-        tma.async_copy_shared_to_global(dk_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        k_smem.slice(HALF * HN, HN, dim=1))
-        tma.async_copy_shared_to_global(dv_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        v_smem.slice(HALF * HN, HN, dim=1))
-        tma.store_wait(pendings=0)
+        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col, HALF)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per half
     @gluon.jit
