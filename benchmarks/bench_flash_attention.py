@@ -1,27 +1,26 @@
 """tritium's Triton flash attention (tritium/kernels/flash_attention.py) vs SDPA cuDNN, one GPU.
 
-Cases (issue 26): B4 H32 S4096 D128 bf16, causal and no mask, MHA and GQA-8 (8 kv heads), fwd
-and fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or where this torch's
-cuDNN path refuses it, on K/V repeated to 32 heads before the timed region: row field
-kv_repeated), "tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN
-does, out and grads in bf16 like SDPA's; on sm90 it runs the Gluon kernels (forward and
-backward) of tritium/kernels/flash_attention_sm90{,_bwd}.py, configs "sm90"), "tritium flash split"
-(the exact mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and
-the forward alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16
-forward):
-"tritium fp8 kernel" (the FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with
-the per-tensor current-scaling quantization of q, k, v that DotProductAttention runs first: an
-amax pass, then the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa
-recipe: the scales from a history, the amaxes recorded in the cast's own pass) and "tritium fp8
-layer, mha" (that, with fp8_mha's E4M3 out and its amax written by the epilogue too); their
-err_vs_cudnn compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs
-(causal half; fwd+bwd = 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn:
-max |ours - cuDNN| / max |cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2
-at most; a wrong config shows here). The two comparisons issue 26 sets targets on (the speed
-mode's fwd+bwd, the FP8 kernel's forward, each against cuDNN's) are also timed in PAIR_ROUNDS
-alternating rounds at the B4 H32 shapes, and those rows carry `paired_speedup`, the median of
-the rounds' own ratios (`harness.paired_speedups`; the GPU's clock drifts between calls: cuDNN's
-causal forward read 0.91-1.05 ms across one process on an H200), which the targets read.
+Cases (issue 26): B4 H32 S4096 D128 bf16, causal and no mask, MHA and GQA-8 (8 kv heads), fwd and
+fwd+bwd. Variants: "sdpa cudnn" (the baseline; GQA through enable_gqa, or where this torch's cuDNN
+path refuses it, on K/V repeated to 32 heads before the timed region: row field kv_repeated),
+"tritium flash nosplit" (the speed mode: P / dS rounded once to bf16 as cuDNN does, out and grads in
+bf16 like SDPA's; on sm90 it runs the Gluon kernels (forward and backward) of
+tritium/kernels/flash_attention_sm90{,_bwd,_bwd_fused}.py, configs "sm90"), "tritium flash split"
+(the exact mode context parallelism runs: head/tail split of P / dS, fp32 out and grads), and the
+forward alone of FP8 attention (recipe fp8_dpa, issue 26's target >= 1.3x cuDNN's bf16 forward):
+"tritium fp8 kernel" (the FP8 flash forward on q/k/v already in E4M3), "tritium fp8 layer" (with the
+per-tensor current-scaling quantization of q, k, v that DotProductAttention runs first: an amax
+pass, then the cast), "tritium fp8 layer, delayed" (the delayed-scaling cast, TE's fp8_dpa recipe:
+the scales from a history, the amaxes recorded in the cast's own pass) and "tritium fp8 layer, mha"
+(that, with fp8_mha's E4M3 out and its amax written by the epilogue too); their err_vs_cudnn
+compares out only (FP8's error: docs/numerics.md). TFLOP/s count useful FLOPs (causal half; fwd+bwd
+= 3.5x fwd). Each tritium row also records its configs and err_vs_cudnn: max |ours - cuDNN| / max
+|cuDNN| over the first block's out and dq (bf16 rounding level, ~1e-2 at most; a wrong config shows
+here). The two comparisons issue 26 sets targets on (the speed mode's fwd+bwd, the FP8 kernel's
+forward, each against cuDNN's) are also timed in PAIR_ROUNDS alternating rounds at the B4 H32
+shapes, and those rows carry `paired_speedup`, the median of the rounds' own ratios
+(`harness.paired_speedups`; the GPU's clock drifts between calls: cuDNN's causal forward read
+0.91-1.05 ms across one process on an H200), which the targets read.
 
 --seq adds B1 H12 D128 causal cases at those lengths and --cp the blocks one rank computes in a
 cp=2 causal p2p ring at S=32768 (a causal [L, L] block and a no-mask [L/2, L] block, L=16384),
@@ -46,6 +45,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
+    python benchmarks/bench_flash_attention.py --kernels        # the sm90 Gluon kernels alone
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
@@ -60,7 +60,7 @@ import sys
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from harness import finish, interleaved_rounds, paired_speedups, settle_gpu, \
+from harness import finish, interleaved_rounds, median_ms, paired_speedups, settle_gpu, \
     time_ms  # noqa: E402
 
 from tritium.kernels import flash_attention as FA  # noqa: E402
@@ -518,6 +518,42 @@ def sweep_fp8():
     torch.cuda.empty_cache()
 
 
+def kernels(rounds: int = 5):
+    """--kernels: the Hopper Gluon kernels one by one at B4 H32 S4096 D128 (MHA, GQA-8; causal,
+    no mask) in `rounds` interleaved rounds (median ms printed, nothing recorded): the forward,
+    the dQ and dK/dV kernels, the two-kernel backward, the fused one (no mask), cuDNN's forward
+    and fwd+bwd."""
+    from tritium.kernels import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as two
+    from tritium.kernels import flash_attention_sm90_bwd_fused as fused
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scale = 1 / math.sqrt(D)
+    for h_kv in (32, 8):
+        q, k, v, do = _tensors(4, 4096, 4096, 32, h_kv, g)
+        if not sm90.applies(q, k, v, q.dtype):
+            print("--kernels: the sm90 Gluon kernels do not apply on this GPU / Triton")
+            return
+        for causal in (True, False):
+            out, lse = sm90.flash_attention_fwd(q, k, v, causal, scale)
+            delta = torch.empty_like(lse)
+            two._dq(q, k, v, out, do, lse, delta, causal, scale)   # delta for _dkdv
+            cudnn_fwd, cudnn_fwd_bwd, _ = _sdpa_steps([(q, k, v, do, causal)])
+            fns = {
+                "fwd": lambda: sm90.flash_attention_fwd(q, k, v, causal, scale),
+                "dq (+delta)": lambda: two._dq(q, k, v, out, do, lse, delta, causal, scale),
+                "dkdv": lambda: two._dkdv(q, k, v, do, lse, delta, causal, scale),
+                "bwd two kernels": lambda: two.flash_attention_bwd(do, q, k, v, out, lse,
+                                                                   causal, scale),
+                "cudnn fwd": cudnn_fwd, "cudnn fwd+bwd": cudnn_fwd_bwd}
+            if fused.AVAILABLE and not causal:
+                fns["bwd fused"] = lambda: fused.flash_attention_bwd(do, q, k, v, out, lse,
+                                                                     causal, scale)
+            ms = median_ms(interleaved_rounds(fns, rounds=rounds))
+            case = f"B4 H32{'' if h_kv == 32 else f' KV{h_kv}'} S4096 D128 " + \
+                ("causal" if causal else "nomask")
+            print(case + ": " + ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), flush=True)
+    torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, nargs="*", default=[],
@@ -534,6 +570,8 @@ def main():
                     help="sweep the configs first (both modes, or the one named)")
     ap.add_argument("--sweep-fp8", action="store_true",
                     help="sweep the FP8 forward's configs first")
+    ap.add_argument("--kernels", action="store_true",
+                    help="time the Hopper Gluon kernels one by one, then stop")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
@@ -542,6 +580,8 @@ def main():
         for key in keys:
             FA.GPU_CFG[kind][key] = cfg
     settle_gpu()
+    if args.kernels:
+        return kernels()
     for split in (False, True):
         if args.sweep in ("both", "split" if split else "nosplit"):
             sweep(split)
