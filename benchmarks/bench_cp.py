@@ -3,8 +3,9 @@
 B1 H12 D128 causal bf16, S = 8192 and 32768. Rows per S: "single GPU" (dot_product_attention
 on the full sequence, auto backend = cuDNN on Hopper; the baseline), and CP=2 fwd+bwd of the
 same S split over 2 GPUs: p2p fast (cuDNN blocks, fp32 merge/accumulation: the default on GPU),
-p2p exact (fp32 blocks on the mem-efficient kernel), p2p fast with 16-bit accumulation, and
-all_gather fast. speedup_vs_single = single ms / CP ms (target >= 1.8 at 32768 for p2p fast).
+p2p exact (fp32-accurate blocks on tritium's flash kernel, split products), p2p fp32 partials
+(the same kernel with P / dS rounded once, fp32 partials), p2p fast with 16-bit accumulation,
+and all_gather fast. speedup_vs_single = single ms / CP ms (target >= 1.8 at 32768 for p2p fast).
 Timing: a fixed number of fwd+bwd iterations on every rank (do_bench picks its own count per
 process, which would desynchronize the ranks' collectives), CUDA events per iteration, median,
 the max over ranks. Each CP row also carries its error vs an fp64 reference, as the ratio to the
@@ -34,9 +35,11 @@ SEQS = (8192, 32768)
 WARMUP, ITERS = 3, 10
 # variant: (cp_comm_type, mode, fp32_accumulation)
 VARIANTS = {"cp2 p2p fast": ("p2p", "fast", True), "cp2 p2p exact": ("p2p", "exact", True),
+            "cp2 p2p fp32 partials": ("p2p", "fp32_partials", True),
             "cp2 p2p fast, bf16 acc": ("p2p", "fast", False),
             "cp2 all_gather fast": ("all_gather", "fast", True)}
 ACC_CONFIGS = {"cp2 p2p fast": "fast, fp32 acc", "cp2 p2p exact": "exact, fp32 acc",
+               "cp2 p2p fp32 partials": "fp32 partials, fp32 acc",
                "cp2 p2p fast, bf16 acc": "fast, 16-bit acc"}
 
 

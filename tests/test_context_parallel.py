@@ -10,9 +10,9 @@ MultiheadAttention (one graph break, compiled == eager).
 
 Tolerances:
   * fp32: TE's fp32 tolerance (only the summation order differs).
-  * bf16/fp16, exact mode: both sides compute in fp32 and round once; the fp32 values differ by
-    summation order only, so the results differ by at most one ulp: rtol 2^-7 (bf16) / 2^-10
-    (fp16), atol 1e-5.
+  * bf16/fp16, exact mode (and fp32_partials, whose blocks on a CPU are exact's): both sides
+    compute in fp32 and round once; the fp32 values differ by summation order only, so the
+    results differ by at most one ulp: rtol 2^-7 (bf16) / 2^-10 (fp16), atol 1e-5.
   * bf16, fast mode: each block's output/gradient is rounded to bf16 before the fp32 merge, up
     to half an ulp of the block's value per block: atol = 2^-8 * max|single| + rtol 1.6e-2.
 The accuracy test answers the seed's question: vs an fp64 reference, bf16 CP with fp32
@@ -49,6 +49,7 @@ CASES = {
     "p2p-bf16-nomask-mha-sbhd-exact": ("p2p", "bf16", False, H, "sbhd", "exact"),
     "p2p-bf16-causal-gqa-sbhd-fast": ("p2p", "bf16", True, HK, "sbhd", "fast"),
     "p2p-fp16-causal-gqa-bshd-exact": ("p2p", "fp16", True, HK, "bshd", "exact"),
+    "p2p-bf16-causal-gqa-sbhd-fp32p": ("p2p", "bf16", True, HK, "sbhd", "fp32_partials"),
     "ag-fp32-causal-gqa-sbhd": ("all_gather", "fp32", True, HK, "sbhd", "auto"),
     "ag-fp32-nomask-mha-bshd": ("all_gather", "fp32", False, H, "bshd", "auto"),
     "ag-bf16-causal-gqa-bshd-exact": ("all_gather", "bf16", True, HK, "bshd", "exact"),
@@ -247,7 +248,7 @@ def _compare(name, got, want):
         assert a.dtype == dtype and a.shape == b.shape, (what, a.dtype, a.shape, b.shape)
         if dtype == torch.float32:
             tol = FP32_TOL
-        elif mode == "exact":
+        elif mode in ("exact", "fp32_partials"):   # fp32_partials on CPU: exact's blocks
             tol = dict(rtol=ULP[dtype], atol=1e-5)
         else:
             tol = dict(rtol=1.6e-2, atol=2.0 ** -8 * float(b.abs().max()))
@@ -417,3 +418,34 @@ def test_grad_sum_rounds_once_like_an_fp32_buffer(terms, randn):
             for r, part in zip(rows, parts):
                 want[:, r] += part
         torch.testing.assert_close(buf, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["exact", "fp32_partials"])
+def test_kernel_blocks_take_the_modes_product_precision(mode, randn, monkeypatch):
+    """On the kernel path a block's forward and backward run the flash kernel with split=True
+    (exact: P / dS as a 16-bit head and tail) or split=False (fp32_partials: rounded once),
+    fp32 partials either way; the modes resolve as asked and a wrong one names them all."""
+    from tritium.attention.cp import merge
+    from tritium.ref import flash_attention as R
+    seen = []
+
+    def fwd(q, k, v, causal, scale, split):
+        seen.append(("fwd", split))
+        return R.flash_attention_fwd(q, k, v, causal, scale, split)
+
+    def bwd(dout, q, k, v, out, lse, causal, scale, split):
+        seen.append(("bwd", split))
+        return R.flash_attention_bwd(dout, q, k, v, out, lse, causal, scale, split)
+    monkeypatch.setattr(merge, "_flash_kernel", lambda: (fwd, bwd))
+    split = mode == "exact"
+    runner = merge.Runner(0.3, 0.0, "auto", merge.Precision(exact=True, kernel=True,
+                                                            split=split))
+    blk = merge.Block(merge.ALL, merge.ALL, True)
+    q, k, v = (randn(1, 8, 4, 16).to(torch.bfloat16) for _ in range(3))
+    out, lse, state = runner.fwd(q, k, v, blk)
+    grads = runner.bwd(randn(1, 8, 4, 16).to(torch.bfloat16), q, k, v, out, lse, blk, state)
+    assert seen == [("fwd", split), ("bwd", split)]
+    assert out.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    assert cp._resolve_mode(mode, q, k, v, None, "auto") == mode
+    with pytest.raises(ValueError, match="fp32_partials"):
+        cp._resolve_mode("fp16", q, k, v, None, "auto")

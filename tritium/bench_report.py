@@ -273,7 +273,8 @@ SPECS = {
         targets=(Target("", "tritium Float8BlockScaling", ">= 1.4x", at_least=1.4),)),
     "cp": Spec(
         "Context-parallel attention, cp=2 (NCCL) vs one GPU",
-        tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
+        tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fp32 partials",
+                 "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
         peers=(),
         targets=(Target(r"S32768", "cp2 p2p fast", ">= 1.8x", at_least=1.8),),
         headlines=((r"S32768", "cp2 p2p fast", "Context-parallel attention, cp=2, S=32768"),)),

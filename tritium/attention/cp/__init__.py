@@ -16,6 +16,10 @@ dv in fp32 and casts once; mode picks what each block returns:
            CUDA fp16/bf16 with head dim 64/128 the blocks run tritium's Triton flash attention
            (16-bit in, fp32 out; `_use_kernel`); otherwise on fp32 copies (the reference on
            CPU, the fp32 mem-efficient kernel on CUDA, or the backend forced to torch/efficient)
+  "fp32_partials"  as exact, but the kernel rounds P and dS once to 16 bits inside a block
+           (cuDNN's and the speed mode's precision; exact splits them into a head and a tail):
+           fp32 partials at the fused kernels' product precision. Where the kernel does not run
+           (CPU, fp32 inputs, other head dims, dropout) it is exact.
   "fast"   blocks on the fused 16-bit backends (cuDNN / flash), one bf16 rounding per block
   "auto"   exact where it costs nothing (the block backend is the fp32 reference anyway, or the
            inputs are fp32), else fast.
@@ -44,7 +48,7 @@ from .layout import chunk_ids, gather_unshard, positions, resolve_group, shard, 
 from .merge import Precision
 
 COMM_TYPES = ("p2p", "all_gather")
-MODES = ("auto", "exact", "fast")
+MODES = ("auto", "exact", "fp32_partials", "fast")
 _WHERE = "context parallel attention"
 
 
@@ -76,15 +80,16 @@ def _check_mask(mask_type: str, window_size, attention_mask):
     return M.is_causal(mt)
 
 
-def _resolve_mode(mode: str, q, k, v, args, backend: str) -> bool:
-    """-> exact? ("auto": exact where the block backend computes in fp32 anyway)."""
+def _resolve_mode(mode: str, q, k, v, args, backend: str) -> str:
+    """-> "exact", "fp32_partials" or "fast" ("auto": exact where the block backend computes
+    in fp32 anyway, else fast)."""
     if mode not in MODES:
         raise ValueError(f"{_WHERE}: mode={mode!r} must be one of {MODES}")
     if mode != "auto":
-        return mode == "exact"
+        return mode
     if q.dtype in (torch.float32, torch.float64):
-        return True
-    return B.choose_cached(q, k, v, args, backend).name == "torch"
+        return "exact"
+    return "exact" if B.choose_cached(q, k, v, args, backend).name == "torch" else "fast"
 
 
 def _use_kernel(q, k, v, dropout: float, backend: str) -> bool:
@@ -136,12 +141,14 @@ def context_parallel_attention(query_layer, key_layer, value_layer, cp_group,
                                      attn_mask_type="causal" if causal else "no_mask",
                                      softmax_scale=softmax_scale, dropout_p=dropout_p,
                                      backend=name)
-    exact = _resolve_mode(mode, q, k, v, args, name)
+    mode = _resolve_mode(mode, q, k, v, args, name)
+    exact = mode != "fast"
     cfg = CPConfig(group=cp_group, ranks=tuple(ranks), rank=rank, size=size, causal=causal,
                    scale=args.scale, dropout=args.dropout, backend=name,
                    precision=Precision(exact=exact, fp32_accumulation=bool(fp32_accumulation),
                                        kernel=exact and _use_kernel(q, k, v, args.dropout,
-                                                                    name)))
+                                                                    name),
+                                       split=mode != "fp32_partials"))
     if cp_comm_type == "p2p":
         from .p2p import RingAttention as Fn
     else:

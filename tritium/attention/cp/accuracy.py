@@ -28,6 +28,7 @@ NAMES = ("out", "dq", "dk", "dv")
 FP32_RTOL, FP32_ATOL = 1.3e-6, 1e-5
 # (label, cp_comm_type, mode, fp32_accumulation)
 CONFIGS = (("exact, fp32 acc", "p2p", "exact", True),
+           ("fp32 partials, fp32 acc", "p2p", "fp32_partials", True),
            ("fast, fp32 acc", "p2p", "fast", True),
            ("fast, 16-bit acc", "p2p", "fast", False),
            ("exact, 16-bit acc", "p2p", "exact", False),

@@ -18,8 +18,10 @@ Precision knobs (`Precision`):
     On CUDA with fp16/bf16 inputs, head dim 64 or 128 (d_v == d_qk) and no dropout
     (`Precision.kernel`), the blocks run tritium's Triton flash attention
     (tritium/kernels/flash_attention.py), which reads the 16-bit q/k/v directly and returns
-    fp32 partials. Otherwise the blocks run on fp32 copies of q, k, v: the reference on CPU,
-    the fp32 path of the mem-efficient kernel on CUDA (slow: 7-12x single-GPU cuDNN).
+    fp32 partials; `Precision.split` picks its products: P / dS as a 16-bit head and tail
+    (split, fp32-accurate: mode "exact") or rounded once to 16 bits (cuDNN's product precision:
+    mode "fp32_partials"). Otherwise the blocks run on fp32 copies of q, k, v: the reference on
+    CPU, the fp32 path of the mem-efficient kernel on CUDA (slow: 7-12x single-GPU cuDNN).
     Not exact ("fast"): blocks run in the input dtype on the fused backends; their bf16
     partials add one rounding per block.
 The merged lse is always fp32. Rows without a visible key cannot occur with the causal /
@@ -51,6 +53,7 @@ class Precision:
     exact: bool = True
     fp32_accumulation: bool = True
     kernel: bool = False    # exact blocks on the Triton flash kernel (16-bit in, fp32 out)
+    split: bool = True      # the kernel's P / dS products: head + tail (False: rounded once)
 
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return torch.float32 if self.fp32_accumulation and dtype != torch.float64 else dtype
@@ -94,7 +97,7 @@ class Runner:
         """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV."""
         qs, ks, vs = q[:, blk.q], k[:, blk.kv], v[:, blk.kv]
         if self.p.kernel:
-            out, lse = _flash_kernel()[0](qs, ks, vs, blk.causal, self.scale)
+            out, lse = _flash_kernel()[0](qs, ks, vs, blk.causal, self.scale, self.p.split)
             return out, lse, (_FLASH, None, None)
         args = self._args(qs, ks, vs, blk.causal)
         backend = self.fp32_backend if qs.dtype == torch.float32 else self.backend
@@ -109,7 +112,8 @@ class Runner:
         rows = blk.q
         if be == _FLASH:
             return _flash_kernel()[1](dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
-                                      out[:, rows], lse[:, :, rows], blk.causal, self.scale)
+                                      out[:, rows], lse[:, :, rows], blk.causal, self.scale,
+                                      self.p.split)
         return attention_backward(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
                                   out[:, rows], lse[:, :, rows], (be, aux), args)
 
