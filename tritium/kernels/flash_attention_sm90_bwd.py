@@ -203,12 +203,34 @@ if gluon is not None:
                        i_start, n_qblocks, qk_scale, scale, 1, True)
 
     @gluon.jit
+    def _q_ring(q_desc, do_desc, k_desc, v_desc, BM: gl.constexpr, BN: gl.constexpr,
+                D: gl.constexpr, NSTAGE: gl.constexpr):
+        """A key block's shared memory: the Q / dO ring, K / V of the block and their
+        mbarriers (each ring slot released by both consumers), the consumers' turns,
+        initialized."""
+        dtype: gl.constexpr = q_desc.dtype
+        q_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], do_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [1, BN, D], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [1, BN, D], v_desc.layout)
+        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        q_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_bar, count=1)
+        mbarrier.init(turn.index(0), count=1)
+        mbarrier.init(turn.index(1), count=1)
+        for s in gl.static_range(NSTAGE):
+            mbarrier.init(q_ready.index(s), count=1)
+            mbarrier.init(q_empty.index(s), count=2)
+        return q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn
+
+    @gluon.jit
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
                      S_Q, S_KV, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                      NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
-        dtype: gl.constexpr = q_desc.dtype
         if CAUSAL:   # the longest key blocks (the first) first, `_grouped`
             pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
         else:
@@ -223,20 +245,8 @@ if gluon is not None:
             i_start = 0
         n_qblocks = gl.cdiv(S_Q, BM)
 
-        q_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [1, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [1, BN, D], v_desc.layout)
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        q_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], mbarrier.MBarrierLayout())
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        mbarrier.init(kv_bar, count=1)
-        mbarrier.init(turn.index(0), count=1)
-        mbarrier.init(turn.index(1), count=1)
-        for s in gl.static_range(NSTAGE):
-            mbarrier.init(q_ready.index(s), count=1)
-            mbarrier.init(q_empty.index(s), count=2)   # released by both consumers
+        q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn = _q_ring(
+            q_desc, do_desc, k_desc, v_desc, BM, BN, D, NSTAGE)
 
         kv_col = off_hk * D
         lse_base0 = (off_b * H_KV * G + off_hk * G) * S_Q

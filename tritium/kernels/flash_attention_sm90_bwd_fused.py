@@ -45,7 +45,7 @@ if AVAILABLE:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
 
-    from .flash_attention_sm90_bwd import _dkdv_loader, _store_dkdv
+    from .flash_attention_sm90_bwd import _dkdv_loader, _q_ring, _store_dkdv
 
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -211,32 +211,21 @@ if AVAILABLE:
         n0 = pid_n * BN
         n_qblocks = gl.cdiv(S_Q, BM)
 
-        q_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BM, D], do_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [1, BN, D], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [1, BN, D], v_desc.layout)
+        q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn = _q_ring(
+            q_desc, do_desc, k_desc, v_desc, BM, BN, D, NSTAGE)
         p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN // 2], dtype)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BM, BN], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [2, BM, BN // 2], p_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [2, BM, BN], ds_layout)
         dq_smem = gl.allocate_shared_memory(gl.float32, [2, 1, BM, D // 2], dq_desc.layout)
         bar: gl.constexpr = mbarrier.MBarrierLayout()
-        kv_bar = gl.allocate_shared_memory(gl.int64, [1], bar)
         kv_free = gl.allocate_shared_memory(gl.int64, [1], bar)
-        q_ready = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], bar)
-        q_empty = gl.allocate_shared_memory(gl.int64, [NSTAGE, 1], bar)
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
         ds_full = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
         ds_free = gl.allocate_shared_memory(gl.int64, [2, 1], bar)
-        mbarrier.init(kv_bar, count=1)
         mbarrier.init(kv_free, count=2)
         for i in gl.static_range(2):
-            mbarrier.init(turn.index(i), count=1)
             mbarrier.init(ds_full.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
-        for i in gl.static_range(NSTAGE):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_empty.index(i), count=2)   # released by both consumers
 
         kv_col = off_hk * D
         q_col0 = off_hk * G * D
