@@ -9,12 +9,13 @@ and all_gather fast. speedup_vs_single = single ms / CP ms (target >= 1.8 at 327
 Timing: a fixed number of fwd+bwd iterations on every rank (do_bench picks its own count per
 process, which would desynchronize the ranks' collectives), CUDA events per iteration, median,
 the max over ranks. Each CP row also carries its error vs an fp64 reference, as the ratio to the
-single-GPU error (max abs, worst of out/dq/dk/dv) and the fraction of elements that differ
-from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy), measured at S=8192.
+single-GPU error (max abs, and root mean square: worst of out/dq/dk/dv) and the fraction of
+elements that differ from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy), measured at S=8192.
 
     python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
-    python benchmarks/bench_cp.py --profile  # p2p fast at the largest S only, then rank 0's
-                                             # kernels from torch.profiler (where time goes)
+    python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials at the largest S
+                                             # only, then rank 0's kernels from torch.profiler
+                                             # (where time goes)
 Needs 2 GPUs; otherwise it says so and exits with status 0 (nothing timed, nothing failed).
 """
 from __future__ import annotations
@@ -118,7 +119,8 @@ def _worker(rank, port, queue, profile_only=False):
     from tritium.attention.cp import accuracy
     group, dev = dist.group.WORLD, torch.device("cuda", rank)
     rows = []
-    seqs, variants = (SEQS[-1:], ["cp2 p2p fast"]) if profile_only else (SEQS, list(VARIANTS))
+    seqs, variants = ((SEQS[-1:], ["cp2 p2p fast", "cp2 p2p fp32 partials"]) if profile_only
+                      else (SEQS, list(VARIANTS)))
     try:
         for s in seqs:
             q, k, v, dout = accuracy.make_inputs(B, s, H, H, D, torch.bfloat16, dev, seed=s)
@@ -159,6 +161,8 @@ def _worker(rank, port, queue, profile_only=False):
                 if label:
                     e = by[label]
                     r["err_ratio_vs_single"] = round(max(e[n]["ratio"] for n in accuracy.NAMES), 3)
+                    r["err_rms_ratio_vs_single"] = round(
+                        max(e[n]["rms_ratio"] for n in accuracy.NAMES), 4)
                     r["frac_off_single"] = round(max(e[n]["vs_single"] for n in accuracy.NAMES), 4)
             queue.put((rows, acc_rows))
         dist.barrier()

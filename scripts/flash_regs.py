@@ -18,12 +18,14 @@ every wait drains the tensor cores, so inside one program a block's softmax neve
 product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
 entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
 `sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90{,_bwd,_bwd_fused}.py (bf16,
-D=128, GQA-4 descriptors, causal and no mask) at their module constants: registers at launch (the
-partitions then move theirs with setmaxnreg), bytes spilled, shared memory.
+D=128, GQA-4 descriptors, causal and no mask, 16-bit and fp32 outputs) at their module
+constants: registers at launch (the partitions then move theirs with setmaxnreg), bytes
+spilled, shared memory.
 """
 from __future__ import annotations
 
 import inspect
+import itertools
 import os
 import re
 import subprocess
@@ -153,44 +155,50 @@ def main_sm90():
     from tritium.kernels import flash_attention_sm90_bwd_fused as fused
     q = torch.empty(2, 1024, 8, B.D, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, B.D, dtype=torch.bfloat16)
-    descs = sm90._descriptors(q, k, k, q)
-    bwd_descs = sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
-    bwd = dict(lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", scale="fp32")
-    # name: (kernel, its descriptors by parameter, its other runtime types, BM, stages)
+    q_d, k_d, v_d = (mangle_type(d) for d in sm90._descriptors(q, k, k))
+    do_d = mangle_type(sm90._desc(q, sm90.BLOCK_M))
+    bq_d, bk_d, bv_d, bdo_d = (mangle_type(d) for d in sm90_bwd._bwd_descriptors(q, k, k, q))
+    bwd = dict(lse_ptr="*fp32", delta_ptr="*fp32", qk_scale="fp32", scale="fp32", S_Q="i32",
+               S_KV="i32", G="i32", kv_ss="i32")
+
+    def outputs(fp32, x, box, *names):   # the destinations: TMA descriptors or fp32 pointers
+        return {n: "*fp32" if fp32 else mangle_type(sm90.output(x, box)) for n in names}
+    # name: (kernel, its runtime types given fp32 outputs or not, BM, stages)
     kernels = {
-        "fwd": (sm90._fwd_kernel, dict(zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)),
-                dict(lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32", qk_scale="fp32"),
-                sm90.BLOCK_M, sm90.STAGES),
-        "dkdv": (sm90_bwd._dkdv_kernel,
-                 dict(zip(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"),
-                          bwd_descs)),
-                 dict(bwd, S_Q="i32", S_KV="i32", H_KV="i32", G="i32"),
-                 sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES),
-        "dq": (sm90_bwd._dq_kernel,
-               dict(zip(("q_desc", "do_desc", "k_desc", "v_desc", "dq_desc"),
-                        (descs[0], descs[0], descs[1], descs[2], descs[3]))),
-               dict(bwd, o_ptr="*bf16", o_sb="i32", o_ss="i32", o_sh="i32", S_Q="i32",
-                    S_KV="i32", H="i32", G="i32"),
-               sm90.BLOCK_M, sm90.STAGES)}
+        "fwd": (sm90._fwd_kernel, lambda f: dict(
+            q_desc=q_d, k_desc=k_d, v_desc=v_d, **outputs(f, q, sm90.BLOCK_M // 2, "o_dst"),
+            o_ss="i32", lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32",
+            qk_scale="fp32"), sm90.BLOCK_M, sm90.STAGES),
+        "dkdv": (sm90_bwd._dkdv_kernel, lambda f: dict(
+            bwd, q_desc=bq_d, k_desc=bk_d, v_desc=bv_d, do_desc=bdo_d, H_KV="i32",
+            **outputs(f, k, sm90.BLOCK_N // 2, "dk_dst", "dv_dst")),
+            sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES),
+        "dq": (sm90_bwd._dq_kernel, lambda f: dict(
+            bwd, q_desc=q_d, do_desc=do_d, k_desc=k_d, v_desc=v_d, o_ptr="*bf16", o_sb="i32",
+            o_ss="i32", o_sh="i32", H="i32", dq_ss="i32",
+            **outputs(f, q, sm90.BLOCK_M // 2, "dq_dst")), sm90.BLOCK_M, sm90.STAGES)}
     dq32 = torch.empty(q.shape, dtype=torch.float32)
-    kernels["fused"] = (fused._bwd_kernel, dict(
-        zip(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc", "dq_desc"),
-            (*bwd_descs, fused._dq_desc(dq32)))),
-        dict(bwd, S_Q="i32", H_KV="i32", G="i32"), sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES)
-    for name, (fn, ds, types, bm, stages) in kernels.items():
-        signature = {**{n: mangle_type(d) for n, d in ds.items()}, **types}
-        for causal in (True, False) if name != "fused" else (False,):
+    kernels["fused"] = (fused._bwd_kernel, lambda f: dict(
+        bwd, q_desc=bq_d, k_desc=bk_d, v_desc=bv_d, do_desc=bdo_d, H_KV="i32",
+        dq_desc=mangle_type(fused._dq_desc(dq32)),
+        **outputs(f, k, sm90.BLOCK_N // 2, "dk_dst", "dv_dst")),
+        sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES)
+    for name, (fn, types, bm, stages) in kernels.items():
+        for fp32, causal in itertools.product((False, True), (True, False)):
+            if name == "fused" and causal:   # no mask only
+                continue
             constexprs = dict(BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
                               CONSUMER_REGS=sm90.CONSUMER_REGS, LOADER_REGS=sm90.LOADER_REGS)
-            if name != "fused":   # no mask only
+            if name != "fused":
                 constexprs["CAUSAL"] = causal
-            sig = {**signature, **{n: "constexpr" for n in constexprs}}
+            sig = {p.name: "constexpr" if p.name in constexprs else types(fp32)[p.name]
+                   for p in fn.params}
             kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constexprs),
                                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
             regs, spill = _ptxas(kernel.asm["ptx"])
-            print(f"sm90 {name} {'causal' if causal else 'nomask'}: {regs} registers at "
-                  f"launch, {spill} bytes spilled, {kernel.metadata.shared} bytes of shared "
-                  "memory")
+            print(f"sm90 {name} {'causal' if causal else 'nomask'}, "
+                  f"{'fp32' if fp32 else '16-bit'} out: {regs} registers at launch, {spill} "
+                  f"bytes spilled, {kernel.metadata.shared} bytes of shared memory", flush=True)
 
 
 def main():

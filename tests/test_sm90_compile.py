@@ -304,59 +304,60 @@ KERNELS[("flash_attention_tiles", "_delta_kernel")] = (
 _FA256 = _fa.GPU_CFG["fwd"][(256, False)]  # head dim 256: the forward alone
 
 
-def _sm90_types() -> dict:
-    """The Gluon forward's descriptor types (their layouts are part of the type) as its
-    launcher makes them: bf16 [b * s, h * d] views, GQA-4, on CPU tensors (nothing launched)."""
+def _sm90_types(fp32_out: bool = False) -> dict:
+    """The Gluon kernels' descriptor types (their layouts are part of the type) as their
+    launchers make them: bf16 [b * s, h * d] views, GQA-4, on CPU tensors (nothing launched);
+    the destinations (`_dst`) TMA descriptors, or fp32 pointers (fp32_out)."""
     import torch
     from triton.runtime.jit import mangle_type
+    sm90, bwd = _fa.sm90, _fa.sm90_bwd
     q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
-    descs = _fa.sm90._descriptors(q, k, k, q)
-    return {n: mangle_type(d) for n, d in zip(("q_desc", "k_desc", "v_desc", "o_desc"), descs)}
+    q_d, k_d, v_d = (mangle_type(d) for d in sm90._descriptors(q, k, k))
+    b_d = (mangle_type(d) for d in bwd._bwd_descriptors(q, k, k, q))
+    rows, keys = (F32P,) * 2 if fp32_out else (
+        mangle_type(sm90.output(x, box)) for x, box in ((q, sm90.BLOCK_M // 2),
+                                                       (k, sm90.BLOCK_N // 2)))
+    return dict(q_desc=q_d, k_desc=k_d, v_desc=v_d, do_desc=mangle_type(sm90._desc(q, 128)),
+                o_dst=rows, dq_dst=rows, dk_dst=keys, dv_dst=keys, o_ptr=BF16P,
+                qk_scale="fp32", scale="fp32",
+                bwd=dict(zip(("q_desc", "k_desc", "v_desc", "do_desc"), b_d)))
 
 
-def _sm90_bwd_types() -> dict:
-    """The Gluon dK / dV kernel's descriptor types, as `_sm90_types`."""
-    import torch
-    from triton.runtime.jit import mangle_type
-    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
-    k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
-    descs = _fa.sm90_bwd._bwd_descriptors(q, k, k, q, k, k)
-    names = ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")
-    return {n: mangle_type(d) for n, d in zip(names, descs)}
-
-
-if _fa.sm90.gluon is not None:
-    KERNELS[("flash_attention_sm90", "_fwd_kernel")] = (
-        {**_sm90_types(), "qk_scale": "fp32"},
-        dict(CAUSAL=True, BM=_fa.sm90.BLOCK_M, BN=_fa.sm90.BLOCK_N, D=128,
-             NSTAGE=_fa.sm90.STAGES, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
-             LOADER_REGS=_fa.sm90.LOADER_REGS),
-        dict(num_warps=4))
-    _SM90_BWD = dict(CAUSAL=True, BN=_fa.sm90.BLOCK_N, D=128,
-                     CONSUMER_REGS=_fa.sm90.CONSUMER_REGS, LOADER_REGS=_fa.sm90.LOADER_REGS)
-    _q = _sm90_types()
-    KERNELS[("flash_attention_sm90_bwd", "_dq_kernel")] = (
-        {"q_desc": _q["q_desc"], "do_desc": _q["q_desc"], "k_desc": _q["k_desc"],
-         "v_desc": _q["v_desc"], "dq_desc": _q["o_desc"], "o_ptr": "*bf16",
-         "qk_scale": "fp32", "scale": "fp32"},
-        dict(_SM90_BWD, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
-    KERNELS[("flash_attention_sm90_bwd", "_dkdv_kernel")] = (
-        {**_sm90_bwd_types(), "qk_scale": "fp32", "scale": "fp32"},
-        dict(_SM90_BWD, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
-        dict(num_warps=4))
-if _fa.sm90_bwd_fused.AVAILABLE:
-    def _sm90_fused_types() -> dict:
-        """The fused backward's: the dK / dV kernel's descriptors and the fp32 dQ's."""
+def _sm90_kernel_types(name: str, fp32_out: bool = False) -> dict:
+    """`_sm90_types` for kernel `name` of the Gluon modules (the key-block kernels read the
+    backward's descriptors)."""
+    t = _sm90_types(fp32_out)
+    bwd = t.pop("bwd")
+    if name in ("_dkdv_kernel", "_bwd_kernel"):
+        t.update(bwd)
+    if name == "_bwd_kernel":
         import torch
         from triton.runtime.jit import mangle_type
         dq = torch.empty(2, 1024, 8, 128, dtype=torch.float32)
-        return {**_sm90_bwd_types(), "dq_desc": mangle_type(_fa.sm90_bwd_fused._dq_desc(dq))}
+        t["dq_desc"] = mangle_type(_fa.sm90_bwd_fused._dq_desc(dq))
+    fn = getattr({"_fwd_kernel": _fa.sm90, "_bwd_kernel": _fa.sm90_bwd_fused}.get(
+        name, _fa.sm90_bwd), name)
+    return {n: t[n] for n in fn.arg_names if n in t}
+
+
+if _fa.sm90.gluon is not None:
+    _SM90 = dict(BN=_fa.sm90.BLOCK_N, D=128, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
+                 LOADER_REGS=_fa.sm90.LOADER_REGS)
+    KERNELS[("flash_attention_sm90", "_fwd_kernel")] = (
+        _sm90_kernel_types("_fwd_kernel"),
+        dict(_SM90, CAUSAL=True, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
+    KERNELS[("flash_attention_sm90_bwd", "_dq_kernel")] = (
+        _sm90_kernel_types("_dq_kernel"),
+        dict(_SM90, CAUSAL=True, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
+    KERNELS[("flash_attention_sm90_bwd", "_dkdv_kernel")] = (
+        _sm90_kernel_types("_dkdv_kernel"),
+        dict(_SM90, CAUSAL=True, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+        dict(num_warps=4))
+if _fa.sm90_bwd_fused.AVAILABLE:
     KERNELS[("flash_attention_sm90_bwd_fused", "_bwd_kernel")] = (
-        {**_sm90_fused_types(), "qk_scale": "fp32", "scale": "fp32"},
-        dict(BN=_fa.sm90.BLOCK_N, D=128, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
-             LOADER_REGS=_fa.sm90.LOADER_REGS, BM=_fa.sm90_bwd.BWD_BLOCK_M,
-             NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+        _sm90_kernel_types("_bwd_kernel"),
+        dict(_SM90, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
         dict(num_warps=4))
 
 
@@ -428,9 +429,13 @@ VARIANTS = {
         for dt, split in (("fp32", True), ("bf16", False))],
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
-    ("flash_attention_sm90", "_fwd_kernel"): [dict(CAUSAL=False)],
-    ("flash_attention_sm90_bwd", "_dkdv_kernel"): [dict(CAUSAL=False)],
-    ("flash_attention_sm90_bwd", "_dq_kernel"): [dict(CAUSAL=False)],
+    # the Gluon kernels: no mask, and fp32 outputs (CP's fp32 partials) stored from registers
+    **{("flash_attention_sm90" + mod, name): [
+        dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(name, True)),
+        dict(_types=_sm90_kernel_types(name, True))]
+       for mod, name in (("", "_fwd_kernel"), ("_bwd", "_dkdv_kernel"), ("_bwd", "_dq_kernel"))},
+    ("flash_attention_sm90_bwd_fused", "_bwd_kernel"): [
+        dict(_types=_sm90_kernel_types("_bwd_kernel", True))],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

@@ -2,7 +2,8 @@
 (`tritium.ref.flash_attention`, fp32 math on the same 16-bit values) and against fp64 next to
 cuDNN: out within 2x cuDNN's max error, lse within fp32 reduction tolerance; the speed-mode
 dispatch takes it where `applies()` holds, and the Triton backward on its (out, lse) gives
-grads as close to fp64 as cuDNN's. Skipped without an sm90 GPU.
+grads as close to fp64 as cuDNN's; fp32 outputs (CP's partials) are the 16-bit ones unrounded.
+Skipped without an sm90 GPU.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def test_not_applied_outside_its_contract():
     from tritium.kernels import flash_attention_sm90 as sm90
     q, k, v, _ = _inputs(1, 256, 256, 4, 2, torch.bfloat16, 0)
     assert sm90.applies(q[:, :200], k[:, :200], v[:, :200], q.dtype)     # any lengths
-    assert not sm90.applies(q, k, v, torch.float32)                      # fp32 out (split)
+    assert sm90.applies(q, k, v, torch.float32)                          # fp32 out (CP)
+    assert not sm90.applies(q, k, v, torch.float16)                      # another 16-bit out
     assert not sm90.applies(q[..., :64], k[..., :64], v[..., :64], q.dtype)   # d = 64
     wide = torch.zeros(1, 256, 4, 2 * D, device="cuda", dtype=q.dtype)
     assert not sm90.applies(wide[..., ::2], k, v, q.dtype)               # d not unit-stride
@@ -126,7 +128,7 @@ def test_dkdv_equals_twin(name, _seed):
     want = twin.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)   # fp32
     got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
                                  grad_dtype=dtype)
-    assert sm90_bwd.applies_bwd(q, k, v, out, do, lse)
+    assert sm90_bwd.applies_bwd(q, k, v, out, do, lse, dtype)
     for tname, x, r in zip(("dq", "dk", "dv"), got, want):
         assert x.dtype == dtype and x.shape == r.shape, tname
         rel = (x.float() - r).abs() / r.abs().max()
@@ -180,3 +182,36 @@ def test_fused_backward_equals_two_kernel_backward(_seed):
         torch.use_deterministic_algorithms(False)
     with pytest.raises(ValueError, match="causal=False"):
         fused.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+
+
+@pytest.mark.parametrize("name", ["ragged-causal-gqa", "ragged-cross-nomask", "mha-nomask",
+                                  "q-shorter-causal"])
+def test_fp32_outputs_are_the_16_bit_ones_unrounded(name, _seed):
+    """out_dtype / grad_dtype fp32 (what CP's fp32_partials blocks ask for; stored from
+    registers, not through shared memory and TMA): the same kernels' values before their
+    rounding, so rounded they equal the 16-bit outputs bit for bit (lse equal), but the fused
+    backward's dQ (no mask: its fp32 adds run in a varying order) within a 16-bit ulp."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.kernels import flash_attention_sm90_bwd as sm90_bwd
+    b, s_q, s_kv, h, h_kv, causal, dtype = CASES[name]
+    q, k, v, do = _inputs(b, s_q, s_kv, h, h_kv, dtype, _seed)
+    scale = 1 / math.sqrt(D)
+    out16, lse16 = FA.flash_attention_fwd(q, k, v, causal, scale, split=False, out_dtype=dtype)
+    out32, lse32 = FA.flash_attention_fwd(q, k, v, causal, scale, split=False,
+                                          out_dtype=torch.float32)
+    assert out32.dtype == torch.float32 and out32.shape == q.shape
+    assert torch.equal(out32.to(dtype), out16) and torch.equal(lse32, lse16)
+    assert not torch.equal(out32, out16.float())       # not rounded
+    assert sm90_bwd.applies_bwd(q, k, v, out32, do, lse32, torch.float32)
+    g16 = FA.flash_attention_bwd(do, q, k, v, out32, lse32, causal, scale, split=False,
+                                 grad_dtype=dtype)
+    g32 = FA.flash_attention_bwd(do, q, k, v, out32, lse32, causal, scale, split=False,
+                                 grad_dtype=torch.float32)
+    for tname, x32, x16 in zip(("dq", "dk", "dv"), g32, g16):
+        assert x32.dtype == torch.float32 and x32.shape == x16.shape, tname
+        if tname == "dq" and not causal:
+            err = (x32.to(dtype).float() - x16.float()).abs() / x16.float().abs().max()
+            assert err.max().item() <= 2 ** -7, tname
+        else:
+            assert torch.equal(x32.to(dtype), x16), tname
+        assert not torch.equal(x32, x16.float()), tname

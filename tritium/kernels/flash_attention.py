@@ -26,7 +26,8 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
 
 On Hopper the speed mode runs `flash_attention_sm90` / `_sm90_bwd` (Gluon, warp-specialized:
 forward, dK/dV, dQ; without a mask `_sm90_bwd_fused`, one backward kernel) where their
-`applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band).
+`applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band; 16-bit or fp32
+outputs: the latter what CP's fp32_partials blocks take).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -241,7 +242,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     b, t_q, h, d = q.shape
     t_kv, h_kv = k.shape[1], k.shape[2]
     if not split and band is None and varlen is None and sm90.applies(q, k, v, out_dtype):
-        return sm90.flash_attention_fwd(q, k, v, causal, scale)  # Hopper: the Gluon kernel
+        return sm90.flash_attention_fwd(q, k, v, causal, scale, out_dtype)  # Hopper: Gluon
     window, causal, band_lo, band_hi = _band(band, causal, lay.s_q, lay.s_kv)
     out = torch.empty(b, t_q, h, d, dtype=out_dtype, device=q.device)
     lse = torch.empty(b, h, t_q, dtype=torch.float32, device=q.device)
@@ -412,12 +413,13 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, t_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
                          f"{'[h, t_q]' if varlen else '[b, h, s_q]'}")
-    if (not split and band is None and varlen is None and grad_dtype == q.dtype
-            and sm90_bwd.applies_bwd(q, k, v, out, dout, lse)):   # Hopper: the Gluon kernels
-        fused = (sm90_bwd_fused.AVAILABLE and not causal    # no mask: one kernel, its dq
-                 and not torch.are_deterministic_algorithms_enabled())   # summed by atomics
-        return (sm90_bwd_fused if fused else sm90_bwd).flash_attention_bwd(
-            dout, q, k, v, out, lse, causal, scale)
+    if not split and band is None and varlen is None:
+        lse = lse.contiguous()      # e.g. a CP block's rows of the merged lse: a small copy
+        if sm90_bwd.applies_bwd(q, k, v, out, dout, lse, grad_dtype):   # Hopper: Gluon
+            fused = (sm90_bwd_fused.AVAILABLE and not causal    # no mask: one kernel, its dq
+                     and not torch.are_deterministic_algorithms_enabled())   # summed by atomics
+            return (sm90_bwd_fused if fused else sm90_bwd).flash_attention_bwd(
+                dout, q, k, v, out, lse, causal, scale, grad_dtype)
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)

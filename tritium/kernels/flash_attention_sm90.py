@@ -13,14 +13,17 @@ FlashAttention-3's, written here from its description:
     P V, both async wgmma) only in its turn (two mbarriers passed back and forth), then runs
     the next softmax while the other warpgroup's products run on the tensor cores;
   * softmax in fp32 with exp2 (the scale folded into one FMA), P rounded once to the input
-    dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once.
+    dtype for P V (what the Triton kernel's speed mode and cuDNN do), out rounded once (or
+    not: fp32 out).
 The backward's kernels (same partitions and ring): `flash_attention_sm90_bwd`.
 Contract (a subset of `flash_attention.flash_attention_fwd` / `_bwd`'s, same outputs):
 q [b, s_q, h, d], k / v [b, s_kv, h_kv, d] (and dO like q) that TMA reads as [b, s, h * d]
 (`tma_view`: contiguous bshd, sbhd memory, q / k / v split from a fused projection; any
 lengths), fp16 / bf16, d = 128, no mask or top-left causal; -> out [b, s_q, h, d] in the input
-dtype, lse fp32 [b, h, s_q] (natural log); grads in the input dtype. `applies()` (and the
-backward's `applies_bwd()`) say when; the Triton kernels run everything else.
+dtype or fp32 (the partials CP merges: never rounded to 16 bits; stored from registers, 16-bit
+outputs through shared memory by TMA), lse fp32 [b, h, s_q] (natural log); grads likewise in
+the input dtype or fp32. `applies()` (and the backward's `applies_bwd()`) say when; the
+Triton kernels run everything else.
 Twin: `tritium.ref.flash_attention` (the GPU tier compares them). Gluon does not run under
 TRITON_INTERPRET: these kernels have no interpreter tier.
 Measured on an H200 (B4 H32 S4096 D128, alternating rounds against cuDNN): forward 1.05-1.06x,
@@ -57,7 +60,8 @@ def applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> boo
     """Can these kernels run the speed mode of these bshd tensors?"""
     return (ENABLED and gluon is not None and q.is_cuda and q.dim() == 4
             and _is_sm90(q.device.index)
-            and q.dtype in (torch.bfloat16, torch.float16) and out_dtype == q.dtype
+            and q.dtype in (torch.bfloat16, torch.float16)
+            and out_dtype in (q.dtype, torch.float32)
             and k.dtype == q.dtype and v.dtype == q.dtype
             and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
             and q.numel() > 0 and k.numel() > 0
@@ -134,6 +138,27 @@ if gluon is not None:
         return r // size, first + r % size
 
     @gluon.jit
+    def _store_half(x, buf, dst, off_b, r0, col, S, ss, HALF: gl.constexpr):
+        """Half HALF of a tile's rows (x: fp32 registers; the tile's rows start at r0) into
+        dst at column col, the rows below S. A 16-bit dst is a TMA descriptor of a
+        [b, s, h * d] view: x is rounded into its half of buf ([1, rows, d] shared memory no
+        longer read) and stored by TMA (the caller waits). An fp32 dst is a pointer to a
+        contiguous [b, S, h, d] tensor (row stride ss): stored from registers, unrounded."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        r0 = r0 + HALF * R
+        if dst.dtype.is_ptr():
+            layout: gl.constexpr = x.type.layout
+            rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+            at = (off_b * S + rows).to(gl.int64) * ss + col
+            gl.store(dst + at[:, None] + cols[None, :], x, mask=(rows < S)[:, None])
+        else:
+            buf.reshape([2 * R, C]).slice(HALF * R, R).store(x.to(dst.dtype))
+            fence_async_shared()
+            tma.async_copy_shared_to_global(dst, [off_b, r0, col], buf.slice(HALF * R, R, dim=1))
+
+    @gluon.jit
     def _tile(S_Q, S_K, H, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
         """This program's (batch * heads + head, batch, head, first row, key blocks to visit) of
         a row-tiled kernel; causal (a 1D grid, `_grouped`): the longest rows first."""
@@ -181,7 +206,7 @@ if gluon is not None:
                    kv_col, n_blocks)
 
     @gluon.jit
-    def _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+    def _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
                   HALF: gl.constexpr, CAUSAL: gl.constexpr):
         """One warpgroup's 64 query rows (HALF 0 / 1 of the tile): scores, softmax, P V,
@@ -261,45 +286,42 @@ if gluon is not None:
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
         gl.store(lse_ptr + lse_off + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453,
                  mask=rows < S_Q)
-        q_half.store(out.to(dtype))      # this half's Q tile is no longer read
-        fence_async_shared()             # TMA stores the rows below S_Q (a 3D view: per batch)
-        tma.async_copy_shared_to_global(o_desc, [off_b, m0 + HALF * HM, q_col],
-                                        q_smem.slice(HALF * HM, HM, dim=1))
+        _store_half(out, q_smem, o_dst, off_b, m0, q_col, S_Q, o_ss, HALF)  # Q no longer read
         tma.store_wait(pendings=0)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
     @gluon.jit
-    def _rows_0(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+    def _rows_0(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                 v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
-        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
                   False)
 
     @gluon.jit
-    def _rows_1(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+    def _rows_1(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                 v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
-        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
                   False)
 
     @gluon.jit
-    def _rows_0_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+    def _rows_0_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
                        qk_scale):
-        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
                   True)
 
     @gluon.jit
-    def _rows_1_causal(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+    def _rows_1_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
                        qk_scale):
-        _consumer(o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
                   True)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_desc, lse_ptr, S_Q, S_K, H, G, qk_scale,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_dst, o_ss, lse_ptr, S_Q, S_K, H, G, qk_scale,
                     CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     LOADER_REGS: gl.constexpr):
@@ -311,7 +333,7 @@ if gluon is not None:
         v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], v_desc.layout)
         q_bar, k_ready, v_ready, k_empty, v_empty, turn = _kv_ring(NSTAGE)
 
-        args = (o_desc, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+        args = (o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                 v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q, S_Q, S_K, n_blocks,
                 qk_scale)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
@@ -329,22 +351,35 @@ def launch_grid(n_tiles: int, n_bh: int, causal: bool) -> tuple:
     return (n_tiles * n_bh,) if causal else (n_tiles, n_bh)
 
 
-def _descriptors(q, k, v, out):
-    """TMA descriptors of the [b * s, h * d] views: q / out boxes of BLOCK_M rows (out's of
-    half: each consumer stores its own rows), k / v of BLOCK_N."""
-    return _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(out, BLOCK_M // 2)
+def _descriptors(q, k, v):
+    """TMA descriptors of q / k / v's [b, s, h * d] views: q's boxes of BLOCK_M rows, k / v's
+    of BLOCK_N."""
+    return _desc(q, BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N)
+
+
+def output(x: torch.Tensor, box: int):
+    """A kernel's destination argument for output x (`_store_half`): 16-bit x: a TMA
+    descriptor with boxes of `box` rows (half a tile: each consumer stores its own rows); fp32
+    x (contiguous): x itself, stored from registers."""
+    if x.dtype == torch.float32:
+        if not x.is_contiguous():
+            raise ValueError("flash_attention_sm90: an fp32 output must be contiguous")
+        return x
+    return _desc(x, box)
 
 
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                        scale: float):
-    """The speed-mode forward where `applies(q, k, v, q.dtype)`: -> (out [b, s_q, h, d] in
-    q's dtype, lse fp32 [b, h, s_q], natural log)."""
+                        scale: float, out_dtype=None):
+    """The speed-mode forward where `applies(q, k, v, out_dtype)`: -> (out [b, s_q, h, d] in
+    out_dtype (None: q's; fp32: never rounded to 16 bits), lse fp32 [b, h, s_q], natural
+    log)."""
     b, s_q, h, d = q.shape
-    out = torch.empty_like(q)
+    fp32 = out_dtype == torch.float32   # 16-bit: q's memory layout (e.g. sbhd)
+    out = torch.empty(q.shape, dtype=out_dtype, device=q.device) if fp32 else torch.empty_like(q)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
-    _fwd_kernel[grid](*_descriptors(q, k, v, out), lse, s_q, k.shape[1], h, h // k.shape[2],
-                      scale * LOG2E, CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d,
-                      NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS,
-                      num_warps=4)
+    _fwd_kernel[grid](*_descriptors(q, k, v), output(out, BLOCK_M // 2), out.stride(1), lse,
+                      s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, CAUSAL=bool(causal),
+                      BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
+                      LOADER_REGS=LOADER_REGS, num_warps=4)
     return out, lse

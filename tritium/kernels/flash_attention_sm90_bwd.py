@@ -10,7 +10,8 @@ dP^T = V dO^T, then (P^T, dS^T rounded to 16 bits, as the Triton speed mode) dV 
 dK += dS^T Q. 7 products per tile pair in all (as the Triton backward; no atomics).
 The loader warp, the two consumer warpgroups (240 registers each), the turn mbarriers and the
 K / V ring are the forward's (`flash_attention_sm90`, which also holds `applies`, `ENABLED` and
-the descriptors). Contract: `applies_bwd`; grads in the input dtype, shaped like q, k, v.
+the descriptors). Contract: `applies_bwd`; grads in the input dtype or fp32 (`_store_half`),
+shaped like q, k, v.
 Twin: `tritium.ref.flash_attention.flash_attention_bwd` (the GPU tier compares them; Gluon
 does not run under TRITON_INTERPRET). Measured on an H200 (B4 H32 S4096 D128, causal / no
 mask): dQ 1.40 / 2.55 ms, dK/dV 2.03 / 3.77 ms, the backward 3.48 / 6.32 ms against cuDNN's
@@ -22,14 +23,14 @@ import torch
 
 from .flash_attention_sm90 import (
     BLOCK_M, BLOCK_N, CONSUMER_REGS, LOADER_REGS, LOG2E, STAGES, _desc, _descriptors, applies,
-    gluon, launch_grid, tma_view)
+    gluon, launch_grid, output, tma_view)
 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
+        mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
 
-    from .flash_attention_sm90 import _grouped, _kv_ring, _stream_kv, _tile
+    from .flash_attention_sm90 import _grouped, _kv_ring, _store_half, _stream_kv, _tile
 
 # --------------------------------------------------------------------------------------------
 # dK / dV of one 128-key block (two warpgroups of 64 keys), Q / dO streamed
@@ -110,28 +111,18 @@ if gluon is not None:
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
 
     @gluon.jit
-    def _store_dkdv(dk, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col,
+    def _store_dkdv(dk, dv, k_smem, v_smem, dk_dst, dv_dst, S_KV, kv_ss, off_b, n0, kv_col,
                     HALF: gl.constexpr):
-        """This warpgroup's keys of dK, dV (fp32, final) through its half of the K / V
-        buffers (no longer read) to global memory by TMA (the keys below S_KV: per batch)."""
-        BN: gl.constexpr = k_smem.shape[1]
-        HN: gl.constexpr = BN // 2
-        dtype: gl.constexpr = k_smem.dtype
-        k_half = k_smem.reshape([BN, k_smem.shape[2]]).slice(HALF * HN, HN)
-        v_half = v_smem.reshape([BN, v_smem.shape[2]]).slice(HALF * HN, HN)
-        k_half.store(dk.to(dtype))
-        v_half.store(dv.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        k_smem.slice(HALF * HN, HN, dim=1))
-        tma.async_copy_shared_to_global(dv_desc, [off_b, n0 + HALF * HN, kv_col],
-                                        v_smem.slice(HALF * HN, HN, dim=1))
+        """This warpgroup's keys of dK, dV (fp32, final; the keys below S_KV): 16-bit through
+        its half of the K / V buffers (no longer read) by TMA, fp32 from registers."""
+        _store_half(dk, k_smem, dk_dst, off_b, n0, kv_col, S_KV, kv_ss, HALF)
+        _store_half(dv, v_smem, dv_dst, off_b, n0, kv_col, S_KV, kv_ss, HALF)
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale, HALF: gl.constexpr,
+    def _dkdv_consumer(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale, HALF: gl.constexpr,
                        CAUSAL: gl.constexpr):
         """One warpgroup's 64 keys of the block: S^T = K Q^T, dP^T = V dO^T, then dV += P^T dO,
         dK += dS^T Q, each pair of products issued in this warpgroup's turn."""
@@ -168,39 +159,40 @@ if gluon is not None:
                                     S_Q, qk_scale, HALF, False)
                 it += 1
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col, HALF)
+        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_dst, dv_dst, S_KV, kv_ss, off_b, n0, kv_col,
+                    HALF)
 
     @gluon.jit
-    def _keys_0(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
-                q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
+    def _keys_0(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
                 n_qblocks, qk_scale, scale):
-        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale, 0, False)
+        _dkdv_consumer(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale, 0, False)
 
     @gluon.jit
-    def _keys_1(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
-                q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
+    def _keys_1(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
                 n_qblocks, qk_scale, scale):
-        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale, 1, False)
+        _dkdv_consumer(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale, 1, False)
 
     @gluon.jit
-    def _keys_0_causal(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale):
-        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale, 0, True)
+    def _keys_0_causal(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale, 0, True)
 
     @gluon.jit
-    def _keys_1_causal(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale):
-        _dkdv_consumer(dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                       kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G,
-                       i_start, n_qblocks, qk_scale, scale, 1, True)
+    def _keys_1_causal(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale):
+        _dkdv_consumer(dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                       do_smem, kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q,
+                       G, i_start, n_qblocks, qk_scale, scale, 1, True)
 
     @gluon.jit
     def _q_ring(q_desc, do_desc, k_desc, v_desc, BM: gl.constexpr, BN: gl.constexpr,
@@ -226,8 +218,8 @@ if gluon is not None:
         return q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn
 
     @gluon.jit
-    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, lse_ptr, delta_ptr,
-                     S_Q, S_KV, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
+    def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_dst, dv_dst, kv_ss, lse_ptr,
+                     delta_ptr, S_Q, S_KV, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                      NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
@@ -250,8 +242,8 @@ if gluon is not None:
 
         kv_col = off_hk * D
         lse_base0 = (off_b * H_KV * G + off_hk * G) * S_Q
-        args = (dk_desc, dv_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem, kv_bar,
-                q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
+        args = (dk_dst, dv_dst, S_KV, kv_ss, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
+                kv_bar, q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, S_Q, G, i_start,
                 n_qblocks, qk_scale, scale)
         load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                      q_ready, q_empty, off_b, n0, kv_col, off_hk * G * D, G, i_start,
@@ -265,24 +257,37 @@ if gluon is not None:
                                [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _bwd_descriptors(q, k, v, dout, dk, dv):
-    """[b * s, h * d] views: q / dout boxes of BWD_BLOCK_M rows, k / v of BLOCK_N, dk / dv of
-    half (each consumer stores its own keys)."""
-    return (_desc(q, BWD_BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(dout, BWD_BLOCK_M),
-            _desc(dk, BLOCK_N // 2), _desc(dv, BLOCK_N // 2))
+def _bwd_descriptors(q, k, v, dout):
+    """[b * s, h * d] views: q / dout boxes of BWD_BLOCK_M rows, k / v of BLOCK_N."""
+    return (_desc(q, BWD_BLOCK_M), _desc(k, BLOCK_N), _desc(v, BLOCK_N), _desc(dout, BWD_BLOCK_M))
 
 
-def _dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float):
-    """dK, dV (q's dtype, shaped like k / v); lse, delta fp32 [b, h, s_q] contiguous."""
+def _grad(x: torch.Tensor, grad_dtype) -> torch.Tensor:
+    """x's gradient, empty: 16-bit in x's memory layout, fp32 contiguous (`output`)."""
+    if grad_dtype == torch.float32:
+        return torch.empty(x.shape, dtype=grad_dtype, device=x.device)
+    return torch.empty_like(x)
+
+
+def dkdv_outputs(k, v, grad_dtype):
+    """(dk, dv) in grad_dtype and their kernel arguments (dk, dv destinations with boxes of
+    half a key block: each consumer stores its own keys; the fp32 ones' row stride)."""
+    dk, dv = _grad(k, grad_dtype), _grad(v, grad_dtype)
+    return (dk, dv), (output(dk, BLOCK_N // 2), output(dv, BLOCK_N // 2), dk.stride(1))
+
+
+def _dkdv(q, k, v, dout, lse, delta, causal: bool, scale: float, grad_dtype):
+    """dK, dV (grad_dtype: q's or fp32; shaped like k / v); lse, delta fp32 [b, h, s_q]
+    contiguous."""
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    grads, dsts = dkdv_outputs(k, v, grad_dtype)
     grid = launch_grid(-(-s_kv // BLOCK_N), b * h_kv, causal)
-    _dkdv_kernel[grid](*_bwd_descriptors(q, k, v, dout, dk, dv), lse, delta, s_q, s_kv, h_kv,
+    _dkdv_kernel[grid](*_bwd_descriptors(q, k, v, dout), *dsts, lse, delta, s_q, s_kv, h_kv,
                        h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
                        BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
                        LOADER_REGS=LOADER_REGS, num_warps=4)
-    return dk, dv
+    return grads
 
 
 # --------------------------------------------------------------------------------------------
@@ -341,15 +346,14 @@ if gluon is not None:
         return warpgroup_mma_init(dq)
 
     @gluon.jit
-    def _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
-                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0,
-                     lse_off, S_Q, n_blocks, qk_scale, scale, HALF: gl.constexpr,
+    def _dq_consumer(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+                     m0, lse_off, S_Q, n_blocks, qk_scale, scale, HALF: gl.constexpr,
                      CAUSAL: gl.constexpr):
         BM: gl.constexpr = q_smem.shape[1]
         BN: gl.constexpr = k_smem.shape[2]
         D: gl.constexpr = k_smem.shape[3]
         HM: gl.constexpr = BM // 2
-        dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -385,46 +389,43 @@ if gluon is not None:
             dq = _dq_step(q_half, do_half, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
                           turn, j, dq, lse, delta, rows, cols, qk_scale, HALF, True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
-        q_half.store((dq * scale).to(dtype))          # this half's Q is no longer read
-        fence_async_shared()             # TMA stores the rows below S_Q (a 3D view: per batch)
-        tma.async_copy_shared_to_global(dq_desc, [off_b, m0 + HALF * HM, q_col],
-                                        q_smem.slice(HALF * HM, HM, dim=1))
+        _store_half(dq * scale, q_smem, dq_dst, off_b, m0, q_col, S_Q, dq_ss, HALF)  # Q read
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _dq_rows_0(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+    def _dq_rows_0(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
                    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
                    q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
-                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+        _dq_consumer(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
                      m0, lse_off, S_Q, n_blocks, qk_scale, scale, 0, False)
 
     @gluon.jit
-    def _dq_rows_1(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+    def _dq_rows_1(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
                    k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
                    q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
-                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+        _dq_consumer(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
                      m0, lse_off, S_Q, n_blocks, qk_scale, scale, 1, False)
 
     @gluon.jit
-    def _dq_rows_0_causal(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+    def _dq_rows_0_causal(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
                           k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
                           q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
-                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+        _dq_consumer(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
                      m0, lse_off, S_Q, n_blocks, qk_scale, scale, 0, True)
 
     @gluon.jit
-    def _dq_rows_1_causal(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+    def _dq_rows_1_causal(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
                           k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b,
                           q_col, m0, lse_off, S_Q, n_blocks, qk_scale, scale):
-        _dq_consumer(dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
-                     v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
+        _dq_consumer(dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem,
+                     k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col,
                      m0, lse_off, S_Q, n_blocks, qk_scale, scale, 1, True)
 
     @gluon.jit
-    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_desc, lse_ptr, delta_ptr, o_ptr, o_sb,
+    def _dq_kernel(q_desc, do_desc, k_desc, v_desc, dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_sb,
                    o_ss, o_sh, S_Q, S_KV, H, G, qk_scale, scale, CAUSAL: gl.constexpr,
                    BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -438,8 +439,8 @@ if gluon is not None:
         q_bar, k_ready, v_ready, k_empty, v_empty, turn = _kv_ring(NSTAGE)
 
         o_base = off_b.to(gl.int64) * o_sb + off_h.to(gl.int64) * o_sh
-        args = (dq_desc, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem, v_smem,
-                q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, off_h * D, m0,
+        args = (dq_dst, dq_ss, lse_ptr, delta_ptr, o_ptr, o_base, o_ss, q_smem, do_smem, k_smem,
+                v_smem, q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, off_h * D, m0,
                 pid_bh * S_Q, S_Q, n_blocks, qk_scale, scale)
         load_args = (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_bar,
                      k_ready, v_ready, k_empty, v_empty, off_b, m0, off_h * D,
@@ -452,29 +453,32 @@ if gluon is not None:
                                [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-def _dq(q, k, v, out, dout, lse, delta, causal: bool, scale: float):
-    """dQ (q's dtype); writes delta = rowsum(dO * out) for `_dkdv`."""
+def _dq(q, k, v, out, dout, lse, delta, causal: bool, scale: float, grad_dtype):
+    """dQ (grad_dtype: q's or fp32); writes delta = rowsum(dO * out) for `_dkdv`."""
     b, s_q, h, d = q.shape
-    dq = torch.empty_like(q)
-    q_desc, k_desc, v_desc, dq_desc = _descriptors(q, k, v, dq)
+    dq = _grad(q, grad_dtype)
     grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
-    _dq_kernel[grid](q_desc, _desc(dout, BLOCK_M), k_desc, v_desc, dq_desc, lse, delta, out,
-                     out.stride(0), out.stride(1), out.stride(2), s_q, k.shape[1], h,
-                     h // k.shape[2], scale * LOG2E, scale, CAUSAL=bool(causal), BM=BLOCK_M,
-                     BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                     LOADER_REGS=LOADER_REGS, num_warps=4)
+    q_desc, k_desc, v_desc = _descriptors(q, k, v)
+    _dq_kernel[grid](q_desc, _desc(dout, BLOCK_M), k_desc, v_desc, output(dq, BLOCK_M // 2),
+                     dq.stride(1), lse, delta, out, out.stride(0), out.stride(1), out.stride(2),
+                     s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, scale,
+                     CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=STAGES,
+                     CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
     return dq
 
 
-def applies_bwd(q, k, v, out, dout, lse) -> bool:
-    """Can `flash_attention_bwd` run the speed-mode backward of these (16-bit grads)?"""
-    return (applies(q, k, v, q.dtype) and dout.dtype == q.dtype and tma_view(dout)
+def applies_bwd(q, k, v, out, dout, lse, grad_dtype) -> bool:
+    """Can `flash_attention_bwd` run the speed-mode backward of these (grads in grad_dtype:
+    q's or fp32)?"""
+    return (applies(q, k, v, grad_dtype) and dout.dtype == q.dtype and tma_view(dout)
             and out.stride(-1) == 1 and lse.dtype == torch.float32 and lse.is_contiguous())
 
 
-def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in q's dtype where `applies_bwd`: the dQ kernel first (it also writes
-    delta = rowsum(dO * out)), then the dK / dV kernel."""
+def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype=None):
+    """(dq, dk, dv) in grad_dtype (None: q's; fp32: never rounded to 16 bits) where
+    `applies_bwd`: the dQ kernel first (it also writes delta = rowsum(dO * out)), then the
+    dK / dV kernel."""
+    grad_dtype = grad_dtype or q.dtype
     delta = torch.empty_like(lse)
-    dq = _dq(q, k, v, out, dout, lse, delta, causal, scale)
-    return (dq, *_dkdv(q, k, v, dout, lse, delta, causal, scale))
+    dq = _dq(q, k, v, out, dout, lse, delta, causal, scale, grad_dtype)
+    return (dq, *_dkdv(q, k, v, dout, lse, delta, causal, scale, grad_dtype))

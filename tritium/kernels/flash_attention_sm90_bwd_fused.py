@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from .flash_attention_sm90 import BLOCK_N, CONSUMER_REGS, LOADER_REGS, LOG2E, gluon
-from .flash_attention_sm90_bwd import BWD_BLOCK_M, BWD_STAGES, _bwd_descriptors
+from .flash_attention_sm90_bwd import (BWD_BLOCK_M, BWD_STAGES, _bwd_descriptors,
+                                       dkdv_outputs)
 from .flash_attention_tiles import _delta_kernel
 
 try:  # the TMA reduce-add of Triton 3.6's Gluon builder (no Python wrapper there)
@@ -134,7 +135,7 @@ if AVAILABLE:
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
 
     @gluon.jit
-    def _consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+    def _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                   do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
                   q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
                   n_qblocks, qk_scale, scale, HALF: gl.constexpr):
@@ -175,31 +176,32 @@ if AVAILABLE:
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         tma.store_wait(pendings=0)
         mbarrier.wait(kv_free, 0)
-        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_desc, dv_desc, off_b, n0, kv_col, HALF)
+        _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_dst, dv_dst, S_KV, kv_ss, off_b, n0, kv_col,
+                    HALF)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per half
     @gluon.jit
-    def _keys_0(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready, q_empty,
-                turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
+    def _keys_0(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
                 scale):
-        _consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+        _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                   do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
                   q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
                   n_qblocks, qk_scale, scale, 0)
 
     @gluon.jit
-    def _keys_1(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready, q_empty,
-                turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
+    def _keys_1(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
                 scale):
-        _consumer(dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+        _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                   do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
                   q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
                   n_qblocks, qk_scale, scale, 1)
 
     @gluon.jit
-    def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, dq_desc, lse_ptr,
+    def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr,
                     delta_ptr, S_Q, H_KV, G, qk_scale, scale, BM: gl.constexpr,
                     BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
@@ -230,9 +232,10 @@ if AVAILABLE:
         kv_col = off_hk * D
         q_col0 = off_hk * G * D
         lse_base0 = (off_b * H_KV * G + off_hk * G) * S_Q
-        args = (dk_desc, dv_desc, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem, do_smem,
-                p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready, q_empty,
-                turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale, scale)
+        args = (dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
+                scale)
         load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
                      q_ready, q_empty, off_b, n0, kv_col, q_col0, G, 0, n_qblocks)
         gl.warp_specialize([(_keys_0, args), (_keys_1, args), (_dkdv_loader, load_args)],
@@ -247,9 +250,9 @@ def _dq_desc(dq: torch.Tensor):
     return GluonDesc(dq, [b, s, h * d], [dq.stride(0), dq.stride(1), 1], box, layout)
 
 
-def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
-    """(dq, dk, dv) in q's dtype where `flash_attention_sm90_bwd.applies_bwd` holds, no mask
-    (causal: the two-kernel backward)."""
+def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype=None):
+    """(dq, dk, dv) in grad_dtype (None: q's; fp32: never rounded to 16 bits) where
+    `flash_attention_sm90_bwd.applies_bwd` holds, no mask (causal: the two-kernel backward)."""
     if causal:
         raise ValueError("flash_attention_sm90_bwd_fused: no mask only (causal=False)")
     b, s_q, h, d = q.shape
@@ -259,9 +262,9 @@ def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float):
         out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=BWD_BLOCK_M,
         num_warps=4)
     dq = torch.zeros(b, s_q, h, d, dtype=torch.float32, device=q.device)
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    (dk, dv), (dk_dst, dv_dst, kv_ss) = dkdv_outputs(k, v, grad_dtype or q.dtype)
     _bwd_kernel[(-(-s_kv // BLOCK_N), b * h_kv)](
-        *_bwd_descriptors(q, k, v, dout, dk, dv), _dq_desc(dq), lse, delta, s_q, h_kv,
-        h // h_kv, scale * LOG2E, scale, BM=BWD_BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES,
-        CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
-    return dq.to(q.dtype), dk, dv
+        *_bwd_descriptors(q, k, v, dout), dk_dst, dv_dst, s_kv, kv_ss, _dq_desc(dq), lse,
+        delta, s_q, h_kv, h // h_kv, scale * LOG2E, scale, BM=BWD_BLOCK_M, BN=BLOCK_N, D=d,
+        NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+    return dq.to(grad_dtype or q.dtype), dk, dv
