@@ -10,7 +10,8 @@ Timing: a fixed number of fwd+bwd iterations on every rank (do_bench picks its o
 process, which would desynchronize the ranks' collectives), CUDA events per iteration, median,
 the max over ranks. Each CP row also carries its error vs an fp64 reference, as the ratio to the
 single-GPU error (max abs, and root mean square: worst of out/dq/dk/dv) and the fraction of
-elements that differ from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy), measured at S=8192.
+elements that differ from single-GPU beyond fp32 tolerance (tritium.attention.cp.accuracy),
+measured at S=8192.
 
     python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
     python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials at the largest S

@@ -15,8 +15,9 @@ max_abs, `rms_ratio` likewise (the outputs are 16-bit, so their last rounding do
 max_abs is one element's, which side of a rounding midpoint it fell on, and moves by ~20%
 between seeds where two results are equally accurate; rms averages that out); `vs_single` =
 fraction of elements where x and the single-device result differ beyond fp32 tolerance (the
-metric of TE's fp32 accumulation PR: 41-62% for bf16 accumulation). Used by tests/test_context_parallel.py,
-tests/gpu/test_gpu_context_parallel.py, scripts/cp_accuracy.py and benchmarks/bench_cp.py.
+metric of TE's fp32 accumulation PR: 41-62% for bf16 accumulation). Used by
+tests/test_context_parallel.py, tests/gpu/test_gpu_context_parallel.py, scripts/cp_accuracy.py
+and benchmarks/bench_cp.py.
 """
 from __future__ import annotations
 
@@ -129,8 +130,9 @@ def measure(group, b=1, s=512, h=4, hk=2, d=64, causal=True, dtype=torch.bfloat1
 
 
 def table(rows, title="") -> str:
-    """Markdown table: per tensor max abs error vs fp64, ratio to single device, frac outside
-    fp32 tolerance, frac differing from single device."""
+    """Markdown table: per tensor max abs error vs fp64, its and the rms error's ratios to
+    single device (single device: its rms), frac outside fp32 tolerance, frac differing from
+    single device."""
     head = ("| config | " + " | ".join(f"{n} max abs (x single, rms x single) | "
                                       f"{n} off fp32 / vs single"
                                       for n in NAMES) + " |")
