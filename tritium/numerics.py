@@ -388,13 +388,16 @@ Not remeasured by this command (it needs several GPUs): copied from `docs/{CP_TA
 by `scripts/cp_accuracy.py --gpu --no-cpu --seq 8192 32768` (cp=2, 12 heads) and
 `benchmarks/bench_cp_scale.py` (cp=2 and 4 on 4 GPUs, cp=8 on 8, a 2-head slice); see
 `docs/context_parallel.md` for the CPU/gloo tables (cp=2, 4, 8) and the speed of each mode.
-Each cell: max abs error vs an fp64 reference (as a multiple of single-GPU bf16 cuDNN's) |
-fraction of elements outside fp32 tolerance of fp64 / fraction differing from the single-GPU
-result beyond it. **exact** blocks
-return fp32 partials (Triton flash kernel); **fast** blocks are cuDNN's bf16 partials; **fp32
-acc** sums partials in fp32 and rounds once. Exact + fp32 accumulation stays within 1.1x of
-single-device error on every tensor at cp=2, 4 and 8; fast mode costs dk/dv up to ~1.75x, and
-at cp=4 and 8 16-bit accumulation moves more elements off the single-device result than fp32.
+Each cell: max abs error vs an fp64 reference (as a multiple of single-GPU bf16 cuDNN's; the
+cp=2 tables also the root-mean-square error's multiple: a bf16 output's max error is one
+element's rounding) | fraction of elements outside fp32 tolerance of fp64 / fraction differing
+from the single-GPU result beyond it. **exact** blocks return fp32 partials (Triton flash
+kernel, split products); **fp32 partials** blocks too, with P / dS rounded once as cuDNN's (the
+Gluon kernels on Hopper); **fast** blocks are cuDNN's bf16 partials; **fp32 acc** sums partials
+in fp32 and rounds once. Exact + fp32 accumulation stays within 1.1x of single-device error on
+every tensor at cp=2, 4 and 8 (rms 0.68-0.78x at cp=2); fp32 partials errs as single device
+(rms 0.98-1.00x); fast mode costs dk/dv up to ~1.75x (rms 1.23-1.25x), and at cp=4 and 8
+16-bit accumulation moves more elements off the single-device result than fp32.
 """
 
 

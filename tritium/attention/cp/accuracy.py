@@ -12,7 +12,7 @@ Per tensor (out, dq, dk, dv) and configuration: `max_abs` = max |x - ref64|; `rm
 mean square of x - ref64; `frac_fp32` = fraction of elements outside fp32 tolerance of ref64
 (|x - r| > 1e-5 + 1.3e-6 |r|, TE's fp32 tolerance); `ratio` = max_abs / the single-device
 max_abs, `rms_ratio` likewise (the outputs are 16-bit, so their last rounding dominates both:
-max_abs is one element's, which side of a rounding midpoint it fell on, and moves by ~20%
+max_abs is one element's, which side of a rounding midpoint it fell on, and moved 0.8-1.6x
 between seeds where two results are equally accurate; rms averages that out); `vs_single` =
 fraction of elements where x and the single-device result differ beyond fp32 tolerance (the
 metric of TE's fp32 accumulation PR: 41-62% for bf16 accumulation). Used by
