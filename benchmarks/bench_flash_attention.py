@@ -45,7 +45,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py                  # the table (JSON to $OUT)
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
-    python benchmarks/bench_flash_attention.py --kernels        # the sm90 Gluon kernels alone
+    python benchmarks/bench_flash_attention.py --kernels [--cp]  # the sm90 Gluon kernels alone
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
@@ -518,39 +518,44 @@ def sweep_fp8():
     torch.cuda.empty_cache()
 
 
-def kernels(rounds: int = 5):
+def kernels(cp: bool = False, rounds: int = 5):
     """--kernels: the Hopper Gluon kernels one by one at B4 H32 S4096 D128 (MHA, GQA-8; causal,
-    no mask) in `rounds` interleaved rounds (median ms printed, nothing recorded): the forward,
-    the dQ and dK/dV kernels, the two-kernel backward, the fused one (no mask), cuDNN's forward
-    and fwd+bwd."""
+    no mask; with --cp also the blocks one cp=2 rank computes at S=32768, B1 H12: the causal
+    16384 x 16384 square and the no-mask 8192 x 16384 / 16384 x 8192 ones) in `rounds`
+    interleaved rounds (median ms printed, nothing recorded): the forward, the dQ and dK/dV
+    kernels, the two-kernel backward, the fused one, cuDNN's forward and fwd+bwd."""
     from tritium.kernels import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as two
     from tritium.kernels import flash_attention_sm90_bwd_fused as fused
     g = torch.Generator(device="cuda").manual_seed(0)
     scale = 1 / math.sqrt(D)
-    for h_kv in (32, 8):
-        q, k, v, do = _tensors(4, 4096, 4096, 32, h_kv, g)
+    cases = [(4, 4096, 4096, 32, h_kv, causal) for h_kv in (32, 8) for causal in (True, False)]
+    if cp:
+        cases += [(1, 16384, 16384, 12, 12, True), (1, 8192, 16384, 12, 12, False),
+                  (1, 16384, 8192, 12, 12, False)]
+    for b, s_q, s_kv, h, h_kv, causal in cases:
+        q, k, v, do = _tensors(b, s_q, s_kv, h, h_kv, g)
         if not sm90.applies(q, k, v, q.dtype):
             print("--kernels: the sm90 Gluon kernels do not apply on this GPU / Triton")
             return
-        for causal in (True, False):
-            out, lse = sm90.flash_attention_fwd(q, k, v, causal, scale)
-            delta = torch.empty_like(lse)
-            two._dq(q, k, v, out, do, lse, delta, causal, scale)   # delta for _dkdv
-            cudnn_fwd, cudnn_fwd_bwd, _ = _sdpa_steps([(q, k, v, do, causal)])
-            fns = {
-                "fwd": lambda: sm90.flash_attention_fwd(q, k, v, causal, scale),
-                "dq (+delta)": lambda: two._dq(q, k, v, out, do, lse, delta, causal, scale),
-                "dkdv": lambda: two._dkdv(q, k, v, do, lse, delta, causal, scale),
-                "bwd two kernels": lambda: two.flash_attention_bwd(do, q, k, v, out, lse,
-                                                                   causal, scale),
-                "cudnn fwd": cudnn_fwd, "cudnn fwd+bwd": cudnn_fwd_bwd}
-            if fused.AVAILABLE and not causal:
-                fns["bwd fused"] = lambda: fused.flash_attention_bwd(do, q, k, v, out, lse,
-                                                                     causal, scale)
-            ms = median_ms(interleaved_rounds(fns, rounds=rounds))
-            case = f"B4 H32{'' if h_kv == 32 else f' KV{h_kv}'} S4096 D128 " + \
-                ("causal" if causal else "nomask")
-            print(case + ": " + ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), flush=True)
+        out, lse = sm90.flash_attention_fwd(q, k, v, causal, scale)
+        delta = torch.empty_like(lse)
+        two._dq(q, k, v, out, do, lse, delta, causal, scale, q.dtype)   # delta for _dkdv
+        cudnn_fwd, cudnn_fwd_bwd, _ = _sdpa_steps([(q, k, v, do, causal)])
+        fns = {
+            "fwd": lambda: sm90.flash_attention_fwd(q, k, v, causal, scale),
+            "dq (+delta)": lambda: two._dq(q, k, v, out, do, lse, delta, causal, scale, q.dtype),
+            "dkdv": lambda: two._dkdv(q, k, v, do, lse, delta, causal, scale, q.dtype),
+            "bwd two kernels": lambda: two.flash_attention_bwd(do, q, k, v, out, lse, causal,
+                                                               scale),
+            "cudnn fwd": cudnn_fwd, "cudnn fwd+bwd": cudnn_fwd_bwd}
+        if fused.AVAILABLE:
+            fns["bwd fused"] = lambda: fused.flash_attention_bwd(do, q, k, v, out, lse, causal,
+                                                                 scale)
+        ms = median_ms(interleaved_rounds(fns, rounds=rounds))
+        heads = f"H{h}" + ("" if h_kv == h else f" KV{h_kv}")
+        lengths = f"S{s_q}" if s_q == s_kv else f"S{s_q}x{s_kv}"
+        case = f"B{b} {heads} {lengths} D128 " + ("causal" if causal else "nomask")
+        print(case + ": " + ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), flush=True)
     torch.cuda.empty_cache()
 
 
@@ -558,7 +563,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seq", type=int, nargs="*", default=[],
                     help="also B1 H12 D128 causal at these sequence lengths")
-    ap.add_argument("--cp", action="store_true", help="also one cp=2 rank's blocks at S=32768")
+    ap.add_argument("--cp", action="store_true",
+                    help="also one cp=2 rank's blocks at S=32768 (with --kernels: its shapes)")
     ap.add_argument("--window", type=int, default=0,
                     help="also B1 H32 KV8 S16384 causal with a sliding window of this many keys")
     ap.add_argument("--varlen", action="store_true",
@@ -581,7 +587,7 @@ def main():
             FA.GPU_CFG[kind][key] = cfg
     settle_gpu()
     if args.kernels:
-        return kernels()
+        return kernels(args.cp)
     for split in (False, True):
         if args.sweep in ("both", "split" if split else "nosplit"):
             sweep(split)

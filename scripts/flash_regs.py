@@ -185,12 +185,8 @@ def main_sm90():
         sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES)
     for name, (fn, types, bm, stages) in kernels.items():
         for fp32, causal in itertools.product((False, True), (True, False)):
-            if name == "fused" and causal:   # no mask only
-                continue
-            constexprs = dict(BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages,
+            constexprs = dict(BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages, CAUSAL=causal,
                               CONSUMER_REGS=sm90.CONSUMER_REGS, LOADER_REGS=sm90.LOADER_REGS)
-            if name != "fused":
-                constexprs["CAUSAL"] = causal
             sig = {p.name: "constexpr" if p.name in constexprs else types(fp32)[p.name]
                    for p in fn.params}
             kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constexprs),

@@ -357,7 +357,7 @@ if _fa.sm90.gluon is not None:
 if _fa.sm90_bwd_fused.AVAILABLE:
     KERNELS[("flash_attention_sm90_bwd_fused", "_bwd_kernel")] = (
         _sm90_kernel_types("_bwd_kernel"),
-        dict(_SM90, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+        dict(_SM90, CAUSAL=True, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
         dict(num_warps=4))
 
 
@@ -433,9 +433,8 @@ VARIANTS = {
     **{("flash_attention_sm90" + mod, name): [
         dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(name, True)),
         dict(_types=_sm90_kernel_types(name, True))]
-       for mod, name in (("", "_fwd_kernel"), ("_bwd", "_dkdv_kernel"), ("_bwd", "_dq_kernel"))},
-    ("flash_attention_sm90_bwd_fused", "_bwd_kernel"): [
-        dict(_types=_sm90_kernel_types("_bwd_kernel", True))],
+       for mod, name in (("", "_fwd_kernel"), ("_bwd", "_dkdv_kernel"), ("_bwd", "_dq_kernel"),
+                         ("_bwd_fused", "_bwd_kernel"))},
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

@@ -151,10 +151,11 @@ def test_views_of_a_fused_projection(_seed):
 
 
 def test_fused_backward_equals_two_kernel_backward(_seed):
-    """No mask: the one-kernel backward (dQ by TMA reduce-add in fp32) against the two-kernel
-    one on the same (out, lse): within a bf16 ulp of their max (the products are the same but
-    for the order of their sums: S vs S^T, dQ's fp32 adds); the dispatch takes it, but for
-    deterministic algorithms; causal is refused."""
+    """The one-kernel backward (dQ by TMA reduce-add in fp32) against the two-kernel one on the
+    same (out, lse), no mask and causal (GQA, ragged: partial blocks on the diagonal): within a
+    bf16 ulp of their max (the products are the same but for the order of their sums: S vs
+    S^T, dQ's fp32 adds); without a mask the dispatch takes it, but for deterministic
+    algorithms."""
     from tritium.kernels import flash_attention as FA
     from tritium.kernels import flash_attention_sm90_bwd as two
     from tritium.kernels import flash_attention_sm90_bwd_fused as fused
@@ -162,26 +163,48 @@ def test_fused_backward_equals_two_kernel_backward(_seed):
         pytest.skip("this Triton's Gluon has no TMA reduce")
     q, k, v, do = _inputs(2, 1000, 1000, 8, 2, torch.bfloat16, _seed)   # GQA, ragged
     scale = 1 / math.sqrt(D)
+    for causal in (False, True):
+        out, lse = FA.flash_attention_fwd(q, k, v, causal, scale, split=False,
+                                          out_dtype=q.dtype)
+        got = fused.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
+        want = two.flash_attention_bwd(do, q, k, v, out, lse, causal, scale)
+        for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+            assert x.dtype == q.dtype and x.shape == r.shape, tname
+            err = (x.float() - r.float()).abs().max() / r.float().abs().max()
+            assert err.item() < 2 ** -7, (causal, tname)
     out, lse = FA.flash_attention_fwd(q, k, v, False, scale, split=False, out_dtype=q.dtype)
     got = fused.flash_attention_bwd(do, q, k, v, out, lse, False, scale)
-    want = two.flash_attention_bwd(do, q, k, v, out, lse, False, scale)
-    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
-        assert x.dtype == q.dtype and x.shape == r.shape, tname
-        err = (x.float() - r.float()).abs().max() / r.float().abs().max()
-        assert err.item() < 2 ** -7, tname
     dispatched = FA.flash_attention_bwd(do, q, k, v, out, lse, False, scale, split=False,
                                         grad_dtype=q.dtype)
     for x, r in zip(dispatched[1:], got[1:]):
         assert torch.equal(x, r)         # dK, dV are bit-reproducible
     torch.use_deterministic_algorithms(True)
     try:   # deterministic: the two-kernel backward
+        want = two.flash_attention_bwd(do, q, k, v, out, lse, False, scale)
         for x, r in zip(FA.flash_attention_bwd(do, q, k, v, out, lse, False, scale, split=False,
                                                grad_dtype=q.dtype), want):
             assert torch.equal(x, r)
     finally:
         torch.use_deterministic_algorithms(False)
-    with pytest.raises(ValueError, match="causal=False"):
-        fused.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+
+
+def test_fused_causal_backward_with_shorter_queries(_seed):
+    """Top-left causal with fewer queries than keys (key blocks past the last query row see
+    nothing: zero dK, dV) through the fused kernel, against the twin."""
+    from tritium.kernels import flash_attention_sm90_bwd_fused as fused
+    from tritium.ref import flash_attention as twin
+    if not fused.AVAILABLE:
+        pytest.skip("this Triton's Gluon has no TMA reduce")
+    q, k, v, do = _inputs(1, 512, 1536, 4, 2, torch.bfloat16, _seed)
+    scale = 1 / math.sqrt(D)
+    out, lse = twin.flash_attention_fwd(q, k, v, True, scale)
+    out = out.to(q.dtype)
+    want = twin.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    got = fused.flash_attention_bwd(do, q, k, v, out, lse, True, scale)
+    for tname, x, r in zip(("dq", "dk", "dv"), got, want):
+        rel = (x.float() - r).abs() / r.abs().max()
+        assert rel.max().item() < 2 ** -6 and rel.mean().item() < 2 ** -10, tname
+    assert got[1][:, 640:].abs().max() == 0 and got[2][:, 640:].abs().max() == 0
 
 
 @pytest.mark.parametrize("name", ["ragged-causal-gqa", "ragged-cross-nomask", "mha-nomask",

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from .flash_attention_sm90 import BLOCK_N, CONSUMER_REGS, LOADER_REGS, LOG2E, gluon
+from .flash_attention_sm90 import BLOCK_N, CONSUMER_REGS, LOADER_REGS, LOG2E, gluon, launch_grid
 from .flash_attention_sm90_bwd import (BWD_BLOCK_M, BWD_STAGES, _bwd_descriptors,
                                        dkdv_outputs)
 from .flash_attention_tiles import _delta_kernel
@@ -46,6 +46,7 @@ if AVAILABLE:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
 
+    from .flash_attention_sm90 import _grouped
     from .flash_attention_sm90_bwd import _dkdv_loader, _q_ring, _store_dkdv
 
     @builtin
@@ -79,9 +80,11 @@ if AVAILABLE:
     @gluon.jit
     def _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem, ds_full, ds_free,
               dq_smem, dq_desc, q_ready, q_empty, turn, lse_ptr, delta_ptr, lse_base, m, q_col,
-              it, dk, dv, S_Q, qk_scale, scale, off_b, p_row, p_col, HALF: gl.constexpr):
+              it, dk, dv, S_Q, qk_scale, scale, off_b, p_row, p_col, n0, HALF: gl.constexpr,
+              MASK: gl.constexpr):
         """Query block `it` (rows m.., ring slot it % stages) into this warpgroup's dK, dV;
-        block it - 1's dQ (rows p_row.., columns p_col..) into global dQ."""
+        block it - 1's dQ (rows p_row.., columns p_col..) into global dQ. MASK: a block on
+        the causal diagonal (key j seen by row i iff j <= i; the key block starts at n0)."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = q_smem.shape[2]
         D: gl.constexpr = q_smem.shape[3]
@@ -106,6 +109,10 @@ if AVAILABLE:
         lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         delta = gl.load(delta_ptr + lse_base + rows)
         s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        if MASK:
+            keys = n0 + HALF * HN - m + gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
+            r = gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))   # rows from m
+            s = gl.where(keys[None, :] <= r[:, None], s, -float("inf"))
         p = gl.exp2(s * qk_scale - lse[:, None])
         ds = p * (dp - delta[:, None])
         # dS buffers alternate; block it's needs block it - 2's dQ products done. The
@@ -138,8 +145,9 @@ if AVAILABLE:
     def _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                   do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
                   q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
-                  n_qblocks, qk_scale, scale, HALF: gl.constexpr):
-        """One warpgroup's 64 keys of the block (dK, dV) and 64 columns of d (dQ)."""
+                  i_start, n_qblocks, qk_scale, scale, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+        """One warpgroup's 64 keys of the block (dK, dV) and 64 columns of d (dQ); causal: the
+        query blocks from i_start (the diagonal's, masked, first)."""
         BM: gl.constexpr = q_smem.shape[2]
         D: gl.constexpr = q_smem.shape[3]
         BN: gl.constexpr = k_smem.shape[1]
@@ -159,11 +167,23 @@ if AVAILABLE:
         for g in range(G):
             lse_base = lse_base0 + g * S_Q
             q_col = q_col0 + g * D
-            for i in range(n_qblocks):
+            if CAUSAL:
+                i_free = gl.minimum(i_start + BN // BM, n_qblocks)
+                for i in range(i_start, i_free):
+                    dk, dv = _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem,
+                                   ds_full, ds_free, dq_smem, dq_desc, q_ready, q_empty, turn,
+                                   lse_ptr, delta_ptr, lse_base, i * BM, q_col, it, dk, dv, S_Q,
+                                   qk_scale, scale, off_b, p_row, p_col, n0, HALF, True)
+                    p_row = i * BM
+                    p_col = q_col
+                    it += 1
+            else:
+                i_free = i_start
+            for i in range(i_free, n_qblocks):
                 dk, dv = _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem,
                                ds_full, ds_free, dq_smem, dq_desc, q_ready, q_empty, turn,
                                lse_ptr, delta_ptr, lse_base, i * BM, q_col, it, dk, dv, S_Q,
-                               qk_scale, scale, off_b, p_row, p_col, HALF)
+                               qk_scale, scale, off_b, p_row, p_col, n0, HALF, False)
                 p_row = i * BM
                 p_col = q_col
                 it += 1
@@ -179,38 +199,66 @@ if AVAILABLE:
         _store_dkdv(dk * scale, dv, k_smem, v_smem, dk_dst, dv_dst, S_KV, kv_ss, off_b, n0, kv_col,
                     HALF)
 
-    # Gluon 3.6 passes no constexpr to worker partitions: one entry point per half
+    # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
     @gluon.jit
     def _keys_0(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                 do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
-                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
-                scale):
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                qk_scale, scale):
         _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
-                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
-                  q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
-                  n_qblocks, qk_scale, scale, 0)
+                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                  q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                  qk_scale, scale, 0, False)
 
     @gluon.jit
     def _keys_1(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                 do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
-                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
-                scale):
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                qk_scale, scale):
         _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
-                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
-                  q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
-                  n_qblocks, qk_scale, scale, 1)
+                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                  q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                  qk_scale, scale, 1, False)
+
+    @gluon.jit
+    def _keys_0_causal(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                       v_smem, do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
+                       q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale):
+        _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                  q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                  qk_scale, scale, 0, True)
+
+    @gluon.jit
+    def _keys_1_causal(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem,
+                       v_smem, do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar,
+                       q_ready, q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G,
+                       i_start, n_qblocks, qk_scale, scale):
+        _consumer(dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
+                  do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
+                  q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                  qk_scale, scale, 1, True)
 
     @gluon.jit
     def _bwd_kernel(q_desc, k_desc, v_desc, do_desc, dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr,
-                    delta_ptr, S_Q, H_KV, G, qk_scale, scale, BM: gl.constexpr,
+                    delta_ptr, S_Q, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
+                    BM: gl.constexpr,
                     BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        pid_n = gl.program_id(0)
-        pid_bh = gl.program_id(1)          # (batch, kv head)
+        if CAUSAL:   # the longest key blocks (the first) first, `_grouped`
+            pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
+        else:
+            pid_n = gl.program_id(0)
+            pid_bh = gl.program_id(1)          # (batch, kv head)
         off_b = pid_bh // H_KV
         off_hk = pid_bh % H_KV
         n0 = pid_n * BN
+        if CAUSAL:   # query blocks wholly above the diagonal see none of these keys
+            i_start = n0 // BM
+        else:
+            i_start = 0
         n_qblocks = gl.cdiv(S_Q, BM)
 
         q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn = _q_ring(
@@ -234,12 +282,17 @@ if AVAILABLE:
         lse_base0 = (off_b * H_KV * G + off_hk * G) * S_Q
         args = (dk_dst, dv_dst, S_KV, kv_ss, dq_desc, lse_ptr, delta_ptr, q_smem, k_smem, v_smem,
                 do_smem, p_smem, ds_smem, dq_smem, ds_full, ds_free, kv_free, kv_bar, q_ready,
-                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, n_qblocks, qk_scale,
-                scale)
+                q_empty, turn, off_b, kv_col, n0, lse_base0, q_col0, S_Q, G, i_start, n_qblocks,
+                qk_scale, scale)
         load_args = (q_desc, k_desc, v_desc, do_desc, q_smem, k_smem, v_smem, do_smem, kv_bar,
-                     q_ready, q_empty, off_b, n0, kv_col, q_col0, G, 0, n_qblocks)
-        gl.warp_specialize([(_keys_0, args), (_keys_1, args), (_dkdv_loader, load_args)],
-                           [4, 1], [CONSUMER_REGS, LOADER_REGS])
+                     q_ready, q_empty, off_b, n0, kv_col, q_col0, G, i_start, n_qblocks)
+        if CAUSAL:
+            gl.warp_specialize([(_keys_0_causal, args), (_keys_1_causal, args),
+                                (_dkdv_loader, load_args)], [4, 1],
+                               [CONSUMER_REGS, LOADER_REGS])
+        else:
+            gl.warp_specialize([(_keys_0, args), (_keys_1, args), (_dkdv_loader, load_args)],
+                               [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 def _dq_desc(dq: torch.Tensor):
@@ -252,9 +305,7 @@ def _dq_desc(dq: torch.Tensor):
 
 def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype=None):
     """(dq, dk, dv) in grad_dtype (None: q's; fp32: never rounded to 16 bits) where
-    `flash_attention_sm90_bwd.applies_bwd` holds, no mask (causal: the two-kernel backward)."""
-    if causal:
-        raise ValueError("flash_attention_sm90_bwd_fused: no mask only (causal=False)")
+    `flash_attention_sm90_bwd.applies_bwd` holds; no mask or top-left causal."""
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     delta = torch.empty_like(lse)
@@ -263,8 +314,9 @@ def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, gra
         num_warps=4)
     dq = torch.zeros(b, s_q, h, d, dtype=torch.float32, device=q.device)
     (dk, dv), (dk_dst, dv_dst, kv_ss) = dkdv_outputs(k, v, grad_dtype or q.dtype)
-    _bwd_kernel[(-(-s_kv // BLOCK_N), b * h_kv)](
+    _bwd_kernel[launch_grid(-(-s_kv // BLOCK_N), b * h_kv, causal)](
         *_bwd_descriptors(q, k, v, dout), dk_dst, dv_dst, s_kv, kv_ss, _dq_desc(dq), lse,
-        delta, s_q, h_kv, h // h_kv, scale * LOG2E, scale, BM=BWD_BLOCK_M, BN=BLOCK_N, D=d,
-        NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
+        delta, s_q, h_kv, h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
+        BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
+        LOADER_REGS=LOADER_REGS, num_warps=4)
     return dq.to(grad_dtype or q.dtype), dk, dv
