@@ -25,7 +25,7 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
     inside one program.
 
 On Hopper the speed mode runs `flash_attention_sm90` / `_sm90_bwd` (Gluon, warp-specialized:
-forward, dK/dV, dQ; without a mask `_sm90_bwd_fused`, one backward kernel) where their
+forward, dK/dV, dQ; `_sm90_bwd_fused`, one backward kernel, but for causal GQA) where their
 `applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band; 16-bit or fp32
 outputs: the latter what CP's fp32_partials blocks take).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
@@ -416,8 +416,9 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if not split and band is None and varlen is None:
         lse = lse.contiguous()      # e.g. a CP block's rows of the merged lse: a small copy
         if sm90_bwd.applies_bwd(q, k, v, out, dout, lse, grad_dtype):   # Hopper: Gluon
-            fused = (sm90_bwd_fused.AVAILABLE and not causal    # no mask: one kernel, its dq
-                     and not torch.are_deterministic_algorithms_enabled())   # summed by atomics
+            # one kernel (its dq summed by atomics) but for causal GQA, where two kernels win
+            fused = (sm90_bwd_fused.AVAILABLE and (not causal or h == h_kv)
+                     and not torch.are_deterministic_algorithms_enabled())
             return (sm90_bwd_fused if fused else sm90_bwd).flash_attention_bwd(
                 dout, q, k, v, out, lse, causal, scale, grad_dtype)
     dev, f32 = q.device, torch.float32

@@ -1,5 +1,6 @@
-"""Hopper (sm90) flash-attention backward without a mask in one Gluon kernel: dK, dV and dQ,
-5 products per tile pair (the two-kernel backward in `flash_attention_sm90_bwd` does 7).
+"""Hopper (sm90) flash-attention backward in one Gluon kernel (no mask or top-left causal): dK,
+dV and dQ, 5 products per tile pair (the two-kernel backward in `flash_attention_sm90_bwd`
+does 7).
 
 One program per 128-key block, as that file's `_dkdv_kernel` (its loader: K / V once, Q / dO
 per 64-row query block into a 2-slot ring; two consumer warpgroups of 64 keys each, ping-pong
@@ -17,9 +18,14 @@ bit-reproducible (dK, dV are), so under torch.use_deterministic_algorithms the d
 Barriers: ds_full (both halves of a dS buffer stored), ds_free (both dQ products that read it
 done), kv_free (both warpgroups' last dQ product, which reads all of K, done before K / V's
 shared memory holds dK / dV for their TMA stores).
-Causal stays on the two-kernel backward: fused, it measured no faster (MHA) or slower (GQA-8:
-3.80-3.90 ms vs 3.34-3.54) on an H200 at B4 H32 S4096 D128; no mask: 5.50 vs 6.31-6.75 ms
-(MHA), 6.20 vs 6.33-6.61 (GQA-8), docs/attention.md.
+Top-left causal: a key block's program starts at the query block of its diagonal (the
+diagonal's two 64-row blocks masked, key j seen by row i iff j <= i), the longest key blocks
+first (`_grouped`). The dispatch takes this kernel without a mask and for causal MHA; causal
+GQA keeps the two kernels. Measured on an H200 (backward alone, interleaved rounds,
+`bench_flash_attention.py --kernels --cp`): B4 H32 S4096 D128 no mask 5.69 vs 6.31 ms (two
+kernels), causal 3.19 vs 3.47; GQA-8 no mask 6.05 vs 6.44, causal 3.64 vs 3.36 (slower); one
+cp=2 rank's blocks at S=32768 (B1 H12): causal 16384 x 16384 4.20 vs 4.73, no mask 8192 x
+16384 4.07 vs 4.65.
 Twin: `tritium.ref.flash_attention.flash_attention_bwd` (the GPU tier compares them).
 """
 from __future__ import annotations
