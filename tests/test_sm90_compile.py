@@ -341,23 +341,20 @@ def _sm90_kernel_types(name: str, fp32_out: bool = False) -> dict:
     return {n: t[n] for n in fn.arg_names if n in t}
 
 
-if _fa.sm90.gluon is not None:
-    _SM90 = dict(BN=_fa.sm90.BLOCK_N, D=128, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
-                 LOADER_REGS=_fa.sm90.LOADER_REGS)
-    KERNELS[("flash_attention_sm90", "_fwd_kernel")] = (
-        _sm90_kernel_types("_fwd_kernel"),
-        dict(_SM90, CAUSAL=True, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
-    KERNELS[("flash_attention_sm90_bwd", "_dq_kernel")] = (
-        _sm90_kernel_types("_dq_kernel"),
-        dict(_SM90, CAUSAL=True, BM=_fa.sm90.BLOCK_M, NSTAGE=_fa.sm90.STAGES), dict(num_warps=4))
-    KERNELS[("flash_attention_sm90_bwd", "_dkdv_kernel")] = (
-        _sm90_kernel_types("_dkdv_kernel"),
-        dict(_SM90, CAUSAL=True, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
-        dict(num_warps=4))
-if _fa.sm90_bwd_fused.AVAILABLE:
-    KERNELS[("flash_attention_sm90_bwd_fused", "_bwd_kernel")] = (
-        _sm90_kernel_types("_bwd_kernel"),
-        dict(_SM90, CAUSAL=True, BM=_fa.sm90_bwd.BWD_BLOCK_M, NSTAGE=_fa.sm90_bwd.BWD_STAGES),
+# the Gluon kernels (those this Triton has) at their launchers' constants: (BM, NSTAGE)
+SM90_KERNELS = {} if _fa.sm90.gluon is None else {
+    ("flash_attention_sm90", "_fwd_kernel"): (_fa.sm90.BLOCK_M, _fa.sm90.STAGES),
+    ("flash_attention_sm90_bwd", "_dq_kernel"): (_fa.sm90.BLOCK_M, _fa.sm90.STAGES),
+    ("flash_attention_sm90_bwd", "_dkdv_kernel"): (_fa.sm90_bwd.BWD_BLOCK_M,
+                                                   _fa.sm90_bwd.BWD_STAGES),
+    **({("flash_attention_sm90_bwd_fused", "_bwd_kernel"): (_fa.sm90_bwd.BWD_BLOCK_M,
+                                                             _fa.sm90_bwd.BWD_STAGES)}
+       if _fa.sm90_bwd_fused.AVAILABLE else {})}
+for (_mod, _name), (_bm, _stages) in SM90_KERNELS.items():
+    KERNELS[(_mod, _name)] = (
+        _sm90_kernel_types(_name),
+        dict(BN=_fa.sm90.BLOCK_N, D=128, CONSUMER_REGS=_fa.sm90.CONSUMER_REGS,
+             LOADER_REGS=_fa.sm90.LOADER_REGS, CAUSAL=True, BM=_bm, NSTAGE=_stages),
         dict(num_warps=4))
 
 
@@ -430,11 +427,8 @@ VARIANTS = {
     ("block_cast", "_block_cast_kernel"): [  # the 128x128 default
         dict(BLOCK_2D=True, SUB=128, _options=dict(num_warps=8))],
     # the Gluon kernels: no mask, and fp32 outputs (CP's fp32 partials) stored from registers
-    **{("flash_attention_sm90" + mod, name): [
-        dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(name, True)),
-        dict(_types=_sm90_kernel_types(name, True))]
-       for mod, name in (("", "_fwd_kernel"), ("_bwd", "_dkdv_kernel"), ("_bwd", "_dq_kernel"),
-                         ("_bwd_fused", "_bwd_kernel"))},
+    **{key: [dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(key[1], True)),
+             dict(_types=_sm90_kernel_types(key[1], True))] for key in SM90_KERNELS},
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,
