@@ -218,23 +218,29 @@ if gluon is not None:
         return q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn
 
     @gluon.jit
+    def _key_block(S_KV, H_KV, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
+        """This key-block program's (batch, kv head, first key, first query block to visit);
+        causal (a 1D grid, `_grouped`): the longest key blocks (the first) first, and the query
+        blocks wholly above the diagonal skipped."""
+        if CAUSAL:
+            pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
+        else:
+            pid_n = gl.program_id(0)
+            pid_bh = gl.program_id(1)          # (batch, kv head)
+        n0 = pid_n * BN
+        if CAUSAL:
+            i_start = n0 // BM
+        else:
+            i_start = 0
+        return pid_bh // H_KV, pid_bh % H_KV, n0, i_start
+
+    @gluon.jit
     def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_dst, dv_dst, kv_ss, lse_ptr,
                      delta_ptr, S_Q, S_KV, H_KV, G, qk_scale, scale, CAUSAL: gl.constexpr,
                      BM: gl.constexpr, BN: gl.constexpr, D: gl.constexpr,
                      NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                      LOADER_REGS: gl.constexpr):
-        if CAUSAL:   # the longest key blocks (the first) first, `_grouped`
-            pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
-        else:
-            pid_n = gl.program_id(0)
-            pid_bh = gl.program_id(1)          # (batch, kv head)
-        off_b = pid_bh // H_KV
-        off_hk = pid_bh % H_KV
-        n0 = pid_n * BN
-        if CAUSAL:   # query blocks wholly above the diagonal see none of these keys
-            i_start = n0 // BM
-        else:
-            i_start = 0
+        off_b, off_hk, n0, i_start = _key_block(S_KV, H_KV, BM, BN, CAUSAL)
         n_qblocks = gl.cdiv(S_Q, BM)
 
         q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn = _q_ring(

@@ -52,8 +52,7 @@ if AVAILABLE:
         fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_init, warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDesc
 
-    from .flash_attention_sm90 import _grouped
-    from .flash_attention_sm90_bwd import _dkdv_loader, _q_ring, _store_dkdv
+    from .flash_attention_sm90_bwd import _dkdv_loader, _key_block, _q_ring, _store_dkdv
 
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
@@ -253,18 +252,7 @@ if AVAILABLE:
                     BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        if CAUSAL:   # the longest key blocks (the first) first, `_grouped`
-            pid_n, pid_bh = _grouped(gl.cdiv(S_KV, BN))
-        else:
-            pid_n = gl.program_id(0)
-            pid_bh = gl.program_id(1)          # (batch, kv head)
-        off_b = pid_bh // H_KV
-        off_hk = pid_bh % H_KV
-        n0 = pid_n * BN
-        if CAUSAL:   # query blocks wholly above the diagonal see none of these keys
-            i_start = n0 // BM
-        else:
-            i_start = 0
+        off_b, off_hk, n0, i_start = _key_block(S_KV, H_KV, BM, BN, CAUSAL)
         n_qblocks = gl.cdiv(S_Q, BM)
 
         q_smem, do_smem, k_smem, v_smem, kv_bar, q_ready, q_empty, turn = _q_ring(
