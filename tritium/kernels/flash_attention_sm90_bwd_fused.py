@@ -302,15 +302,16 @@ def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, gra
     `flash_attention_sm90_bwd.applies_bwd` holds; no mask or top-left causal."""
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
+    grad_dtype = grad_dtype or q.dtype
     delta = torch.empty_like(lse)
     _delta_kernel[(-(-s_q // BWD_BLOCK_M), b * h)](
         out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=BWD_BLOCK_M,
         num_warps=4)
     dq = torch.zeros(b, s_q, h, d, dtype=torch.float32, device=q.device)
-    (dk, dv), (dk_dst, dv_dst, kv_ss) = dkdv_outputs(k, v, grad_dtype or q.dtype)
+    (dk, dv), (dk_dst, dv_dst, kv_ss) = dkdv_outputs(k, v, grad_dtype)
     _bwd_kernel[launch_grid(-(-s_kv // BLOCK_N), b * h_kv, causal)](
         *_bwd_descriptors(q, k, v, dout), dk_dst, dv_dst, s_kv, kv_ss, _dq_desc(dq), lse,
         delta, s_q, h_kv, h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
         BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4)
-    return dq.to(grad_dtype or q.dtype), dk, dv
+    return dq.to(grad_dtype), dk, dv

@@ -121,10 +121,9 @@ def measure(group, b=1, s=512, h=4, hk=2, d=64, causal=True, dtype=torch.bfloat1
     for label, got in results:
         row = errors(got, ref, single)
         for name in NAMES:
-            row[name]["ratio"] = row[name]["max_abs"] / max(base[name]["max_abs"], 1e-30)
-            row[name]["rms_ratio"] = row[name]["rms"] / max(base[name]["rms"], 1e-30)
-            row[name]["frac_ratio"] = (row[name]["frac_fp32"]
-                                       / max(base[name]["frac_fp32"], 1e-30))
+            for stat, ratio in (("max_abs", "ratio"), ("rms", "rms_ratio"),
+                                ("frac_fp32", "frac_ratio")):
+                row[name][ratio] = row[name][stat] / max(base[name][stat], 1e-30)
         rows.append(dict(config=label, **row))
     return rows
 
