@@ -16,7 +16,9 @@ measured at S=8192.
     python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
     python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials at the largest S
                                              # only, then rank 0's kernels from torch.profiler
-                                             # (where time goes)
+                                             # (where time goes) and each rank's last step
+    python benchmarks/bench_cp.py --nccl-high-priority   # NCCL's streams at high priority
+                                             # (ProcessGroupNCCL.Options.is_high_priority_stream)
 Needs 2 GPUs; otherwise it says so and exits with status 0 (nothing timed, nothing failed).
 """
 from __future__ import annotations
@@ -85,15 +87,32 @@ def _step(attn, q, k, v, dout):
     return run
 
 
-def _profile(fn, iters: int = 3) -> str:
-    """rank's kernel table over `iters` fwd+bwd steps, and their summed device time per step."""
+def _timeline(kernels, iters: int) -> str:
+    """The last step's kernels in start order: start (ms from the step's first kernel),
+    duration, name; kernels under 20 us are counted, not listed."""
+    step = kernels[-(len(kernels) // iters):]
+    t0, lines, small = step[0].time_range.start, [], 0
+    for e in step:
+        dur = (e.time_range.end - e.time_range.start) / 1e3
+        if dur < 0.02:
+            small += 1
+            continue
+        lines.append(f"  {(e.time_range.start - t0) / 1e3:8.3f} {dur:7.3f}  {e.name[:60]}")
+    return "\n".join(lines + [f"  (+{small} kernels under 20 us)"])
+
+
+def _profile(fn, iters: int = 3) -> tuple:
+    """(rank's kernel table over `iters` fwd+bwd steps with their summed device time per step,
+    the last step's timeline)."""
     prof = cuda_profile(fn, iters)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / iters / 1e3
     spans = {True: [], False: []}       # NCCL kernels, everything else
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            spans["nccl" in e.name.lower()].append((e.time_range.start, e.time_range.end))
+    kernels = sorted((e for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    for e in kernels:
+        spans["nccl" in e.name.lower()].append((e.time_range.start, e.time_range.end))
 
     def union(iv):
         total, end = 0.0, float("-inf")
@@ -107,14 +126,16 @@ def _profile(fn, iters: int = 3) -> str:
             f"{compute / iters / 1e3:.3f} ms, NCCL {nccl / iters / 1e3:.3f} ms of which "
             f"{hidden / iters / 1e3:.3f} ms run under other kernels\n"
             + events.table(sort_by="self_device_time_total", row_limit=25,
-                           max_name_column_width=70))
+                           max_name_column_width=70)), _timeline(kernels, iters)
 
 
-def _worker(rank, port, queue, profile_only=False):
+def _worker(rank, port, queue, profile_only=False, high_priority=False):
     import torch.distributed as dist
     torch.cuda.set_device(rank)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = high_priority
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2)
+                            world_size=2, pg_options=options)
     import tritium.attention as A
     from tritium.attention import cp
     from tritium.attention.cp import accuracy
@@ -143,10 +164,15 @@ def _worker(rank, port, queue, profile_only=False):
                 ms = _time(fn, group)
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
                 if profile_only:
-                    table = _profile(fn)
+                    table, timeline = _profile(fn)
                     if rank == 0:
                         print(f"rank 0, {name}, {case}: {ms:.3f} ms per step\n{table}",
                               flush=True)
+                    for r in range(2):      # each rank's last step, one after the other
+                        if r == rank:
+                            print(f"rank {rank}, {name}: last step's kernels (start ms, ms)\n"
+                                  f"{timeline}", flush=True)
+                        dist.barrier()
             del q, k, v, dout, loc
             torch.cuda.empty_cache()
         if profile_only:
@@ -172,14 +198,16 @@ def _worker(rank, port, queue, profile_only=False):
 
 
 def main(argv=None) -> int:
-    profile_only = "--profile" in (sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    profile_only, high_priority = "--profile" in argv, "--nccl-high-priority" in argv
     if torch.cuda.device_count() < 2:
         print(f"bench_cp: needs 2 CUDA GPUs, found {torch.cuda.device_count()}; nothing timed")
         return 0
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue, profile_only), nprocs=2, join=True,
+    mp.start_processes(_worker, args=(_free_port(), queue, profile_only, high_priority),
+                       nprocs=2, join=True,
                        start_method="spawn")
     rows, acc_rows = queue.get()
     if profile_only:
