@@ -395,23 +395,34 @@ def test_schedules_cover_the_mask_exactly_once(world, causal):
     torch.testing.assert_close(_covered(gathered, world, c), want, rtol=0, atol=0)
 
 
+GRAD_SUM_ROWS = {"all first": (slice(None), slice(0, 4)), "half first": (slice(4, 8), slice(None)),
+                 "disjoint": (slice(0, 4), slice(5, 8)), "one half": (slice(2, 6), slice(2, 6))}
+
+
 @pytest.mark.parametrize("terms", [2, 3, 4])
-def test_grad_sum_rounds_once_like_an_fp32_buffer(terms, randn):
-    """GradSum (fp32 accumulation, 16-bit partials, some covering only a slice of the rows) ==
-    an fp32 buffer summed then rounded once, bit for bit; without fp32 accumulation it rounds
-    at every add."""
-    from tritium.attention.cp.merge import ALL, GradSum, Precision
+@pytest.mark.parametrize("pattern", list(GRAD_SUM_ROWS))
+def test_grad_sum_rounds_once_like_an_fp32_buffer(terms, pattern, randn):
+    """GradSum (fp32 accumulation, 16-bit partials, each covering all rows or a slice: the
+    buffer grows to hold them, rows no term covers end as zeros) == an fp32 buffer summed then
+    rounded once, bit for bit; without fp32 accumulation it rounds at every add."""
+    from tritium.attention.cp.merge import GradSum, Precision, span
     shape, dt = (2, 8, 3, 4), torch.bfloat16
-    rows = [ALL if t % 2 == 0 else slice(0, 4) for t in range(terms)]
-    parts = [randn(shape[0], 8 if r == ALL else 4, *shape[2:]).to(dt) for r in rows]
+    rows = [GRAD_SUM_ROWS[pattern][t % 2] for t in range(terms)]
+    parts = [randn(shape[0], len(range(8)[r]), *shape[2:]).to(dt) for r in rows]
     ref = torch.zeros(shape)
     for r, part in zip(rows, parts):
         ref[:, r] += part.float()
     for fp32, want in ((True, ref.to(dt)), (False, None)):
-        acc = GradSum(terms, Precision(exact=False, fp32_accumulation=fp32), dt)
+        acc = GradSum(terms, Precision(exact=False, fp32_accumulation=fp32), dt, shape[1])
         buf = None
         for t, (r, part) in enumerate(zip(rows, parts), start=1):
-            buf = acc.add(buf, shape, r, part.clone(), t)   # add may reuse its part
+            buf = acc.add(buf, part.clone(), r, t)     # add may reuse its part
+            assert buf[0].is_contiguous() and buf[0].shape[1] == buf[1][1] - buf[1][0]
+            if t < terms:       # the smallest range holding the terms so far
+                spans = [span(x, 8) for x in rows[:t]]
+                assert buf[1] == (min(a for a, _ in spans), max(b for _, b in spans))
+        assert buf[1] == (0, shape[1])
+        buf = buf[0]
         assert buf.dtype == dt and buf.is_contiguous()
         if want is None:                 # 16-bit: one rounding per add
             want = torch.zeros(shape, dtype=dt)

@@ -119,28 +119,44 @@ class Runner:
 
 
 class OutAcc:
-    """Running (out, lse) of the local q rows: out [b, L, h, d_v] in acc dtype, lse fp32."""
+    """Running (out, lse) of the local q rows: out [b, L, h, d_v] in acc dtype, lse fp32.
+
+    The first partial over all rows becomes the buffer (no copy when it is in the acc dtype,
+    e.g. the flash kernel's fp32 partials); later ones merge in place. With a partial of the
+    acc dtype the merge is one pass, `out.lerp_(out_i, b)` = out + b (out_i - out) with
+    b = exp(lse_i - lse_new) (a = exp(lse - lse_new) = 1 - b up to rounding); a 16-bit partial
+    into an fp32 buffer is promoted inside `addcmul_`."""
 
     def __init__(self, q: torch.Tensor, d_v: int, acc_dtype: torch.dtype):
         b, s, h, _ = q.shape
-        # no zero fill: a row's first add copies into it (every schedule here adds every row)
-        self.out = torch.empty(b, s, h, d_v, dtype=acc_dtype, device=q.device)
+        self.shape, self.acc_dtype = (b, s, h, d_v), acc_dtype
+        self.out = None
         lse_dtype = torch.float64 if acc_dtype == torch.float64 else torch.float32
         self.lse = torch.full((b, h, s), float("-inf"), dtype=lse_dtype, device=q.device)
         self._fresh = torch.ones(s, dtype=torch.bool)  # host-side: rows not written yet
 
     def add(self, rows: slice, out_i: torch.Tensor, lse_i: torch.Tensor) -> None:
+        if self.out is None and rows == ALL:     # the first partial becomes the buffer
+            self.out = out_i.to(self.acc_dtype, memory_format=torch.contiguous_format)
+            self.lse.copy_(lse_i)
+            self._fresh[:] = False
+            return
+        if self.out is None:    # no zero fill: every schedule here adds every row
+            self.out = torch.empty(self.shape, dtype=self.acc_dtype, device=out_i.device)
         o, l = self.out[:, rows], self.lse[:, :, rows]
         if bool(self._fresh[rows].all()):
             o.copy_(out_i)
             l.copy_(lse_i)
         else:
             new = torch.logaddexp(l, lse_i)
-            a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
             b = torch.exp(lse_i - new).transpose(1, 2).unsqueeze(-1)
-            if o.dtype == torch.float32 or o.dtype == torch.float64:
+            if o.dtype == out_i.dtype and o.dtype in (torch.float32, torch.float64):
+                o.lerp_(out_i, b.to(o.dtype))
+            elif o.dtype in (torch.float32, torch.float64):
+                a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
                 o.mul_(a).addcmul_(out_i, b)     # out_i promoted inside, no temporary
             else:  # 16-bit accumulator: fp32 arithmetic, one rounding per step
+                a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
                 o.copy_(o.float() * a + out_i.float() * b)
             l.copy_(new)
         self._fresh[rows] = False
@@ -156,10 +172,13 @@ class Ring:
         if reverse:
             self.next, self.prev = self.prev, self.next
 
-    def exchange(self, tensors, tag: int = 0):
-        """Post sends of `tensors` and receives of same-shaped ones -> (received, requests)."""
+    def exchange(self, tensors, tag: int = 0, shapes=None):
+        """Post sends of `tensors` and receives of same-dtype ones, of `shapes` (None or an
+        entry None: the sent tensor's shape) -> (received, requests)."""
         import torch.distributed as dist
-        recv = [torch.empty_like(t) for t in tensors]
+        shapes = shapes or [None] * len(tensors)
+        recv = [torch.empty(shape or t.shape, dtype=t.dtype, device=t.device)
+                for t, shape in zip(tensors, shapes)]
         ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag + i)
                for i, t in enumerate(tensors)]
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag + i)
@@ -178,47 +197,81 @@ def contiguous(x: Optional[torch.Tensor]):
     return x if x is None or x.is_contiguous() else x.contiguous()
 
 
+def span(rows: slice, length: int) -> tuple:
+    """(start, stop) of a row slice of a tensor of `length` rows."""
+    start, stop, _ = rows.indices(length)
+    return start, stop
+
+
 class GradSum:
     """A running sum of `terms` partial gradients (dq, or a travelling dK/dV buffer) of one
-    tensor, each covering some rows (dim 1), stored as cheaply as the precision allows.
+    tensor of `length` rows (dim 1), each term covering a slice of the rows, stored as cheaply
+    as the precision allows.
+
+    A buffer is (tensor, (start, stop)): it holds only the rows its terms have covered so far
+    (the smallest range that contains them), so a term over half the rows is neither
+    zero-filled nor copied, and a travelling buffer sends only those rows (the receiver knows
+    them from the schedule). An add that covers the buffer's rows adds the buffer into the new
+    term (whose tensor it may reuse), one that lies inside them adds into the buffer.
 
     With fp32 accumulation the sum is formed in fp32 and rounded once to the output dtype. Two
     16-bit partials need no fp32 buffer for that: PyTorch adds 16-bit tensors in fp32 and rounds
     once, so `a + b` in bf16 is bit for bit `(a.float() + b.float()).to(bf16)`. So the first
-    term is kept as it comes (zero-filled outside its rows), a 16-bit sum of two becomes fp32
-    only when more terms follow, and the last add ends in the output dtype. At
-    cp=2 (fast mode) that saves converting three buffers to fp32, three fp32 adds and three
-    casts per backward, and the dK/dV buffer travels in 16 bits. Without fp32 accumulation the
-    buffer stays in the partials' dtype and every add rounds (what TE does). Exact mode's fp32
-    partials make fp32 buffers from the first term on.
+    term is kept as it comes, a 16-bit sum of two becomes fp32 only when more terms follow, and
+    the last add writes the output dtype directly (`torch.add(..., out=)`: one pass, rows
+    covered by one side only are copied). At cp=2 (fast mode) that saves converting three
+    buffers to fp32, three fp32 adds and three casts per backward, and the dK/dV buffer travels
+    in 16 bits. Without fp32 accumulation the buffer stays in the output dtype and every add
+    rounds (what TE does). Exact mode's fp32 partials make fp32 buffers from the first term on.
 
-    `add(buf, shape, rows, part, term)` (term counts from 1; buf None for the first) returns the
-    new buffer, contiguous (it may be sent to another rank); after term `terms` it is the result
-    in `out_dtype`. Every rank adds the same term at the same step, so travelling buffers have
-    the same dtype on both ends."""
+    `add(buf, part, rows, term)` (term counts from 1; buf None for the first) returns the new
+    buffer, contiguous (it may be sent to another rank); after term `terms` its tensor is the
+    whole result in `out_dtype`. Every rank adds the same term at the same step, so travelling
+    buffers have the same dtype on both ends."""
 
-    def __init__(self, terms: int, precision: "Precision", out_dtype: torch.dtype):
-        self.terms, self.out_dtype = terms, out_dtype
-        self.fp32 = precision.acc_dtype(out_dtype) != out_dtype
+    def __init__(self, terms: int, precision: "Precision", out_dtype: torch.dtype,
+                 length: int):
+        self.terms, self.out_dtype, self.length = terms, out_dtype, length
+        self.acc = precision.acc_dtype(out_dtype)
 
-    def add(self, buf, shape, rows: slice, part: torch.Tensor, term: int) -> torch.Tensor:
-        last = term == self.terms
-        if buf is None:
-            dtype = part.dtype if self.fp32 and not last else self.out_dtype
-            if rows == ALL:
-                return contiguous(part.to(dtype, memory_format=torch.contiguous_format))
-            buf = torch.zeros(shape, dtype=dtype, device=part.device)
-            buf[:, rows] = part
-            return buf
-        if self.fp32 and buf.dtype != torch.float32 and not last:
-            buf = buf.float()               # a third term follows: the sum goes to fp32
-        if last and buf.dtype != self.out_dtype:
-            if rows == ALL:                 # one add, rounded once, into the output dtype
-                return torch.add(buf, part).to(self.out_dtype)
-            buf[:, rows] += part
-            return buf.to(self.out_dtype)
-        buf[:, rows] += part
-        return buf
+    def add(self, buf, part: torch.Tensor, rows: slice, term: int) -> tuple:
+        cover = span(rows, self.length)
+        if term == self.terms:
+            return self._finish(buf, part, cover), (0, self.length)
+        if buf is None:     # kept as it comes (16-bit or fp32) when the sum is fp32
+            keep = part if self.acc != self.out_dtype else part.to(self.acc)
+            return contiguous(keep), cover
+        have, (lo, hi) = buf[1], (min(buf[1][0], cover[0]), max(buf[1][1], cover[1]))
+        if (lo, hi) == have:
+            t, (a, b) = buf[0].to(self.acc), cover
+        elif (lo, hi) == cover:
+            t, (a, b), part = part.to(self.acc), have, buf[0]
+        else:               # disjoint terms: a buffer over both
+            t = torch.zeros(part.shape[0], hi - lo, *part.shape[2:], dtype=self.acc,
+                            device=part.device)
+            t[:, have[0] - lo:have[1] - lo] += buf[0]
+            a, b = cover
+        t[:, a - lo:b - lo] += part
+        return contiguous(t), (lo, hi)
+
+    def _finish(self, buf, part, cover) -> torch.Tensor:
+        """The sum in out_dtype: rows both sides cover added and rounded once, the others
+        copied (zero where neither does)."""
+        out = torch.empty(part.shape[0], self.length, *part.shape[2:], dtype=self.out_dtype,
+                          device=part.device)
+        t, have = buf if buf is not None else (None, (0, 0))
+        cuts = sorted({0, self.length, *have, *cover})
+        for a, b in zip(cuts, cuts[1:]):
+            dst = out[:, a:b]
+            mine = t[:, a - have[0]:b - have[0]] if have[0] <= a and b <= have[1] else None
+            new = part[:, a - cover[0]:b - cover[0]] if cover[0] <= a and b <= cover[1] else None
+            if mine is not None and new is not None:
+                torch.add(mine, new, out=dst)
+            elif mine is not None or new is not None:
+                dst.copy_(mine if mine is not None else new)
+            else:
+                dst.zero_()
+        return out
 
 
-__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL", "GradSum"]
+__all__ = ["Block", "Precision", "Runner", "OutAcc", "Ring", "ALL", "GradSum", "span"]

@@ -14,8 +14,10 @@ cuDNN's sm90 flash kernels are persistent (one CTA per SM, ~230 KB of shared mem
 transfer that becomes ready while one runs, or at the same moment as one is dispatched, waits
 for that kernel to end, and the next step waits for the transfer (measured on 8 x H200: 1.3 ms
 of every 5 ms forward step at S=131072, cp=8, before this order). So every transfer is posted
-right after an attention kernel and before the small kernels that follow it: step i+1's KV
-is posted before step 0's compute, and after step i's compute the rank waits for step i+1's
+right after an attention kernel and before the small kernels that follow it: step 1's KV
+is posted before the forward's first small kernel (the lse buffer's fill) and step 0's compute
+(measured on 2 x H200, S=32768: posted right before step 0's kernel, the transfer waited for
+that kernel's last wave, 0.4-0.8 ms), and after step i's compute the rank waits for step i+1's
 KV, posts step i+2's, then merges step i. The transfer becomes ready as the attention kernel
 ends and starts during the merge, overlapping step i+1's compute.
 
@@ -32,7 +34,9 @@ compute; two separate transfers would leave the second one queued behind the fir
 persistent backward kernel ends. At step 0 the buffer that arrives is the one of the rank's
 own block: its own contribution completes dK/dV and no hop follows the loop. (Replaying the
 forward order ends with every buffer one hop from its owner, and that last transfer (fp32:
-twice the bytes of a bf16 KV) has no compute to hide behind.) Block src's dK/dV sums the
+twice the bytes of a bf16 KV) has no compute to hide behind.) A buffer holds only the rows
+its blocks have covered so far (`merge.GradSum`; the receiver knows them from the schedule:
+`travelled`): at cp=2 rank 1 sends half the rows rank 0 does. Block src's dK/dV sums the
 ranks' contributions in the order src-1, src-2, ..., src (mod cp), the reverse of the
 forward-order replay's: equal up to fp32 summation order. dQ stays local. With fp32
 accumulation dq and the travelling dk/dv are summed in fp32 and rounded once at the end
@@ -46,7 +50,7 @@ from __future__ import annotations
 
 import torch
 
-from .merge import ALL, Block, GradSum, OutAcc, Ring, Runner, contiguous
+from .merge import ALL, Block, GradSum, OutAcc, Ring, Runner, contiguous, span
 
 def schedule(i: int, rank: int, causal: bool, half: int) -> Block:
     """The block rank `rank` computes at ring step i (local length 2 * half)."""
@@ -59,6 +63,15 @@ def schedule(i: int, rank: int, causal: bool, half: int) -> Block:
     return Block(slice(half, None), ALL, False)
 
 
+def travelled(i: int, rank: int, n: int, causal: bool, half: int) -> tuple:
+    """(start, stop): the rows of the dK/dV buffer that `rank` passes on after backward step
+    i, i.e. the smallest range holding the blocks of steps i, ..., n-1 that ranks rank, rank+1,
+    ... added to it (merge.GradSum's rule)."""
+    spans = [span(schedule(j, (rank + j - i) % n, causal, half).kv, 2 * half)
+             for j in range(i, n)]
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 class RingAttention(torch.autograd.Function):
     """q, k, v canonical bshd [b, L, h, d] (any strides) -> out [b, L, h, d_v] in q.dtype."""
 
@@ -67,11 +80,12 @@ class RingAttention(torch.autograd.Function):
         runner = Runner(cfg.scale, cfg.dropout, cfg.backend, cfg.precision)
         ring, n, rank = Ring(cfg.group, cfg.ranks, cfg.rank), cfg.size, cfg.rank
         half = q.shape[1] // 2
-        qc = cfg.precision.compute(q)
-        acc = OutAcc(q, v.shape[-1], cfg.precision.acc_dtype(q.dtype))
         kv = (contiguous(k), contiguous(v))
-        states = []
         pending = ring.exchange(kv) if n > 1 else None      # step 1's KV
+        # after the post: the lse fill runs while NCCL's kernel takes its SMs (see above)
+        acc = OutAcc(q, v.shape[-1], cfg.precision.acc_dtype(q.dtype))
+        qc = cfg.precision.compute(q)
+        states = []
         for i in range(n):
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (cfg.precision.compute(x) for x in kv)
@@ -98,25 +112,32 @@ class RingAttention(torch.autograd.Function):
         n, rank = cfg.size, cfg.rank
         half = q.shape[1] // 2
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
-        dq_sum, dk_sum, dv_sum = (GradSum(n, p, x.dtype) for x in (q, k, v))
-        dq = dk = dv = None
+        dq_sum, dk_sum, dv_sum = (GradSum(n, p, x.dtype, x.shape[1]) for x in (q, k, v))
+        dq = dk = dv = None     # (tensor, its rows): merge.GradSum
         for term, i in enumerate(reversed(range(n)), start=1):
             # one batch to r-1 / from r+1: the dK/dV buffer finished at step i+1 and this
             # step's KV (r-1 computes with it at step i-1; step 0's KV is the rank's own)
-            send = ([dk, dv] if dk is not None else []) + (list(kv) if i > 1 else [])
-            pending = ring.exchange(send) if send else None
+            send, shapes = [], []
+            if dk is not None:  # r+1's buffer holds the rows of its steps i+1, ..., n-1
+                rows = travelled(i + 1, (rank + 1) % n, n, cfg.causal, half)
+                send += [dk[0], dv[0]]
+                shapes += [(x.shape[0], rows[1] - rows[0], *x.shape[2:]) for x in (k, v)]
+            if i > 1:
+                send += list(kv)
+                shapes += [None, None]
+            pending = ring.exchange(send, shapes=shapes) if send else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (p.compute(x) for x in kv)
             dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i])
-            dq = dq_sum.add(dq, q.shape, blk.q, dq_i, term)
+            dq = dq_sum.add(dq, dq_i, blk.q, term)
             recv = ring.wait(pending) if pending is not None else []
             if dk is not None:      # the buffer from r+1, which held this block last
-                (dk, dv), recv = recv[:2], recv[2:]
-            dk = dk_sum.add(dk, k.shape, blk.kv, dk_i, term)
-            dv = dv_sum.add(dv, v.shape, blk.kv, dv_i, term)
+                (dk, dv), recv = [(x, rows) for x in recv[:2]], recv[2:]
+            dk = dk_sum.add(dk, dk_i, blk.kv, term)
+            dv = dv_sum.add(dv, dv_i, blk.kv, term)
             kv = tuple(recv) if i > 1 else (k, v)
         ctx.states = None
-        return dq, dk, dv, None     # step 0: this rank's own block, complete
+        return dq[0], dk[0], dv[0], None    # step 0: this rank's own block, complete
 
 
 __all__ = ["RingAttention", "schedule"]
