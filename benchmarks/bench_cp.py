@@ -101,9 +101,35 @@ def _timeline(kernels, iters: int) -> str:
     return "\n".join(lines + [f"  (+{small} kernels under 20 us)"])
 
 
+def _host(fn, iters: int = 5) -> str:
+    """The host's ms per call of fn (launches only: no synchronize between calls) and the
+    operations that synchronized with the GPU in one call (torch's sync debug mode)."""
+    import time
+    import warnings
+    torch.cuda.synchronize()
+    ms = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        ms.append((time.perf_counter() - t0) * 1e3)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = sorted({f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"
+                    for w in caught if "synchroniz" in str(w.message)})
+    return (f"host: {statistics.median(ms):.3f} ms per call (median of {iters}, launches "
+            f"only); {len(syncs)} synchronizing call sites" + "".join(f"\n  {x}" for x in syncs))
+
+
 def _profile(fn, iters: int = 3) -> tuple:
     """(rank's kernel table over `iters` fwd+bwd steps with their summed device time per step,
-    the last step's timeline)."""
+    and the host's time per step; the last step's timeline)."""
+    host = _host(fn)
     prof = cuda_profile(fn, iters)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / iters / 1e3
@@ -122,11 +148,11 @@ def _profile(fn, iters: int = 3) -> tuple:
         return total
     compute, nccl = union(spans[False]), union(spans[True])
     hidden = compute + nccl - union(spans[False] + spans[True])
-    return (f"kernels+copies summed: {busy:.3f} ms per step; non-NCCL busy "
+    return (f"{host}\nkernels+copies summed: {busy:.3f} ms per step; non-NCCL busy "
             f"{compute / iters / 1e3:.3f} ms, NCCL {nccl / iters / 1e3:.3f} ms of which "
             f"{hidden / iters / 1e3:.3f} ms run under other kernels\n"
             + events.table(sort_by="self_device_time_total", row_limit=25,
-                           max_name_column_width=70)), _timeline(kernels, iters)
+                           max_name_column_width=70)), f"{host}\n{_timeline(kernels, iters)}"
 
 
 def _worker(rank, port, queue, profile_only=False, high_priority=False):
