@@ -90,8 +90,15 @@ def _step(attn, q, k, v, dout):
 def _timeline(kernels, iters: int) -> str:
     """The last step's kernels in start order: start (ms from the step's first kernel),
     duration, name; kernels under 20 us are counted, not listed."""
-    step = kernels[-(len(kernels) // iters):]
+    per = len(kernels) // iters
+    step = kernels[-per:]
     t0, lines, small = step[0].time_range.start, [], 0
+    starts = [kernels[i * per].time_range.start for i in range(iters)]
+    ends = [max(e.time_range.end for e in kernels[i * per:(i + 1) * per]) for i in range(iters)]
+    lines.append("  steps' first to last kernel: " + ", ".join(
+        f"{(b - a) / 1e3:.3f}" for a, b in zip(starts, ends)) + " ms; from one step's first "
+        "kernel to the next's: " + ", ".join(f"{(b - a) / 1e3:.3f}"
+                                             for a, b in zip(starts, starts[1:])) + " ms")
     for e in step:
         dur = (e.time_range.end - e.time_range.start) / 1e3
         if dur < 0.02:
