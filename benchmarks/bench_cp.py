@@ -53,8 +53,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _median_ms(fn) -> float:
-    """Median ms of fn on this GPU over ITERS iterations (after WARMUP)."""
+def _iteration_ms(fn) -> list:
+    """ms of each of ITERS iterations of fn on this GPU (after WARMUP), and last their mean
+    period (first start to last end / ITERS)."""
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
@@ -65,7 +66,12 @@ def _median_ms(fn) -> float:
         fn()
         b.record()
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return [a.elapsed_time(b) for a, b in ev] + [ev[0][0].elapsed_time(ev[-1][1]) / ITERS]
+
+
+def _median_ms(fn) -> float:
+    """Median ms of fn on this GPU over ITERS iterations (after WARMUP)."""
+    return statistics.median(_iteration_ms(fn)[:-1])
 
 
 def _time(fn, group) -> float:
@@ -197,6 +203,10 @@ def _worker(rank, port, queue, profile_only=False, high_priority=False):
                 ms = _time(fn, group)
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
                 if profile_only:
+                    ms_each = _iteration_ms(fn)
+                    print(f"rank {rank}, {name}: iterations (ms) "
+                          + " ".join(f"{x:.2f}" for x in ms_each[:-1])
+                          + f"; mean period {ms_each[-1]:.3f}", flush=True)
                     table, timeline = _profile(fn)
                     if rank == 0:
                         print(f"rank 0, {name}, {case}: {ms:.3f} ms per step\n{table}",
