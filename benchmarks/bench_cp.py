@@ -5,7 +5,9 @@ on the full sequence, auto backend = cuDNN on Hopper; the baseline), and CP=2 fw
 same S split over 2 GPUs: p2p fast (cuDNN blocks, fp32 merge/accumulation: the default on GPU),
 p2p exact (fp32-accurate blocks on tritium's flash kernel, split products), p2p fp32 partials
 (the same kernel with P / dS rounded once, fp32 partials), p2p fast with 16-bit accumulation,
-and all_gather fast. speedup_vs_single = single ms / CP ms (target >= 1.8 at 32768 for p2p fast).
+all_gather fast, and fp32 partials once more on a process group with high-priority NCCL
+streams. speedup_vs_single = single ms / CP ms (targets: >= 1.8 at 32768 for p2p fast and for
+fp32 partials on the default group).
 Timing: a fixed number of fwd+bwd iterations on every rank (do_bench picks its own count per
 process, which would desynchronize the ranks' collectives), CUDA events per iteration, median,
 the max over ranks. Each CP row also carries its error vs an fp64 reference, as the ratio to the
@@ -17,8 +19,6 @@ measured at S=8192.
     python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials at the largest S
                                              # only, then rank 0's kernels from torch.profiler
                                              # (where time goes) and each rank's last step
-    python benchmarks/bench_cp.py --nccl-high-priority   # NCCL's streams at high priority
-                                             # (ProcessGroupNCCL.Options.is_high_priority_stream)
 Needs 2 GPUs; otherwise it says so and exits with status 0 (nothing timed, nothing failed).
 """
 from __future__ import annotations
@@ -37,9 +37,14 @@ from harness import cuda_profile, finish  # noqa: E402
 B, H, D = 1, 12, 128
 SEQS = (8192, 32768)
 WARMUP, ITERS = 3, 10
+# fp32 partials on a group whose NCCL streams have high priority (ProcessGroupNCCL.Options
+# is_high_priority_stream; TORCH_NCCL_HIGH_PRIORITY=1 sets it for every group): NCCL's kernels
+# take SMs as soon as one frees instead of after the attention kernel's queued blocks
+HIGH_PRIORITY = "cp2 p2p fp32 partials, NCCL high priority"
 # variant: (cp_comm_type, mode, fp32_accumulation)
 VARIANTS = {"cp2 p2p fast": ("p2p", "fast", True), "cp2 p2p exact": ("p2p", "exact", True),
             "cp2 p2p fp32 partials": ("p2p", "fp32_partials", True),
+            HIGH_PRIORITY: ("p2p", "fp32_partials", True),
             "cp2 p2p fast, bf16 acc": ("p2p", "fast", False),
             "cp2 all_gather fast": ("all_gather", "fast", True)}
 ACC_CONFIGS = {"cp2 p2p fast": "fast, fp32 acc", "cp2 p2p exact": "exact, fp32 acc",
@@ -168,20 +173,21 @@ def _profile(fn, iters: int = 3) -> tuple:
                            max_name_column_width=70)), f"{host}\n{_timeline(kernels, iters)}"
 
 
-def _worker(rank, port, queue, profile_only=False, high_priority=False):
+def _worker(rank, port, queue, profile_only=False):
     import torch.distributed as dist
     torch.cuda.set_device(rank)
-    options = dist.ProcessGroupNCCL.Options()
-    options.is_high_priority_stream = high_priority
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, pg_options=options)
+                            world_size=2)
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    high_priority = dist.new_group([0, 1], pg_options=options)
     import tritium.attention as A
     from tritium.attention import cp
     from tritium.attention.cp import accuracy
     group, dev = dist.group.WORLD, torch.device("cuda", rank)
     rows = []
-    seqs, variants = ((SEQS[-1:], ["cp2 p2p fast", "cp2 p2p fp32 partials"]) if profile_only
-                      else (SEQS, list(VARIANTS)))
+    seqs, variants = ((SEQS[-1:], ["cp2 p2p fast", "cp2 p2p fp32 partials", HIGH_PRIORITY])
+                      if profile_only else (SEQS, list(VARIANTS)))
     try:
         for s in seqs:
             q, k, v, dout = accuracy.make_inputs(B, s, H, H, D, torch.bfloat16, dev, seed=s)
@@ -197,10 +203,11 @@ def _worker(rank, port, queue, profile_only=False, high_priority=False):
             loc = [cp.shard(x, 2, rank, 1) for x in (q, k, v, dout)]
             for name in variants:
                 comm, mode, acc = VARIANTS[name]
-                fn = _step(lambda a, b, c: cp.context_parallel_attention(
-                    a, b, c, group, qkv_format="bshd", attn_mask_type="causal",
+                g = high_priority if name == HIGH_PRIORITY else group
+                fn = _step(lambda a, b, c, g=g: cp.context_parallel_attention(
+                    a, b, c, g, qkv_format="bshd", attn_mask_type="causal",
                     cp_comm_type=comm, mode=mode, fp32_accumulation=acc), *loc)
-                ms = _time(fn, group)
+                ms = _time(fn, g)
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
                 if profile_only:
                     ms_each = _iteration_ms(fn)
@@ -242,14 +249,14 @@ def _worker(rank, port, queue, profile_only=False, high_priority=False):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    profile_only, high_priority = "--profile" in argv, "--nccl-high-priority" in argv
+    profile_only = "--profile" in argv
     if torch.cuda.device_count() < 2:
         print(f"bench_cp: needs 2 CUDA GPUs, found {torch.cuda.device_count()}; nothing timed")
         return 0
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue, profile_only, high_priority),
+    mp.start_processes(_worker, args=(_free_port(), queue, profile_only),
                        nprocs=2, join=True,
                        start_method="spawn")
     rows, acc_rows = queue.get()

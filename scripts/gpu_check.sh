@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Usage: scripts/gpu_check.sh [tests] [cast] [linear] [norm] [act] [mlp] [attn] [rope] [adam] [block]
-#        [graphs] [cp] [cpprof] [cpprof:ARG+ARG] [cpacc] [cpscale] [gs] [demo] [demo:ARG+ARG] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
+#        [graphs] [cp] [cpprof] [cpacc] [cpscale] [gs] [demo] [demo:ARG+ARG] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
 #        [tests:EXPR]
 #        [block:REGEX] [model:V1,V2] [modelprof:V] [mtests] [tp] [tp:ARG+ARG] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG]
 #        [pack]
@@ -67,7 +67,6 @@ for s in $stages; do
     graphs) python3 benchmarks/bench_graphs.py 2>&1 | tee "$OUT/bench_graphs.log" | grep -v "^{" ;;
     cp)     python3 benchmarks/bench_cp.py 2>&1 | tee "$OUT/bench_cp.log" | grep -v "^{" ;;
     cpprof) python3 benchmarks/bench_cp.py --profile 2>&1 | tee "$OUT/bench_cp_profile.log" | tail -80 ;;
-    cpprof:*) a=${s#cpprof:}; python3 benchmarks/bench_cp.py --profile ${a//+/ } 2>&1 | tee "$OUT/bench_cp_profile_${a//+/}.log" | tail -80 ;;
     flash)  python3 benchmarks/bench_flash_attention.py 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
     flash:*) a=${s#flash:}; python3 benchmarks/bench_flash_attention.py ${a//+/ } 2>&1 | tee "$OUT/bench_flash.log" | grep -v "^{" ;;
     cpscale) torchrun --nproc_per_node="$(nvidia-smi -L | wc -l)" benchmarks/bench_cp_scale.py 2>&1 | tee "$OUT/bench_cp_scale.log" | grep -v "^{" ;;

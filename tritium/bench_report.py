@@ -274,7 +274,8 @@ SPECS = {
     "cp": Spec(
         "Context-parallel attention, cp=2 (NCCL) vs one GPU",
         tritium=("cp2 p2p fast", "cp2 p2p exact", "cp2 p2p fp32 partials",
-                 "cp2 p2p fast, bf16 acc", "cp2 all_gather fast"),
+                 "cp2 p2p fp32 partials, NCCL high priority", "cp2 p2p fast, bf16 acc",
+                 "cp2 all_gather fast"),
         peers=(),
         targets=(Target(r"S32768", "cp2 p2p fast", ">= 1.8x", at_least=1.8),
                  # issue 26: fp32 partials (exact CP) at fast mode's speed, single-device error
