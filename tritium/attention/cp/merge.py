@@ -241,17 +241,18 @@ class GradSum:
         if buf is None:     # kept as it comes (16-bit or fp32) when the sum is fp32
             keep = part if self.acc != self.out_dtype else part.to(self.acc)
             return contiguous(keep), cover
-        have, (lo, hi) = buf[1], (min(buf[1][0], cover[0]), max(buf[1][1], cover[1]))
-        if (lo, hi) == have:
-            t, (a, b) = buf[0].to(self.acc), cover
-        elif (lo, hi) == cover:
-            t, (a, b), part = part.to(self.acc), have, buf[0]
-        else:               # disjoint terms: a buffer over both
+        have = buf[1]
+        lo, hi = min(have[0], cover[0]), max(have[1], cover[1])
+        if (lo, hi) == have:        # the term lies within the buffer's rows
+            t, other, at = buf[0].to(self.acc), part, cover
+        elif (lo, hi) == cover:     # the term covers them: the buffer goes into the term
+            t, other, at = part.to(self.acc), buf[0], have
+        else:                       # apart: a buffer over both
             t = torch.zeros(part.shape[0], hi - lo, *part.shape[2:], dtype=self.acc,
                             device=part.device)
-            t[:, have[0] - lo:have[1] - lo] += buf[0]
-            a, b = cover
-        t[:, a - lo:b - lo] += part
+            t[:, have[0] - lo:have[1] - lo] = buf[0]
+            other, at = part, cover
+        t[:, at[0] - lo:at[1] - lo] += other
         return contiguous(t), (lo, hi)
 
     def _finish(self, buf, part, cover) -> torch.Tensor:
@@ -263,12 +264,12 @@ class GradSum:
         cuts = sorted({0, self.length, *have, *cover})
         for a, b in zip(cuts, cuts[1:]):
             dst = out[:, a:b]
-            mine = t[:, a - have[0]:b - have[0]] if have[0] <= a and b <= have[1] else None
+            old = t[:, a - have[0]:b - have[0]] if have[0] <= a and b <= have[1] else None
             new = part[:, a - cover[0]:b - cover[0]] if cover[0] <= a and b <= cover[1] else None
-            if mine is not None and new is not None:
-                torch.add(mine, new, out=dst)
-            elif mine is not None or new is not None:
-                dst.copy_(mine if mine is not None else new)
+            if old is not None and new is not None:
+                torch.add(old, new, out=dst)
+            elif old is not None or new is not None:
+                dst.copy_(old if old is not None else new)
             else:
                 dst.zero_()
         return out
