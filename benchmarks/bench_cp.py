@@ -16,9 +16,10 @@ elements that differ from single-GPU beyond fp32 tolerance (tritium.attention.cp
 measured at S=8192.
 
     python benchmarks/bench_cp.py            # ~2 minutes on 2 H100/H200; JSON via harness
-    python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials at the largest S
-                                             # only, then rank 0's kernels from torch.profiler
-                                             # (where time goes) and each rank's last step
+    python benchmarks/bench_cp.py --profile  # p2p fast and fp32 partials (both groups) at
+                                             # the largest S only: each rank's iteration
+                                             # times, rank 0's kernels from torch.profiler
+                                             # (where time goes), each rank's last step
 Needs 2 GPUs; otherwise it says so and exits with status 0 (nothing timed, nothing failed).
 """
 from __future__ import annotations
@@ -119,11 +120,9 @@ def _timeline(kernels, iters: int) -> str:
     return "\n".join(lines + [f"  (+{small} kernels under 20 us)"])
 
 
-def _host(fn, iters: int = 5) -> str:
-    """The host's ms per call of fn (launches only: no synchronize between calls) and the
-    operations that synchronized with the GPU in one call (torch's sync debug mode)."""
+def _host_ms(fn, iters: int = 5) -> float:
+    """The host's median ms per call of fn (launches only: no synchronize between calls)."""
     import time
-    import warnings
     torch.cuda.synchronize()
     ms = []
     for _ in range(iters):
@@ -131,23 +130,13 @@ def _host(fn, iters: int = 5) -> str:
         fn()
         ms.append((time.perf_counter() - t0) * 1e3)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-    syncs = sorted({f"{w.filename}:{w.lineno}: {str(w.message).splitlines()[0][:80]}"
-                    for w in caught if "synchroniz" in str(w.message)})
-    return (f"host: {statistics.median(ms):.3f} ms per call (median of {iters}, launches "
-            f"only); {len(syncs)} synchronizing call sites" + "".join(f"\n  {x}" for x in syncs))
+    return statistics.median(ms)
 
 
 def _profile(fn, iters: int = 3) -> tuple:
-    """(rank's kernel table over `iters` fwd+bwd steps with their summed device time per step,
-    and the host's time per step; the last step's timeline)."""
-    host = _host(fn)
+    """(rank's kernel table over `iters` fwd+bwd steps with their summed device time per step;
+    the host's time per step and the last step's timeline)."""
+    host = f"host: {_host_ms(fn):.3f} ms per step (launches only)"
     prof = cuda_profile(fn, iters)
     events = prof.key_averages()
     busy = sum(e.self_device_time_total for e in events) / iters / 1e3
@@ -166,7 +155,7 @@ def _profile(fn, iters: int = 3) -> tuple:
         return total
     compute, nccl = union(spans[False]), union(spans[True])
     hidden = compute + nccl - union(spans[False] + spans[True])
-    return (f"{host}\nkernels+copies summed: {busy:.3f} ms per step; non-NCCL busy "
+    return (f"kernels+copies summed: {busy:.3f} ms per step; non-NCCL busy "
             f"{compute / iters / 1e3:.3f} ms, NCCL {nccl / iters / 1e3:.3f} ms of which "
             f"{hidden / iters / 1e3:.3f} ms run under other kernels\n"
             + events.table(sort_by="self_device_time_total", row_limit=25,
