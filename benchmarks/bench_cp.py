@@ -59,15 +59,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _iteration_ms(fn) -> list:
-    """ms of each of ITERS iterations of fn on this GPU (after WARMUP), and last their mean
-    period (first start to last end / ITERS)."""
+def _iteration_ms(fn, iters: int = ITERS, ahead: int = 0) -> list:
+    """ms of each of `iters` iterations of fn on this GPU (after WARMUP), and last their mean
+    period (first start to last end / iters). ahead > 0: the host launches iteration i only
+    after iteration i - ahead has ended on the GPU (at most `ahead` steps queued)."""
     for _ in range(WARMUP):
         fn()
     torch.cuda.synchronize()
     ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-          for _ in range(ITERS)]
-    for a, b in ev:
+          for _ in range(iters)]
+    for i, (a, b) in enumerate(ev):
+        if ahead and i >= ahead:
+            ev[i - ahead][1].synchronize()
         a.record()
         fn()
         b.record()
@@ -199,10 +202,12 @@ def _worker(rank, port, queue, profile_only=False):
                 ms = _time(fn, g)
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
                 if profile_only:
-                    ms_each = _iteration_ms(fn)
-                    print(f"rank {rank}, {name}: iterations (ms) "
-                          + " ".join(f"{x:.2f}" for x in ms_each[:-1])
-                          + f"; mean period {ms_each[-1]:.3f}", flush=True)
+                    for ahead in (0, 2):     # the host free / at most 2 steps ahead
+                        ms_each = _iteration_ms(fn, 2 * ITERS, ahead)
+                        print(f"rank {rank}, {name}, host "
+                              + (f"at most {ahead} steps ahead" if ahead else "free")
+                              + ": iterations (ms) " + " ".join(f"{x:.2f}" for x in ms_each[:-1])
+                              + f"; mean period {ms_each[-1]:.3f}", flush=True)
                     table, timeline = _profile(fn)
                     if rank == 0:
                         print(f"rank 0, {name}, {case}: {ms:.3f} ms per step\n{table}",
