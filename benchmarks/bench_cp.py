@@ -75,7 +75,7 @@ def _iteration_ms(fn, iters: int = ITERS, ahead: int = 0) -> list:
         fn()
         b.record()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in ev] + [ev[0][0].elapsed_time(ev[-1][1]) / ITERS]
+    return [a.elapsed_time(b) for a, b in ev] + [ev[0][0].elapsed_time(ev[-1][1]) / iters]
 
 
 def _median_ms(fn) -> float:
