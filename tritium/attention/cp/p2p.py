@@ -15,10 +15,13 @@ transfer that becomes ready while one runs, or at the same moment as one is disp
 for that kernel to end, and the next step waits for the transfer (measured on 8 x H200: 1.3 ms
 of every 5 ms forward step at S=131072, cp=8, before this order). So every transfer is posted
 right after an attention kernel and before the small kernels that follow it: step 1's KV
-is posted before the forward's first small kernel (the lse buffer's fill) and step 0's compute
-(measured on 2 x H200, S=32768: posted right before step 0's kernel, the transfer waited for
-that kernel's last wave, 0.4-0.8 ms), and after step i's compute the rank waits for step i+1's
-KV, posts step i+2's, then merges step i. The transfer becomes ready as the attention kernel
+is posted first, then a one-SM spin kernel of ~11 us (`torch.cuda._sleep`; SPACER_CYCLES) runs
+before step 0's compute, so NCCL's kernel is dispatched while all but one SM are free (measured
+on 2 x H200, S=32768: posted right before step 0's kernel, the transfer waited for that
+kernel's last wave, 0.4-0.8 ms a step; with only the ~2 us lse fill between them it still did
+whenever the host ran several steps ahead: fp32 partials 12.2 against 11.9 ms a step with the
+host held to 2 steps ahead; with the spacer 11.9 either way), and after step i's compute the
+rank waits for step i+1's KV, posts step i+2's, then merges step i. The transfer becomes ready as the attention kernel
 ends and starts during the merge, overlapping step i+1's compute.
 
 Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i computes forward
