@@ -20,9 +20,10 @@ before step 0's compute, so NCCL's kernel is dispatched while all but one SM are
 on 2 x H200, S=32768: posted right before step 0's kernel, the transfer waited for that
 kernel's last wave, 0.4-0.8 ms a step; with only the ~2 us lse fill between them it still did
 whenever the host ran several steps ahead: fp32 partials 12.2 against 11.9 ms a step with the
-host held to 2 steps ahead; with the spacer 11.9 either way), and after step i's compute the
-rank waits for step i+1's KV, posts step i+2's, then merges step i. The transfer becomes ready as the attention kernel
-ends and starts during the merge, overlapping step i+1's compute.
+host held to 2 steps ahead; with the spacer 11.9 either way). After step i's compute the
+rank waits for step i+1's KV, posts step i+2's, then merges step i: the transfer becomes
+ready as the attention kernel ends and starts during the merge, overlapping step i+1's
+compute.
 
 Backward runs the ring the other way round, steps i = cp-1, ..., 0 (step i computes forward
 step i's block): rank r starts with the KV of rank r+1, the last one it received in the
@@ -57,6 +58,7 @@ from .merge import ALL, Block, GradSum, OutAcc, Ring, Runner, contiguous, span
 
 SPACER_CYCLES = 20_000     # ~11 us at 1.8 GHz on one SM
 _spin = getattr(torch.cuda, "_sleep", None)     # a one-thread spin kernel (torch's tests use it)
+
 
 def schedule(i: int, rank: int, causal: bool, half: int) -> Block:
     """The block rank `rank` computes at ring step i (local length 2 * half)."""
