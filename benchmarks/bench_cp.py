@@ -59,9 +59,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _iteration_ms(fn, iters: int = ITERS, ahead: int = 0) -> list:
-    """ms of each of `iters` iterations of fn on this GPU (after WARMUP), and last their mean
-    period (first start to last end / iters). ahead > 0: the host launches iteration i only
+def _iteration_ms(fn, iters: int = ITERS, ahead: int = 0) -> tuple:
+    """(ms of each of `iters` iterations of fn on this GPU (after WARMUP), their mean period:
+    first start to last end / iters). ahead > 0: the host launches iteration i only
     after iteration i - ahead has ended on the GPU (at most `ahead` steps queued)."""
     for _ in range(WARMUP):
         fn()
@@ -75,12 +75,12 @@ def _iteration_ms(fn, iters: int = ITERS, ahead: int = 0) -> list:
         fn()
         b.record()
     torch.cuda.synchronize()
-    return [a.elapsed_time(b) for a, b in ev] + [ev[0][0].elapsed_time(ev[-1][1]) / iters]
+    return [a.elapsed_time(b) for a, b in ev], ev[0][0].elapsed_time(ev[-1][1]) / iters
 
 
 def _median_ms(fn) -> float:
     """Median ms of fn on this GPU over ITERS iterations (after WARMUP)."""
-    return statistics.median(_iteration_ms(fn)[:-1])
+    return statistics.median(_iteration_ms(fn)[0])
 
 
 def _time(fn, group) -> float:
@@ -203,11 +203,11 @@ def _worker(rank, port, queue, profile_only=False):
                 rows.append(dict(bench="cp", case=case, variant=name, ms=round(ms, 3)))
                 if profile_only:
                     for ahead in (0, 2):     # the host free / at most 2 steps ahead
-                        ms_each = _iteration_ms(fn, 2 * ITERS, ahead)
+                        ms_each, period = _iteration_ms(fn, 2 * ITERS, ahead)
                         print(f"rank {rank}, {name}, host "
                               + (f"at most {ahead} steps ahead" if ahead else "free")
-                              + ": iterations (ms) " + " ".join(f"{x:.2f}" for x in ms_each[:-1])
-                              + f"; mean period {ms_each[-1]:.3f}", flush=True)
+                              + ": iterations (ms) " + " ".join(f"{x:.2f}" for x in ms_each)
+                              + f"; mean period {period:.3f}", flush=True)
                     table, timeline = _profile(fn)
                     if rank == 0:
                         print(f"rank 0, {name}, {case}: {ms:.3f} ms per step\n{table}",

@@ -151,7 +151,7 @@ class OutAcc:
             new = torch.logaddexp(l, lse_i)
             b = torch.exp(lse_i - new).transpose(1, 2).unsqueeze(-1)
             if o.dtype == out_i.dtype and o.dtype in (torch.float32, torch.float64):
-                o.lerp_(out_i, b.to(o.dtype))
+                o.lerp_(out_i, b)       # b: the lse's dtype, o's
             elif o.dtype in (torch.float32, torch.float64):
                 a = torch.exp(l - new).transpose(1, 2).unsqueeze(-1)
                 o.mul_(a).addcmul_(out_i, b)     # out_i promoted inside, no temporary
