@@ -207,6 +207,34 @@ def test_fused_causal_backward_with_shorter_queries(_seed):
     assert got[1][:, 640:].abs().max() == 0 and got[2][:, 640:].abs().max() == 0
 
 
+def test_backward_sums_dq_into_a_callers_buffer(_seed):
+    """A CP rank's shared delta and fp32 dQ (`delta=`, `dq_acc=`: rows of a larger buffer
+    holding earlier blocks' sums): the fused kernel (MHA) sums its dQ into those rows in place,
+    the two-kernel backward (causal GQA) adds it, the other rows untouched; within fp32 add
+    order of the plain call's dQ plus the buffer, dK / dV as the plain call's."""
+    from tritium.kernels import flash_attention as FA
+    scale = 1 / math.sqrt(D)
+    for h_kv, causal in ((8, False), (8, True), (2, True)):
+        q, k, v, do = _inputs(1, 1000, 1536, 8, h_kv, torch.bfloat16, _seed)
+        out, lse = FA.flash_attention_fwd(q, k, v, causal, scale, split=False,
+                                          out_dtype=torch.float32)
+        plain = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                       grad_dtype=torch.float32)
+        buf = torch.randn(1, 3000, 8, D, device="cuda")
+        rows, before = buf[:, 1000:2000], buf.clone()
+        got = FA.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, split=False,
+                                     grad_dtype=torch.float32,
+                                     delta=FA.flash_attention_delta(out, do), dq_acc=rows)
+        assert got[0].data_ptr() == rows.data_ptr()
+        assert torch.equal(buf[:, :1000], before[:, :1000])
+        assert torch.equal(buf[:, 2000:], before[:, 2000:])
+        want = before[:, 1000:2000] + plain[0]
+        for name, x, r in (("dq", rows, want), ("dk", got[1], plain[1]),
+                           ("dv", got[2], plain[2])):
+            err = (x - r).abs().max() / r.abs().max()
+            assert err.item() < 1e-5, (h_kv, causal, name)
+
+
 @pytest.mark.parametrize("name", ["ragged-causal-gqa", "ragged-cross-nomask", "mha-nomask",
                                   "q-shorter-causal"])
 def test_fp32_outputs_are_the_16_bit_ones_unrounded(name, _seed):

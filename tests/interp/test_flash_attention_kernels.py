@@ -248,6 +248,51 @@ def test_backward_takes_a_merged_out_lse(gen):
         close(a, b, "sum " + name, rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("option", ["default", "atomic-dq"])
+def test_backward_shares_delta_and_sums_dq_into_a_buffer(layout, option, gen, monkeypatch):
+    """A CP rank's blocks share one delta = rowsum(dO * out) (`flash_attention_delta`, the
+    twin's value) and one fp32 dq: with `delta=` and `dq_acc=` (rows of a larger buffer that
+    holds earlier blocks' sums) the block's dq is added into the buffer's rows, returned as dq,
+    the other rows untouched, dk / dv as without them; the twin the same; bad ones named."""
+    if option != "default":
+        monkeypatch.setattr(K, "INTERP_CFG", OPTIONS[option])
+    h, h_kv, d, scale = 2, 1, 16, 0.3
+    if layout == "bshd":
+        q, k, v, do = data(24, 40, h, h_kv, d, torch.float16, gen)
+        varlen, causal, n = None, False, 24
+    else:
+        cu = torch.tensor([0, 7, 26], dtype=torch.int32)
+        varlen, causal, n = (cu, cu, 19, 19), True, 26
+        q, do = (torch.randn(n, h, d, generator=gen).half() for _ in range(2))
+        k, v = (torch.randn(n, h_kv, d, generator=gen).half() for _ in range(2))
+    out, lse = R.flash_attention_fwd(q, k, v, causal, scale, varlen=varlen)
+    wide = (lambda x: x[None]) if varlen else (lambda x: x)
+    delta = K.flash_attention_delta(wide(out), wide(do))
+    close(delta, R.flash_attention_delta(wide(out), wide(do)), "delta")
+    delta = delta[0] if varlen else delta
+    plain = K.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen)
+    for impl in (K, R):
+        buf = torch.randn(2 * n, *q.shape[-2:], generator=gen)
+        buf = buf if varlen else buf[None]
+        rows = buf[n:] if varlen else buf[:, n:]
+        before = buf.clone()
+        got = impl.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen,
+                                       delta=delta, dq_acc=rows)
+        assert got[0].data_ptr() == rows.data_ptr()
+        close(rows, (before[n:] if varlen else before[:, n:]) + plain[0], f"{impl.__name__} dq")
+        assert torch.equal(buf[:n] if varlen else buf[:, :n], before[:n] if varlen
+                           else before[:, :n])
+        for name, g, r in zip(("dk", "dv"), got[1:], plain[1:]):
+            close(g, r, f"{impl.__name__} {name}")
+    with pytest.raises(ValueError, match="delta must be fp32"):
+        K.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen,
+                              delta=delta.half())
+    with pytest.raises(ValueError, match="dq_acc must be an fp32 tensor shaped like q"):
+        K.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen,
+                              dq_acc=torch.zeros(q.shape, dtype=torch.float16))
+
+
 def test_split_is_what_keeps_fp16_at_fp32_tolerance(gen):
     q, k, v, do = data(32, 32, 2, 2, 16, torch.float16, gen)
     out1, lse = K.flash_attention_fwd(q, k, v, True, 0.25, split=False)
@@ -280,7 +325,8 @@ def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
     """The CP wiring (merge.Runner with Precision.kernel): rank 1 of a causal p2p ring at cp=2
     (step 0 causal on the local square, step 1 half of q vs the other rank's KV), forward merge
     and backward with the merged (out, lse), 16-bit inputs: the kernel path equals the fp32-copy
-    path (the reference backend) to fp32 tolerance."""
+    path (the reference backend) to fp32 tolerance, and so does the kernel path's backward with
+    one shared delta and fp32 dq (`Runner.shared`: what the ring and all_gather use)."""
     from tritium.attention.cp.merge import OutAcc, Precision, Runner
     from tritium.attention.cp.p2p import schedule
 
@@ -289,7 +335,7 @@ def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
     _, k1, v1, _ = data(L, L, h, h_kv, d, torch.float16, gen)
     kvs = [(k0, v0), (k1, v1)]
     results = {}
-    for kernel in (False, True):
+    for kernel, share in ((False, False), (True, False), (True, True)):
         p = Precision(exact=True, fp32_accumulation=True, kernel=kernel)
         run = Runner(0.25, 0.0, "torch", p)
         acc = OutAcc(q, d, torch.float32)
@@ -301,14 +347,20 @@ def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
             acc.add(blk.q, out_i, lse_i)
             states.append(st)
         grads = [torch.zeros(q.shape)] + [torch.zeros(k0.shape) for _ in range(4)]
+        shared = run.shared(p.compute(do), acc.out, p.compute(q)) if share else None
+        assert (shared is not None) == share
         for j, ((k, v), blk, st) in enumerate(zip(kvs, blocks, states)):
             dq_i, dk_i, dv_i = run.bwd(p.compute(do), p.compute(q), p.compute(k), p.compute(v),
-                                       acc.out, acc.lse, blk, st)
+                                       acc.out, acc.lse, blk, st, shared)
             assert dq_i.dtype == dk_i.dtype == dv_i.dtype == torch.float32
-            grads[0][:, blk.q] += dq_i
+            if shared is None:
+                grads[0][:, blk.q] += dq_i
             grads[1 + 2 * j][:, blk.kv] += dk_i
             grads[2 + 2 * j][:, blk.kv] += dv_i
-        results[kernel] = [acc.out, acc.lse, *grads]
-    for name, a, b in zip(("out", "lse", "dq", "dk0", "dv0", "dk1", "dv1"),
-                          results[True], results[False]):
-        close(a, b, name)
+        if shared is not None:
+            grads[0] = shared[1]
+        results[kernel, share] = [acc.out, acc.lse, *grads]
+    for got in (results[True, False], results[True, True]):
+        for name, a, b in zip(("out", "lse", "dq", "dk0", "dv0", "dk1", "dv1"), got,
+                              results[False, False]):
+            close(a, b, name)

@@ -395,20 +395,66 @@ def _value_src(cfg: Cfg, v: torch.Tensor):
     return TensorDescriptor(v, [b, h, d, s], [sb, sh, sd, 1], [1, 1, d, cfg.block_n])
 
 
+def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta = rowsum(dout * out) in fp32 [b, h, s_q] (out, dout bshd [b, s_q, h, d], any float
+    dtypes): what the backward computes first, for a caller that runs several backward blocks
+    on the same rows (a CP rank's blocks) and passes its rows to each (`delta=`)."""
+    b, s_q, h, d = out.shape
+    if dout.shape != out.shape or d not in _HEAD_DIMS:
+        raise ValueError(f"flash_attention_delta: out{tuple(out.shape)} and dout"
+                         f"{tuple(dout.shape)} must be the same bshd shape, head dim in "
+                         f"{_HEAD_DIMS}")
+    delta = torch.empty(b, h, s_q, dtype=torch.float32, device=out.device)
+    if delta.numel():
+        block_m = 64
+        _delta_kernel[(triton.cdiv(s_q, block_m), b * h)](
+            out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=block_m,
+            num_warps=4 if out.is_cuda else 1)
+    return delta
+
+
+def _check_shared(q, lse, delta, dq_acc, varlen):
+    """The backward's optional precomputed delta (like lse) and fp32 dq accumulator (like q)."""
+    if delta is not None and (delta.shape != lse.shape or delta.dtype != torch.float32
+                              or delta.device != q.device):
+        raise ValueError(f"flash_attention_bwd: delta must be fp32 shaped like lse "
+                         f"{tuple(lse.shape)} on {q.device} (flash_attention_delta of these "
+                         f"rows), got {tuple(delta.shape)} {delta.dtype}")
+    if dq_acc is not None and (dq_acc.shape != q.shape or dq_acc.dtype != torch.float32
+                               or dq_acc.device != q.device):
+        raise ValueError(f"flash_attention_bwd: dq_acc must be an fp32 tensor shaped like q "
+                         f"{tuple(q.shape)} on {q.device}, got {tuple(dq_acc.shape)} "
+                         f"{dq_acc.dtype}")
+
+
+def _added(dq_acc, grads):
+    """grads with dq added into dq_acc (a path whose kernels do not accumulate themselves)."""
+    if dq_acc is None:
+        return grads
+    return (dq_acc.add_(grads[0]), *grads[1:])
+
+
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                         split: bool = True, grad_dtype: Optional[torch.dtype] = None,
-                        band: Optional[tuple] = None, varlen: Optional[tuple] = None):
+                        band: Optional[tuple] = None, varlen: Optional[tuple] = None,
+                        delta: Optional[torch.Tensor] = None,
+                        dq_acc: Optional[torch.Tensor] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v. out (any float dtype)
     and lse (fp32 [b, h, s_q]; varlen: [h, t_q]) may be any pair for the same softmax rows
-    (e.g. a CP ring's merged ones). band, varlen: as the forward's."""
+    (e.g. a CP ring's merged ones). band, varlen: as the forward's. For a caller that runs
+    several blocks on the same query rows (a CP rank): delta, rowsum(dout * out) of these rows
+    (`flash_attention_delta`, shaped like lse), is not computed again; dq is added into dq_acc
+    (fp32, shaped like q, a row view of a larger buffer is fine) and dq_acc is returned as dq:
+    the fused Hopper backward sums into it directly (no zeroed dq of its own, no add)."""
+    _check_shared(q, lse, delta, dq_acc, varlen)
     lay = _layout(q, k, varlen)
     dout, q, k, v, out = _batched(varlen, dout, q, k, v, out)
     if varlen is not None:
         lse = lse.unsqueeze(0)
+        delta = None if delta is None else delta.unsqueeze(0)
     grad_dtype = _check(q, k, v, grad_dtype, "grad_dtype")
-    b, t_q, h, d = q.shape
-    t_kv, h_kv = k.shape[1], k.shape[2]
+    b, t_q, h, h_kv = *q.shape[:3], k.shape[2]
     window, causal, band_lo, band_hi = _band(band, causal, lay.s_q, lay.s_kv)
     if dout.shape != q.shape or out.shape != q.shape or lse.shape != (b, h, t_q):
         raise ValueError("flash_attention_bwd: dout/out must be shaped like q and lse "
@@ -417,10 +463,22 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         lse = lse.contiguous()      # e.g. a CP block's rows of the merged lse: a small copy
         if sm90_bwd.applies_bwd(q, k, v, out, dout, lse, grad_dtype):   # Hopper: Gluon
             # one kernel (its dq summed by atomics) but for causal GQA, where two kernels win
-            fused = (sm90_bwd_fused.AVAILABLE and (not causal or h == h_kv)
-                     and not torch.are_deterministic_algorithms_enabled())
-            return (sm90_bwd_fused if fused else sm90_bwd).flash_attention_bwd(
-                dout, q, k, v, out, lse, causal, scale, grad_dtype)
+            if (sm90_bwd_fused.AVAILABLE and (not causal or h == h_kv)
+                    and not torch.are_deterministic_algorithms_enabled()):
+                return sm90_bwd_fused.flash_attention_bwd(dout, q, k, v, out, lse, causal,
+                                                          scale, grad_dtype, delta, dq_acc)
+            return _added(dq_acc, sm90_bwd.flash_attention_bwd(dout, q, k, v, out, lse, causal,
+                                                               scale, grad_dtype))
+    return _added(dq_acc, _triton_bwd(dout, q, k, v, out, lse, causal, scale, split,
+                                      grad_dtype, delta, lay, varlen, band_lo, band_hi,
+                                      window))
+
+
+def _triton_bwd(dout, q, k, v, out, lse, causal, scale, split, grad_dtype, delta, lay, varlen,
+                band_lo, band_hi, window):
+    """flash_attention_bwd's Triton kernels (batched tensors; delta None: computed here)."""
+    b, t_q, h, d = q.shape
+    t_kv, h_kv = k.shape[1], k.shape[2]
     dev, f32 = q.device, torch.float32
     cuda = q.is_cuda
     dq_cfg, dkdv_cfg = _cfg("dq", d, split, cuda), _cfg("dkdv", d, split, cuda)
@@ -439,10 +497,13 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    delta = torch.empty(b, h, t_q, dtype=f32, device=dev)
-    _delta_kernel[(triton.cdiv(t_q, dq_cfg.block_m), b * h)](
-        out, dout, delta, t_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=dq_cfg.block_m,
-        num_warps=4 if cuda else 1)
+    if delta is None:
+        delta = torch.empty(b, h, t_q, dtype=f32, device=dev)
+        _delta_kernel[(triton.cdiv(t_q, dq_cfg.block_m), b * h)](
+            out, dout, delta, t_q, h, *out.stride(), *dout.stride(), D=d,
+            BLOCK_M=dq_cfg.block_m, num_warps=4 if cuda else 1)
+    else:
+        delta = delta.contiguous()
     cu_q, cu_kv = (lay.cu_q, lay.cu_kv) if varlen is not None else (delta, delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), band_lo,
               band_hi, cu_q, cu_kv, t_q)
@@ -473,6 +534,7 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd",
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_delta",
+           "flash_attention_fp8_fwd",
            "fp8_supported", "fp8_block_n", "FP8Out", "supported", "deterministic", "flops",
            "Cfg", "GPU_CFG"]

@@ -12,7 +12,8 @@ warpgroups' keys of the previous query block (the other warpgroup's dS of the cu
 may not be stored yet). That dQ is summed into an fp32 dQ in global memory by a TMA reduce-add
 (`cp.reduce.async.bulk.tensor .add`, element-wise atomic; Gluon 3.6 has the op but no Python
 name: `_tma_reduce_add`), then cast to the input dtype. delta = rowsum(dO * out) and the
-zeroed fp32 dQ come first. The order of the fp32 adds varies between runs: dQ is not
+zeroed fp32 dQ come first (or the caller's: a CP rank passes one delta and one fp32 dQ to all
+its blocks, dQ summed in place). The order of the fp32 adds varies between runs: dQ is not
 bit-reproducible (dK, dV are), so under torch.use_deterministic_algorithms the dispatch
 (`flash_attention.flash_attention_bwd`) takes the two-kernel backward.
 Barriers: ds_full (both halves of a dS buffer stored), ds_free (both dQ products that read it
@@ -297,21 +298,30 @@ def _dq_desc(dq: torch.Tensor):
     return GluonDesc(dq, [b, s, h * d], [dq.stride(0), dq.stride(1), 1], box, layout)
 
 
-def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype=None):
+def flash_attention_bwd(dout, q, k, v, out, lse, causal: bool, scale: float, grad_dtype=None,
+                        delta=None, dq_acc=None):
     """(dq, dk, dv) in grad_dtype (None: q's; fp32: never rounded to 16 bits) where
-    `flash_attention_sm90_bwd.applies_bwd` holds; no mask or top-left causal."""
+    `flash_attention_sm90_bwd.applies_bwd` holds; no mask or top-left causal. delta: rowsum(dO *
+    out) when the caller has it; dq_acc: an fp32 tensor shaped like q that the kernel sums dQ
+    into (returned as dq; rows contiguous, a row view of a larger buffer is fine)."""
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     grad_dtype = grad_dtype or q.dtype
-    delta = torch.empty_like(lse)
-    _delta_kernel[(-(-s_q // BWD_BLOCK_M), b * h)](
-        out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=BWD_BLOCK_M,
-        num_warps=4)
-    dq = torch.zeros(b, s_q, h, d, dtype=torch.float32, device=q.device)
+    if delta is None:
+        delta = torch.empty_like(lse)
+        _delta_kernel[(-(-s_q // BWD_BLOCK_M), b * h)](
+            out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=BWD_BLOCK_M,
+            num_warps=4)
+    else:
+        delta = delta.contiguous()
+    into = dq_acc is not None and dq_acc.stride()[2:] == (d, 1) and dq_acc.data_ptr() % 16 == 0
+    dq = dq_acc if into else torch.zeros(b, s_q, h, d, dtype=torch.float32, device=q.device)
     (dk, dv), (dk_dst, dv_dst, kv_ss) = dkdv_outputs(k, v, grad_dtype)
     _bwd_kernel[launch_grid(-(-s_kv // BLOCK_N), b * h_kv, causal)](
         *_bwd_descriptors(q, k, v, dout), dk_dst, dv_dst, s_kv, kv_ss, _dq_desc(dq), lse,
         delta, s_q, h_kv, h // h_kv, scale * LOG2E, scale, CAUSAL=bool(causal), BM=BWD_BLOCK_M,
         BN=BLOCK_N, D=d, NSTAGE=BWD_STAGES, CONSUMER_REGS=CONSUMER_REGS,
         LOADER_REGS=LOADER_REGS, num_warps=4)
-    return dq.to(grad_dtype), dk, dv
+    if dq_acc is None:
+        return dq.to(grad_dtype), dk, dv
+    return (dq if into else dq_acc.add_(dq)), dk, dv

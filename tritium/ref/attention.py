@@ -89,8 +89,10 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                  dropout_p: float = 0.0, keep: Optional[torch.Tensor] = None):
-    """-> (dq, dk, dv) in the dtypes and shapes of q, k, v."""
+                  dropout_p: float = 0.0, keep: Optional[torch.Tensor] = None,
+                  delta: Optional[torch.Tensor] = None):
+    """-> (dq, dk, dv) in the dtypes and shapes of q, k, v. delta: rowsum(dout * out) [b, h,
+    s_q] when the caller has it."""
     acc = _acc(q.dtype)
     s, qf, kf, groups = _scores(q, k, mask, scale, acc)
     p = _probs(s, lse.to(acc))
@@ -101,7 +103,10 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     dp = torch.matmul(do, vf.transpose(-1, -2))
     if keep is not None:
         dp = dp * keep / (1.0 - dropout_p)
-    delta = (do * out.to(acc).transpose(1, 2)).sum(-1, keepdim=True)
+    if delta is None:
+        delta = (do * out.to(acc).transpose(1, 2)).sum(-1, keepdim=True)
+    else:
+        delta = delta.to(acc).unsqueeze(-1)
     ds = p * (dp - delta)
     dq = torch.matmul(ds, kf) * scale
     dk = torch.matmul(ds.transpose(-1, -2), qf) * scale

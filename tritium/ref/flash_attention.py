@@ -73,22 +73,36 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                         split: bool = True, grad_dtype: Optional[torch.dtype] = None,
-                        band: Optional[tuple] = None, varlen: Optional[tuple] = None):
+                        band: Optional[tuple] = None, varlen: Optional[tuple] = None,
+                        delta: Optional[torch.Tensor] = None,
+                        dq_acc: Optional[torch.Tensor] = None):
     """-> (dq, dk, dv) in grad_dtype (None: fp32), shaped like q, k, v (any (out, lse) of the
-    same softmax rows)."""
+    same softmax rows). delta (fp32, shaped like lse): rowsum(dout * out) given; dq_acc (fp32,
+    shaped like q): dq added into it and returned."""
     if varlen is not None:
         dtype = grad_dtype or _wide(q).dtype
         grads = [flash_attention_bwd(dout[None, i0:i1], q[None, i0:i1], k[None, j0:j1],
                                      v[None, j0:j1], out[None, i0:i1], lse[None, :, i0:i1],
-                                     causal, scale, split, grad_dtype, band)
+                                     causal, scale, split, grad_dtype, band,
+                                     delta=None if delta is None else delta[None, :, i0:i1])
                  if i1 > i0 and j1 > j0 else  # nothing attended: no gradient
                  tuple(x.new_zeros((1, n, *x.shape[1:]), dtype=dtype)
                        for x, n in ((q, i1 - i0), (k, j1 - j0), (v, j1 - j0)))
                  for i0, i1, j0, j1 in _sequences(varlen)]
-        return tuple(torch.cat([g[n][0] for g in grads]) for n in range(3))
-    mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
-    grads = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse, mask, scale)
-    return tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
+        grads = tuple(torch.cat([g[n][0] for g in grads]) for n in range(3))
+    else:
+        mask = _mask(q.shape[1], k.shape[1], causal, q.device, band)
+        grads = attention_bwd(_wide(dout), _wide(q), _wide(k), _wide(v), _wide(out), lse, mask,
+                              scale, delta=delta)
+        grads = tuple(g.to(grad_dtype or g.dtype).contiguous() for g in grads)
+    if dq_acc is None:
+        return grads
+    return (dq_acc.add_(grads[0]), *grads[1:])
+
+
+def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) in fp32, [b, h, s_q] (bshd inputs)."""
+    return (dout.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
 
 
 def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -107,4 +121,5 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (hp if fp8_out.keep_hp else None), lse.contiguous(), out8
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_fp8_fwd"]
+__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_delta",
+           "flash_attention_fp8_fwd"]

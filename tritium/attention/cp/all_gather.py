@@ -72,13 +72,16 @@ class AllGatherAttention(torch.autograd.Function):
         acc = p.acc_dtype(q.dtype)
         kf, vf = p.compute(_gather(k, cfg)), p.compute(_gather(v, cfg))
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        shared = runner.shared(dc, oc, qc)     # the kernel path: one delta, one fp32 dq
+        dq = shared[1] if shared is not None else torch.zeros(q.shape, dtype=acc,
+                                                              device=q.device)
         dk = torch.zeros(kf.shape, dtype=acc, device=k.device)
         dv = torch.zeros(vf.shape, dtype=acc, device=v.device)
         for blk, state in zip(blocks(cfg.rank, cfg.size, cfg.causal, q.shape[1] // 2),
                               ctx.states):
-            dq_i, dk_i, dv_i = runner.bwd(dc, qc, kf, vf, oc, lse, blk, state)
-            dq[:, blk.q] += dq_i
+            dq_i, dk_i, dv_i = runner.bwd(dc, qc, kf, vf, oc, lse, blk, state, shared)
+            if shared is None:
+                dq[:, blk.q] += dq_i
             dk[:, blk.kv] += dk_i
             dv[:, blk.kv] += dv_i
         ctx.states = None

@@ -106,14 +106,29 @@ class Runner:
             aux = (aux[0], None)
         return out, lse, (be, aux, args)
 
-    def bwd(self, dout, q, k, v, out, lse, blk: Block, state):
-        """-> (dq_i, dk_i, dv_i) for the block, given the merged out and lse."""
+    def shared(self, dout, out, q) -> Optional[tuple]:
+        """(delta, dq) over all local rows where the blocks run the flash kernel with fp32
+        accumulation: delta = rowsum(dO * out) computed once for all blocks, and one zeroed
+        fp32 dq that every block's kernel adds its rows into (no dq partial per block, no
+        adds; the fused Hopper backward sums into it in place). None elsewhere."""
+        if (not self.p.kernel or self.p.acc_dtype(q.dtype) != torch.float32
+                or torch.compiler.is_compiling()):
+            return None
+        from ...kernels import flash_attention as FA
+        return (FA.flash_attention_delta(out, dout),
+                torch.zeros(q.shape, dtype=torch.float32, device=q.device))
+
+    def bwd(self, dout, q, k, v, out, lse, blk: Block, state, shared=None):
+        """-> (dq_i, dk_i, dv_i) for the block, given the merged out and lse. With `shared`
+        (the kernel path) dq_i is the block's rows of the shared dq, the block's grads added."""
         be, aux, args = state
         rows = blk.q
         if be == _FLASH:
+            extra = {} if shared is None else dict(delta=shared[0][:, :, rows],
+                                                      dq_acc=shared[1][:, rows])
             return _flash_kernel()[1](dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
                                       out[:, rows], lse[:, :, rows], blk.causal, self.scale,
-                                      self.p.split)
+                                      self.p.split, **extra)
         return attention_backward(dout[:, rows], q[:, rows], k[:, blk.kv], v[:, blk.kv],
                                   out[:, rows], lse[:, :, rows], (be, aux), args)
 

@@ -42,7 +42,9 @@ twice the bytes of a bf16 KV) has no compute to hide behind.) A buffer holds onl
 its blocks have covered so far (`merge.GradSum`; the receiver knows them from the schedule:
 `travelled`): at cp=2 rank 1 sends half the rows rank 0 does. Block src's dK/dV sums the
 ranks' contributions in the order src-1, src-2, ..., src (mod cp), the reverse of the
-forward-order replay's: equal up to fp32 summation order. dQ stays local. With fp32
+forward-order replay's: equal up to fp32 summation order. dQ stays local: on the flash kernel
+with fp32 accumulation every step's kernel sums into one fp32 dQ of the local rows, and
+delta = rowsum(dO * out) is computed once (`Runner.shared`). With fp32
 accumulation dq and the travelling dk/dv are summed in fp32 and rounded once at the end
 (`merge.GradSum`: a sum of two 16-bit partials, all that cp=2's fast mode has, is done by one
 16-bit add, which is that; the buffers go fp32 from the third term on); the KV itself travels
@@ -122,6 +124,7 @@ class RingAttention(torch.autograd.Function):
         half = q.shape[1] // 2
         qc, dc, oc = p.compute(q), p.compute(dout), p.compute(out)
         dq_sum, dk_sum, dv_sum = (GradSum(n, p, x.dtype, x.shape[1]) for x in (q, k, v))
+        shared = runner.shared(dc, oc, qc)     # the kernel path: one delta, one fp32 dq
         dq = dk = dv = None     # (tensor, its rows): merge.GradSum
         for term, i in enumerate(reversed(range(n)), start=1):
             # one batch to r-1 / from r+1: the dK/dV buffer finished at step i+1 and this
@@ -137,8 +140,9 @@ class RingAttention(torch.autograd.Function):
             pending = ring.exchange(send, shapes=shapes) if send else None
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (p.compute(x) for x in kv)
-            dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i])
-            dq = dq_sum.add(dq, dq_i, blk.q, term)
+            dq_i, dk_i, dv_i = runner.bwd(dc, qc, kc, vc, oc, lse, blk, ctx.states[i], shared)
+            if shared is None:
+                dq = dq_sum.add(dq, dq_i, blk.q, term)
             recv = ring.wait(pending) if pending is not None else []
             if dk is not None:      # the buffer from r+1, which held this block last
                 (dk, dv), recv = [(x, rows) for x in recv[:2]], recv[2:]
@@ -146,7 +150,8 @@ class RingAttention(torch.autograd.Function):
             dv = dv_sum.add(dv, dv_i, blk.kv, term)
             kv = tuple(recv) if i > 1 else (k, v)
         ctx.states = None
-        return dq[0], dk[0], dv[0], None    # step 0: this rank's own block, complete
+        dq = shared[1].to(q.dtype) if shared is not None else dq[0]
+        return dq, dk[0], dv[0], None    # step 0: this rank's own block, complete
 
 
 __all__ = ["RingAttention", "schedule"]
