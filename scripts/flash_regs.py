@@ -18,8 +18,8 @@ every wait drains the tensor cores, so inside one program a block's softmax neve
 product; what Triton 3.6 makes of this kernel, 2026-11-28, docs/attention.md); the GPU_CFG
 entries also with fp8_mha's epilogue (the E4M3 out and its amax beside the bf16 out).
 `sm90`: the Gluon kernels of tritium/kernels/flash_attention_sm90{,_bwd,_bwd_fused}.py (bf16,
-and the forward on E4M3 q / k / v too; D=128, GQA-4 descriptors, causal and no mask, 16-bit
-and fp32 outputs) at their module constants: registers at launch (the partitions then move theirs with setmaxnreg), bytes
+D=128, GQA-4 descriptors, causal and no mask, 16-bit and fp32 outputs) at their module
+constants: registers at launch (the partitions then move theirs with setmaxnreg), bytes
 spilled, shared memory.
 """
 from __future__ import annotations
@@ -167,8 +167,8 @@ def main_sm90():
     kernels = {
         "fwd": (sm90._fwd_kernel, lambda f: dict(
             q_desc=q_d, k_desc=k_d, v_desc=v_d, **outputs(f, q, sm90.BLOCK_M // 2, "o_dst"),
-            o_ss="i32", lse_ptr="*fp32", descale_ptr="*fp32", S_Q="i32", S_K="i32", H="i32",
-            G="i32", qk_scale="fp32"), sm90.BLOCK_M, sm90.STAGES),
+            o_ss="i32", lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32",
+            qk_scale="fp32"), sm90.BLOCK_M, sm90.STAGES),
         "dkdv": (sm90_bwd._dkdv_kernel, lambda f: dict(
             bwd, q_desc=bq_d, k_desc=bk_d, v_desc=bv_d, do_desc=bdo_d, H_KV="i32",
             **outputs(f, k, sm90.BLOCK_N // 2, "dk_dst", "dv_dst")),
@@ -183,17 +183,6 @@ def main_sm90():
         dq_desc=mangle_type(fused._dq_desc(dq32)),
         **outputs(f, k, sm90.BLOCK_N // 2, "dk_dst", "dv_dst")),
         sm90_bwd.BWD_BLOCK_M, sm90_bwd.BWD_STAGES)
-    q8, k8 = (x.to(torch.float8_e4m3fn) for x in (q, k))
-    v8 = k8.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)      # keys-contiguous
-    box = [1, 1, B.D, sm90.BLOCK_N]
-    v8_d = mangle_type(sm90.GluonDesc(v8, [2, 2, B.D, 1024], [v8.stride(0), v8.stride(2),
-                                                             v8.stride(3), 1], box,
-                                      sm90.gl.NVMMASharedLayout.get_default_for(
-                                          box, sm90.gl.float8e4nv)))
-    kernels["fwd_fp8"] = (sm90._fwd_kernel, lambda f: dict(
-        kernels["fwd"][1](f), q_desc=mangle_type(sm90._desc(q8, sm90.BLOCK_M)),
-        k_desc=mangle_type(sm90._desc(k8, sm90.BLOCK_N)), v_desc=v8_d),
-        sm90.BLOCK_M, sm90.FP8_STAGES)
     for name, (fn, types, bm, stages) in kernels.items():
         for fp32, causal in itertools.product((False, True), (True, False)):
             constexprs = dict(BM=bm, BN=sm90.BLOCK_N, D=B.D, NSTAGE=stages, CAUSAL=causal,

@@ -358,23 +358,6 @@ for (_mod, _name), (_bm, _stages) in SM90_KERNELS.items():
         dict(num_warps=4))
 
 
-def _sm90_fp8_types(fp32_out: bool = False) -> dict:
-    """The Gluon forward on E4M3 (`flash_attention_sm90.flash_attention_fp8_fwd`): q / k
-    descriptors of E4M3 [b, s, h * d] views, V keys-contiguous through its [b, h, d, s] view."""
-    import torch
-    from triton.runtime.jit import mangle_type
-    sm90 = _fa.sm90
-    q = torch.empty(2, 1024, 8, 128, dtype=torch.float8_e4m3fn)
-    k = torch.empty(2, 1024, 2, 128, dtype=torch.float8_e4m3fn)
-    v = k.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    box = [1, 1, 128, sm90.BLOCK_N]
-    v_d = sm90.GluonDesc(v, [2, 2, 128, 1024], [v.stride(0), v.stride(2), v.stride(3), 1], box,
-                         sm90.gl.NVMMASharedLayout.get_default_for(box, sm90.gl.float8e4nv))
-    return dict(_sm90_kernel_types("_fwd_kernel", fp32_out),
-                q_desc=mangle_type(sm90._desc(q, sm90.BLOCK_M)),
-                k_desc=mangle_type(sm90._desc(k, sm90.BLOCK_N)), v_desc=mangle_type(v_d))
-
-
 def _fa_fp8(d: int, tma: bool = True, causal: bool = True) -> dict:
     """The FP8 forward (fp8_dpa) at its config for the mask: E4M3 q/k descriptors of the
     [b, s, h * d] view, V keys-contiguous (VT) through a descriptor of its [b, h, d, s] view,
@@ -446,12 +429,6 @@ VARIANTS = {
     # the Gluon kernels: no mask, and fp32 outputs (CP's fp32 partials) stored from registers
     **{key: [dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(key[1], True)),
              dict(_types=_sm90_kernel_types(key[1], True))] for key in SM90_KERNELS},
-    # the Gluon forward on E4M3 (both masks, 16-bit and fp32 out) at its ring's depth
-    **({("flash_attention_sm90", "_fwd_kernel"): [
-        dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types("_fwd_kernel", True)),
-        dict(_types=_sm90_kernel_types("_fwd_kernel", True))] + [
-        dict(CAUSAL=causal, NSTAGE=_fa.sm90.FP8_STAGES, _types=_sm90_fp8_types(fp32))
-        for causal in (True, False) for fp32 in (False, True)]} if SM90_KERNELS else {}),
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

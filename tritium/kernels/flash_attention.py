@@ -27,8 +27,7 @@ Twin: `tritium.ref.flash_attention` (same names and signatures, plain fp32 math)
 On Hopper the speed mode runs `flash_attention_sm90` / `_sm90_bwd` (Gluon, warp-specialized:
 forward, dK/dV, dQ; `_sm90_bwd_fused`, one backward kernel, but for causal GQA) where their
 `applies()` holds (TMA-readable bshd or sbhd memory, d = 128, no band; 16-bit or fp32
-outputs: the latter what CP's fp32_partials blocks take), and the FP8 forward where
-`applies_fp8()` holds (the same kernel on E4M3, V keys-contiguous; no band, no fp8_mha out).
+outputs: the latter what CP's fp32_partials blocks take).
 The kernels themselves (device code, `flash_attention_tiles`): precision (the SPLIT head / tail
 products), tiling, the band and packed-sequence walks, the FP8 forward's P quantization.
 This module is the host side: launch configs, operand checks and layouts, the launchers.
@@ -336,13 +335,6 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, s_q, h, d = q.shape
     s_kv, h_kv = k.shape[1], k.shape[2]
     window, causal, band_lo, band_hi = _band(band, causal, s_q, s_kv)
-    if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
-        v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
-    if (fp8_out is None and not window and q.is_cuda
-            and (block_n or fp8_block_n(d, True)) == sm90.BLOCK_N
-            and sm90.applies_fp8(q, k, v, out_dtype or torch.float32)):     # Hopper: Gluon
-        return sm90.flash_attention_fp8_fwd(q, k, v, descale, causal, scale,
-                                            out_dtype or torch.float32)
     keep_hp = fp8_out is None or fp8_out.keep_hp
     out = (torch.empty(b, s_q, h, d, dtype=out_dtype or torch.float32, device=q.device)
            if keep_hp else torch.empty_strided((b, s_q, h, d), (0, 0, 0, 0), device=q.device))
@@ -365,6 +357,8 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         cfg = _fp8_cfg(d, causal, q.is_cuda)
         if block_n is not None:
             cfg = cfg._replace(block_n=int(block_n))
+        if v.stride(1) != 1 and s_kv > 1:   # P @ V wants V's keys contiguous: one copy here
+            v = v.permute(0, 2, 3, 1).contiguous().permute(0, 3, 1, 2)
         (q_src, k_src), tma = _srcs(cfg, q, k)
         v_src = _value_src(cfg, v) if tma else None
         if v_src is None:

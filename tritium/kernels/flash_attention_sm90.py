@@ -44,12 +44,11 @@ try:  # Gluon's Hopper API (Triton >= 3.5); without it the Triton kernel runs ev
 except ImportError:  # pragma: no cover - older Triton
     gluon = None
 
-from .flash_attention_tiles import LOG2_P_SCALE, LOG2E
+from .flash_attention_tiles import LOG2E
 
 ENABLED = True   # False: the Triton kernel runs every forward (tests, bisecting)
 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES = 128, 128, 128, 2
 CONSUMER_REGS, LOADER_REGS = 240, 24
-FP8_STAGES = 2    # the FP8 forward's K / V ring (its tiles are half the bf16 ones' bytes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,8 +83,7 @@ def _desc(x: torch.Tensor, box: int):
     """A TMA descriptor of bshd x's [b, s, h * d] view with [1, box, d] boxes: rows past a
     sequence's end read as zeros and are not written (per batch)."""
     b, s, h, d = x.shape
-    gdt = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-           torch.float8_e4m3fn: gl.float8e4nv}[x.dtype]
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     layout = gl.NVMMASharedLayout.get_default_for([1, box, d], gdt)
     return GluonDesc(x, [b, s, h * d], [x.stride(0), x.stride(1), 1], [1, box, d], layout)
 
@@ -93,10 +91,9 @@ def _desc(x: torch.Tensor, box: int):
 if gluon is not None:
     @gluon.jit
     def _softmax_step(s, m_i, l_i, qk_scale, cols, rows, n0, S_K, MASK: gl.constexpr,
-                      CAUSAL: gl.constexpr, SHIFT: gl.constexpr = 0.0):
+                      CAUSAL: gl.constexpr):
         """Online softmax of one score block (raw Q K^T, fp32): -> (P, alpha, m, l); m in
-        log2 units of the scaled scores. SHIFT (the FP8 forward's log2 448): P comes out
-        times 2^SHIFT (exp2(s - (m - SHIFT)): no multiply per score), l with it."""
+        log2 units of the scaled scores."""
         if MASK:
             keep = (n0 + cols)[None, :] < S_K
             if CAUSAL:
@@ -104,10 +101,7 @@ if gluon is not None:
             s = gl.where(keep, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * qk_scale)
         alpha = gl.exp2(m_i - m_new)
-        if SHIFT != 0.0:
-            p = gl.exp2(s * qk_scale - (m_new - SHIFT)[:, None])
-        else:
-            p = gl.exp2(s * qk_scale - m_new[:, None])
+        p = gl.exp2(s * qk_scale - m_new[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_i
 
@@ -115,11 +109,9 @@ if gluon is not None:
     def _stream_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, off_b,
                    kv_col, n_blocks):
         """K / V block j into ring slot j % stages once both consumers released the slot's
-        previous block (the loaders of the forward and of dQ). E4M3 V is keys-contiguous (a
-        descriptor of its [b, h, d, s] view: the head's [d, keys] box)."""
+        previous block (the loaders of the forward and of dQ)."""
         NSTAGE: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[2]
-        D: gl.constexpr = k_smem.shape[3]
         for j in range(n_blocks):
             st = j % NSTAGE
             free = ((j // NSTAGE) & 1) ^ 1   # a fresh barrier passes this parity at once
@@ -129,12 +121,8 @@ if gluon is not None:
                                             k_ready.index(st), k_smem.index(st))
             mbarrier.wait(v_empty.index(st), free)
             mbarrier.expect(v_ready.index(st), v_desc.block_type.nbytes)
-            if v_smem.dtype.is_fp8():
-                tma.async_copy_global_to_shared(v_desc, [off_b, kv_col // D, 0, j * BN],
-                                                v_ready.index(st), v_smem.index(st))
-            else:
-                tma.async_copy_global_to_shared(v_desc, [off_b, j * BN, kv_col],
-                                                v_ready.index(st), v_smem.index(st))
+            tma.async_copy_global_to_shared(v_desc, [off_b, j * BN, kv_col],
+                                            v_ready.index(st), v_smem.index(st))
 
     @gluon.jit
     def _grouped(n_tiles):
@@ -218,40 +206,23 @@ if gluon is not None:
                    kv_col, n_blocks)
 
     @gluon.jit
-    def _value_tile(v_smem, st, BN: gl.constexpr, D: gl.constexpr):
-        """Ring slot st's V as P V's [keys, d] operand: an E4M3 tile is [d, keys] (keys
-        contiguous: K-major, what an 8-bit B operand must be), read transposed."""
-        if v_smem.dtype.is_fp8():
-            return v_smem.index(st).reshape([D, BN]).permute((1, 0))
-        else:
-            return v_smem.index(st).reshape([BN, D])
-
-    @gluon.jit
-    def _consumer(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K,
-                  n_blocks, qk_scale, HALF: gl.constexpr, CAUSAL: gl.constexpr):
+    def _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
+                  HALF: gl.constexpr, CAUSAL: gl.constexpr):
         """One warpgroup's 64 query rows (HALF 0 / 1 of the tile): scores, softmax, P V,
-        ping-ponged with the other warpgroup; then out (TMA store through o_buf) and lse.
-        E4M3 q / k / v (the FP8 forward): k-steps of 32, P times 448 rounded to E4M3 for
-        P V, V read as [keys, d] of its keys-contiguous tile; descale_ptr's q and k scales
-        in the exp2 scale, v's on out (not read for 16-bit inputs)."""
+        ping-ponged with the other warpgroup; then out (TMA store) and lse."""
         BM: gl.constexpr = q_smem.shape[1]
         NSTAGE: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[2]
         D: gl.constexpr = k_smem.shape[3]
         HM: gl.constexpr = BM // 2
         dtype: gl.constexpr = q_smem.dtype
-        FP8: gl.constexpr = dtype.is_fp8()
-        KI: gl.constexpr = 256 // dtype.primitive_bitwidth      # wgmma's k-step
-        SHIFT: gl.constexpr = LOG2_P_SCALE if FP8 else 0.0
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, KI])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BN, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, KI])
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                     k_width=32 // dtype.primitive_bitwidth)
-        if FP8:
-            qk_scale = qk_scale * gl.load(descale_ptr) * gl.load(descale_ptr + 1)
+                                                     k_width=2)
         q_half = q_smem.reshape([BM, D]).slice(HALF * HM, HM)
         r0 = m0 + HALF * HM
         if CAUSAL:   # key blocks wholly visible to every row of this half (and below S_K)
@@ -273,10 +244,10 @@ if gluon is not None:
         mbarrier.arrive(k_empty.index(0), count=1)
         if n_free > 0:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
-                                               False, CAUSAL, SHIFT)
+                                               False, CAUSAL)
         else:
             p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows, 0, S_K,
-                                               True, CAUSAL, SHIFT)
+                                               True, CAUSAL)
         p16 = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(n_blocks - 1):
             st = j % NSTAGE
@@ -288,16 +259,16 @@ if gluon is not None:
             s_next = warpgroup_mma(q_half, k_smem.index(nst).reshape([BN, D]).permute((1, 0)),
                                    zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(st), (j // NSTAGE) & 1)
-            acc = warpgroup_mma(p16, _value_tile(v_smem, st, BN, D), acc, is_async=True)
+            acc = warpgroup_mma(p16, v_smem.index(st).reshape([BN, D]), acc, is_async=True)
             mbarrier.arrive(turn.index(1 - HALF), count=1)
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s_next,))
             mbarrier.arrive(k_empty.index(nst), count=1)
             if nxt >= n_free:
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
-                                                   nxt * BN, S_K, True, CAUSAL, SHIFT)
+                                                   nxt * BN, S_K, True, CAUSAL)
             else:
                 p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale, cols, rows,
-                                                   nxt * BN, S_K, False, CAUSAL, SHIFT)
+                                                   nxt * BN, S_K, False, CAUSAL)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(st), count=1)
             acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -307,59 +278,51 @@ if gluon is not None:
         lst = last % NSTAGE
         mbarrier.wait(turn.index(HALF), (last & 1) ^ (1 - HALF))
         mbarrier.wait(v_ready.index(lst), (last // NSTAGE) & 1)
-        acc = warpgroup_mma(p16, _value_tile(v_smem, lst, BN, D), acc, is_async=True)
+        acc = warpgroup_mma(p16, v_smem.index(lst).reshape([BN, D]), acc, is_async=True)
         mbarrier.arrive(turn.index(1 - HALF), count=1)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(lst), count=1)
 
-        if FP8:   # acc and l carry 448 (their ratio does not)
-            acc = acc * gl.load(descale_ptr + 2)
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        gl.store(lse_ptr + lse_off + rows, (m_i - SHIFT + gl.log2(l_i)) * 0.6931471805599453,
+        gl.store(lse_ptr + lse_off + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453,
                  mask=rows < S_Q)
-        _store_half(out, o_buf, o_dst, off_b, m0, q_col, S_Q, o_ss, HALF)
+        _store_half(out, q_smem, o_dst, off_b, m0, q_col, S_Q, o_ss, HALF)  # Q no longer read
         tma.store_wait(pendings=0)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
     @gluon.jit
-    def _rows_0(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar, k_ready,
-                v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                qk_scale):
-        _consumer(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K,
-                  n_blocks, qk_scale, 0,
+    def _rows_0(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
                   False)
 
     @gluon.jit
-    def _rows_1(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar, k_ready,
-                v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                qk_scale):
-        _consumer(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K,
-                  n_blocks, qk_scale, 1,
+    def _rows_1(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
                   False)
 
     @gluon.jit
-    def _rows_0_causal(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf,
-                       q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0,
-                       lse_off, S_Q, S_K, n_blocks, qk_scale):
-        _consumer(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K,
-                  n_blocks, qk_scale, 0,
+    def _rows_0_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
+                       qk_scale):
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
                   True)
 
     @gluon.jit
-    def _rows_1_causal(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf,
-                       q_bar, k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0,
-                       lse_off, S_Q, S_K, n_blocks, qk_scale):
-        _consumer(o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                  k_ready, v_ready, k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K,
-                  n_blocks, qk_scale, 1,
+    def _rows_1_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                       k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
+                       qk_scale):
+        _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
                   True)
 
     @gluon.jit
-    def _fwd_kernel(q_desc, k_desc, v_desc, o_dst, o_ss, lse_ptr, descale_ptr, S_Q, S_K, H, G,
-                    qk_scale, CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
+    def _fwd_kernel(q_desc, k_desc, v_desc, o_dst, o_ss, lse_ptr, S_Q, S_K, H, G, qk_scale,
+                    CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
                     D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                     LOADER_REGS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
@@ -367,21 +330,12 @@ if gluon is not None:
 
         q_smem = gl.allocate_shared_memory(dtype, [1, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], k_desc.layout)
-        if dtype.is_fp8():   # V keys-contiguous; a 16-bit out goes through its own buffer
-            v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, 1, D, BN], v_desc.layout)
-            if o_dst.dtype.is_ptr():
-                o_buf = q_smem
-            else:
-                o_buf = gl.allocate_shared_memory(o_dst.dtype, [1, BM, D], gl.NVMMASharedLayout.
-                                                  get_default_for([1, BM, D], o_dst.dtype))
-        else:               # a 16-bit out goes through Q's buffer, no longer read by then
-            v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], v_desc.layout)
-            o_buf = q_smem
+        v_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], v_desc.layout)
         q_bar, k_ready, v_ready, k_empty, v_empty, turn = _kv_ring(NSTAGE)
 
-        args = (o_dst, o_ss, lse_ptr, descale_ptr, q_smem, k_smem, v_smem, o_buf, q_bar,
-                k_ready, v_ready, k_empty, v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q,
-                S_Q, S_K, n_blocks, qk_scale)
+        args = (o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q, S_Q, S_K, n_blocks,
+                qk_scale)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                      k_empty, v_empty, off_b, m0, off_h * D, (off_h // G) * D, n_blocks)
         if CAUSAL:
@@ -425,42 +379,7 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
     grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
     _fwd_kernel[grid](*_descriptors(q, k, v), output(out, BLOCK_M // 2), out.stride(1), lse,
-                      lse, s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, CAUSAL=bool(causal),
+                      s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, CAUSAL=bool(causal),
                       BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
                       LOADER_REGS=LOADER_REGS, num_warps=4)
-    return out, lse
-
-
-def applies_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_dtype) -> bool:
-    """Can the FP8 forward (E4M3 q / k / v, bshd, V keys-contiguous: seq stride 1) run here?
-    (d = 128: the Triton FP8 forward's key tile is this kernel's, so P is quantized at the
-    same running maxima; no band, no fp8_mha out: the Triton kernel runs those.)"""
-    e4m3 = torch.float8_e4m3fn
-    return (ENABLED and gluon is not None and q.is_cuda and q.dim() == 4
-            and _is_sm90(q.device.index) and q.dtype == k.dtype == v.dtype == e4m3
-            and out_dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and q.shape[-1] == HEAD_DIM and k.shape == v.shape and k.shape[-1] == HEAD_DIM
-            and q.numel() > 0 and k.numel() > 0
-            and q.shape[0] == k.shape[0] and q.shape[2] % k.shape[2] == 0
-            and tma_view(q) and tma_view(k) and v.stride(1) == 1 and v.data_ptr() % 16 == 0
-            and all(v.stride(i) % 16 == 0 for i in (0, 2, 3)))
-
-
-def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            descale: torch.Tensor, causal: bool, scale: float, out_dtype):
-    """The FP8 forward where `applies_fp8(q, k, v, out_dtype)`; descale fp32 [3] (q, k, v
-    dequant scales, on the device) -> (out [b, s_q, h, d] in out_dtype, lse fp32 [b, h, s_q])
-    as `flash_attention.flash_attention_fp8_fwd`'s at key tile BLOCK_N."""
-    b, s_q, h, d = q.shape
-    s_kv, h_kv = k.shape[1], k.shape[2]
-    out = torch.empty(q.shape, dtype=out_dtype, device=q.device)
-    lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
-    box = [1, 1, d, BLOCK_N]    # V's [b, h, d, s] view: one head's [d, keys] tiles
-    v_desc = GluonDesc(v, [b, h_kv, d, s_kv], [v.stride(0), v.stride(2), v.stride(3), 1], box,
-                       gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
-    grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
-    _fwd_kernel[grid](_desc(q, BLOCK_M), _desc(k, BLOCK_N), v_desc, output(out, BLOCK_M // 2),
-                      out.stride(1), lse, descale, s_q, s_kv, h, h // h_kv, scale * LOG2E,
-                      CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=FP8_STAGES,
-                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)
     return out, lse
