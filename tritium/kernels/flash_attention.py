@@ -413,7 +413,7 @@ def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor
     return delta
 
 
-def _check_shared(q, lse, delta, dq_acc, varlen):
+def _check_shared(q, lse, delta, dq_acc):
     """The backward's optional precomputed delta (like lse) and fp32 dq accumulator (like q)."""
     if delta is not None and (delta.shape != lse.shape or delta.dtype != torch.float32
                               or delta.device != q.device):
@@ -447,7 +447,7 @@ def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     (`flash_attention_delta`, shaped like lse), is not computed again; dq is added into dq_acc
     (fp32, shaped like q, a row view of a larger buffer is fine) and dq_acc is returned as dq:
     the fused Hopper backward sums into it directly (no zeroed dq of its own, no add)."""
-    _check_shared(q, lse, delta, dq_acc, varlen)
+    _check_shared(q, lse, delta, dq_acc)
     lay = _layout(q, k, varlen)
     dout, q, k, v, out = _batched(varlen, dout, q, k, v, out)
     if varlen is not None:
@@ -535,6 +535,5 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
 
 
 __all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_delta",
-           "flash_attention_fp8_fwd",
-           "fp8_supported", "fp8_block_n", "FP8Out", "supported", "deterministic", "flops",
-           "Cfg", "GPU_CFG"]
+           "flash_attention_fp8_fwd", "fp8_supported", "fp8_block_n", "FP8Out", "supported",
+           "deterministic", "flops", "Cfg", "GPU_CFG"]
