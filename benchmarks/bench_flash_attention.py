@@ -46,6 +46,7 @@ keys-contiguous as the layer passes it; off cuDNN's bf16 out by more than FP8's 
     python benchmarks/bench_flash_attention.py --sweep          # sweep, then the table
     python benchmarks/bench_flash_attention.py --sweep nosplit  # the speed mode's sweep alone
     python benchmarks/bench_flash_attention.py --kernels [--cp]  # the sm90 Gluon kernels alone
+    python benchmarks/bench_flash_attention.py --kernels --once  # each launched once (ncu)
     python benchmarks/bench_flash_attention.py --cfg fwd=128,128,8,3,1,1 --cfg split:dq=128,64,8,3
       (kind=BLOCK_M,BLOCK_N,warps,stages[,tma[,ws[,atomic_dq]]], D=128, nosplit unless split:;
        kind fwd_fp8: the FP8 forward, both masks, e.g. --cfg fwd_fp8=128,128,4,3,1;
@@ -518,12 +519,13 @@ def sweep_fp8():
     torch.cuda.empty_cache()
 
 
-def kernels(cp: bool = False, rounds: int = 5):
+def kernels(cp: bool = False, rounds: int = 5, once: bool = False):
     """--kernels: the Hopper Gluon kernels one by one at B4 H32 S4096 D128 (MHA, GQA-8; causal,
     no mask; with --cp also the blocks one cp=2 rank computes at S=32768, B1 H12: the causal
     16384 x 16384 square and the no-mask 8192 x 16384 / 16384 x 8192 ones) in `rounds`
     interleaved rounds (median ms printed, nothing recorded): the forward, the dQ and dK/dV
-    kernels, the two-kernel backward, the fused one, cuDNN's forward and fwd+bwd."""
+    kernels, the two-kernel backward, the fused one, cuDNN's forward and fwd+bwd. once (--once):
+    each launched one time per case, untimed, for a profiler (`scripts/gpu_check.sh ncu`)."""
     from tritium.kernels import flash_attention_sm90 as sm90, flash_attention_sm90_bwd as two
     from tritium.kernels import flash_attention_sm90_bwd_fused as fused
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -551,10 +553,18 @@ def kernels(cp: bool = False, rounds: int = 5):
         if fused.AVAILABLE:
             fns["bwd fused"] = lambda: fused.flash_attention_bwd(do, q, k, v, out, lse, causal,
                                                                  scale)
-        ms = median_ms(interleaved_rounds(fns, rounds=rounds))
         heads = f"H{h}" + ("" if h_kv == h else f" KV{h_kv}")
         lengths = f"S{s_q}" if s_q == s_kv else f"S{s_q}x{s_kv}"
         case = f"B{b} {heads} {lengths} D128 " + ("causal" if causal else "nomask")
+        if once:
+            for name, fn in fns.items():
+                if not name.startswith("cudnn"):
+                    fn()
+            torch.cuda.synchronize()
+            print(f"{case}: launched " + ", ".join(n for n in fns if not n.startswith("cudnn")),
+                  flush=True)
+            continue
+        ms = median_ms(interleaved_rounds(fns, rounds=rounds))
         print(case + ": " + ", ".join(f"{n} {t:.3f} ms" for n, t in ms.items()), flush=True)
     torch.cuda.empty_cache()
 
@@ -578,6 +588,8 @@ def main():
                     help="sweep the FP8 forward's configs first")
     ap.add_argument("--kernels", action="store_true",
                     help="time the Hopper Gluon kernels one by one, then stop")
+    ap.add_argument("--once", action="store_true",
+                    help="with --kernels: launch each one time, untimed (for a profiler)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_flash_attention: needs a CUDA GPU; nothing timed")
@@ -587,7 +599,7 @@ def main():
             FA.GPU_CFG[kind][key] = cfg
     settle_gpu()
     if args.kernels:
-        return kernels(args.cp)
+        return kernels(args.cp, once=args.once)
     for split in (False, True):
         if args.sweep in ("both", "split" if split else "nosplit"):
             sweep(split)

@@ -3,7 +3,7 @@
 #        [graphs] [cp] [cpprof] [cpacc] [cpscale] [gs] [demo] [demo:ARG+ARG] [prof] [flash] [model] [moe] [moe:ARG+ARG] [blockscale]
 #        [tests:EXPR]
 #        [block:REGEX] [model:V1,V2] [modelprof:V] [mtests] [tp] [tp:ARG+ARG] [fsdp] [fsdp:ARG+ARG] [flash:ARG+ARG]
-#        [pack]
+#        [ncu] [ncu:ARG+ARG] [pack]
 # The GPU test tier and the benchmarks in one call on a CUDA machine, logs and result JSON under
 # $OUT (default ./out). No stage named: tests cast linear norm act mlp attn rope adam block.
 # tests:EXPR runs the gpu tier with pytest -k EXPR (+ for a space: tests:fp8_attention+or+scaling); block:REGEX the block bench's variants
@@ -12,9 +12,12 @@
 # CUDA_VISIBLE_DEVICES leaves visible: mtests (the multigpu test tier), tp (bench_tp on 2 GPUs;
 # tp:--profile adds its kernels and host cProfile, tp:--trace also Chrome traces in $OUT),
 # fsdp (bench_fsdp on all visible GPUs; fsdp:--batch+2+--variants+bf16,tritium-fp8-ag passes those
-# arguments: + for a space). pack (last): everything under $OUT into $OUT/out.tgz, the JSON
-# results also copied beside it (a caller that fetches a few files gets them all; JSON files of
-# the same name in two folders: the tarball keeps both).
+# arguments: + for a space). ncu: Nsight Compute (clocks left alone) on the Hopper Gluon attention
+# kernels, each launched once per case (bench_flash_attention.py --kernels --once; ncu:--cp adds
+# one cp=2 rank's blocks): pipe utilization, issue and stall figures, the report in
+# $OUT/ncu_flash.log (docs/attention.md, "What it took"). pack (last): everything under $OUT
+# into $OUT/out.tgz, the JSON results also copied beside it (a caller that fetches a few files
+# gets them all; JSON files of the same name in two folders: the tarball keeps both).
 #        scripts/gpu_check.sh parallel 'GPUS:STAGE ...' ['GPUS:STAGE ...' ...]
 # Several of the above side by side, each on its own GPUs (CUDA_VISIBLE_DEVICES=GPUS), its
 # stages in order, its logs and results in $OUT/g<GPUS>/ (commas become dashes), e.g.
@@ -75,6 +78,15 @@ for s in $stages; do
     demo|demo:*) a=${s#demo}; a=${a#:}
             python3 -m tritium demo --out /tmp/demo ${a//+/ } 2>&1 | tr '\r' '\n' | grep -v "^step" | tee "$OUT/demo.log" | tail -30
             mkdir -p "$OUT/demo"; cp /tmp/demo/*.png /tmp/demo/*.csv /tmp/demo/*.md /tmp/demo/*.json "$OUT/demo/" 2>/dev/null ;;
+    ncu|ncu:*) a=${s#ncu}; a=${a#:}
+            ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+            "$ncu_bin" --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis \
+              --section SchedulerStats --section WarpStateStats --section InstructionStats \
+              -k "regex:_fwd_kernel|_bwd_kernel|_dq_kernel|_dkdv_kernel" \
+              python3 benchmarks/bench_flash_attention.py --kernels --once ${a//+/ } \
+              > "$OUT/ncu_flash.log" 2>&1
+            grep -E "^  _[a-z_]+kernel|launched|Duration|Issue Slots Busy|highest-utilized|Warp Cycles Per Issued|at a CTA" \
+              "$OUT/ncu_flash.log" | head -300 ;;
     blockscale) python3 benchmarks/bench_block_scaling.py 2>&1 | tee "$OUT/bench_block_scaling.log" | grep -v "^{" ;;
     moe)    python3 benchmarks/bench_moe.py 2>&1 | tee "$OUT/bench_moe.log" | grep -v "^{" ;;
     moe:*)  a=${s#moe:}; python3 benchmarks/bench_moe.py ${a//+/ } 2>&1 | tee "$OUT/bench_moe_stages.log" | grep -v "^{" ;;
