@@ -272,17 +272,15 @@ def test_backward_shares_delta_and_sums_dq_into_a_buffer(layout, option, gen, mo
     close(delta, R.flash_attention_delta(wide(out), wide(do)), "delta")
     delta = delta[0] if varlen else delta
     plain = K.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen)
+    seq = (lambda x, a, b: x[a:b]) if varlen else (lambda x, a, b: x[:, a:b])   # token rows
     for impl in (K, R):
-        buf = torch.randn(2 * n, *q.shape[-2:], generator=gen)
-        buf = buf if varlen else buf[None]
-        rows = buf[n:] if varlen else buf[:, n:]
-        before = buf.clone()
+        buf = torch.randn(*q.shape[:-3], 2 * n, *q.shape[-2:], generator=gen)
+        rows, before = seq(buf, n, 2 * n), buf.clone()
         got = impl.flash_attention_bwd(do, q, k, v, out, lse, causal, scale, varlen=varlen,
                                        delta=delta, dq_acc=rows)
         assert got[0].data_ptr() == rows.data_ptr()
-        close(rows, (before[n:] if varlen else before[:, n:]) + plain[0], f"{impl.__name__} dq")
-        assert torch.equal(buf[:n] if varlen else buf[:, :n], before[:n] if varlen
-                           else before[:, :n])
+        close(rows, seq(before, n, 2 * n) + plain[0], f"{impl.__name__} dq")
+        assert torch.equal(seq(buf, 0, n), seq(before, 0, n))
         for name, g, r in zip(("dk", "dv"), got[1:], plain[1:]):
             close(g, r, f"{impl.__name__} {name}")
     with pytest.raises(ValueError, match="delta must be fp32"):
