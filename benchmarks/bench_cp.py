@@ -250,8 +250,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_worker, args=(_free_port(), queue, profile_only),
-                       nprocs=2, join=True,
+    mp.start_processes(_worker, args=(_free_port(), queue, profile_only), nprocs=2, join=True,
                        start_method="spawn")
     rows, acc_rows = queue.get()
     if profile_only:

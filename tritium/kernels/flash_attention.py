@@ -395,10 +395,12 @@ def _value_src(cfg: Cfg, v: torch.Tensor):
     return TensorDescriptor(v, [b, h, d, s], [sb, sh, sd, 1], [1, 1, d, cfg.block_n])
 
 
-def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor,
+                          block_m: int = 64) -> torch.Tensor:
     """delta = rowsum(dout * out) in fp32 [b, h, s_q] (out, dout bshd [b, s_q, h, d], any float
     dtypes): what the backward computes first, for a caller that runs several backward blocks
-    on the same rows (a CP rank's blocks) and passes its rows to each (`delta=`)."""
+    on the same rows (a CP rank's blocks) and passes its rows to each (`delta=`). block_m: rows
+    per program."""
     b, s_q, h, d = out.shape
     if dout.shape != out.shape or d not in _HEAD_DIMS:
         raise ValueError(f"flash_attention_delta: out{tuple(out.shape)} and dout"
@@ -406,7 +408,6 @@ def flash_attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor
                          f"{_HEAD_DIMS}")
     delta = torch.empty(b, h, s_q, dtype=torch.float32, device=out.device)
     if delta.numel():
-        block_m = 64
         _delta_kernel[(triton.cdiv(s_q, block_m), b * h)](
             out, dout, delta, s_q, h, *out.stride(), *dout.stride(), D=d, BLOCK_M=block_m,
             num_warps=4 if out.is_cuda else 1)
@@ -497,13 +498,8 @@ def _triton_bwd(dout, q, k, v, out, lse, causal, scale, split, grad_dtype, delta
     lse = lse.to(f32)
     if dout.dtype != q.dtype:
         dout = dout.to(q.dtype)
-    if delta is None:
-        delta = torch.empty(b, h, t_q, dtype=f32, device=dev)
-        _delta_kernel[(triton.cdiv(t_q, dq_cfg.block_m), b * h)](
-            out, dout, delta, t_q, h, *out.stride(), *dout.stride(), D=d,
-            BLOCK_M=dq_cfg.block_m, num_warps=4 if cuda else 1)
-    else:
-        delta = delta.contiguous()
+    delta = (flash_attention_delta(out, dout, dq_cfg.block_m) if delta is None
+             else delta.contiguous())
     cu_q, cu_kv = (lay.cu_q, lay.cu_kv) if varlen is not None else (delta, delta)
     common = (*q.stride(), *k.stride(), *v.stride(), *dout.stride(), *lse.stride(), band_lo,
               band_hi, cu_q, cu_kv, t_q)
