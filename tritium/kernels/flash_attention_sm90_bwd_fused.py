@@ -87,10 +87,14 @@ if AVAILABLE:
     def _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem, ds_full, ds_free,
               dq_smem, dq_desc, q_ready, q_empty, turn, lse_ptr, delta_ptr, lse_base, m, q_col,
               it, dk, dv, S_Q, qk_scale, scale, off_b, p_row, p_col, n0, HALF: gl.constexpr,
-              MASK: gl.constexpr):
+              MASK: gl.constexpr, CAUSAL: gl.constexpr):
         """Query block `it` (rows m.., ring slot it % stages) into this warpgroup's dK, dV;
         block it - 1's dQ (rows p_row.., columns p_col..) into global dQ. MASK: a block on
-        the causal diagonal (key j seen by row i iff j <= i; the key block starts at n0)."""
+        the causal diagonal (key j seen by row i iff j <= i; the key block starts at n0).
+        Without a mask (not CAUSAL) more overlaps the tensor cores: lse / delta are loaded
+        before the waits, P's exponentials run while dP is still computing, and block it - 1's
+        dQ product is issued first so that its reduce runs under dV and dK (H200: 1.06-1.07x
+        faster without a mask, 0.96x causal, so causal keeps the plain order)."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = q_smem.shape[2]
         D: gl.constexpr = q_smem.shape[3]
@@ -102,24 +106,34 @@ if AVAILABLE:
         q_t = q_smem.index(st).reshape([BM, D])
         do_t = do_smem.index(st).reshape([BM, D])
         zero_s = gl.zeros([BM, HN], gl.float32, layout=s_layout)
+        # rows past S_Q: their Q and dO rows are TMA's zeros, so whatever P they get adds
+        # nothing to dV or dK, and their dQ rows are not written; lse / delta of the last row
+        if not CAUSAL:
+            rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
+            lse = gl.load(lse_ptr + lse_base + rows)
+            delta = gl.load(delta_ptr + lse_base + rows)
         mbarrier.wait(q_ready.index(st), (it // NSTAGE) & 1)
         mbarrier.wait(turn.index(HALF), 1 - HALF)      # this warpgroup's turn (1 / 2)
         s = warpgroup_mma(q_t, k_half.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_t, v_half.permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         mbarrier.arrive(turn.index(1 - HALF), count=1)
-        # rows past S_Q: their Q and dO rows are TMA's zeros, so whatever P they get adds
-        # nothing to dV or dK, and their dQ rows are not written; lse / delta of the last row
-        rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
-        lse = gl.load(lse_ptr + lse_base + rows)
-        lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-        delta = gl.load(delta_ptr + lse_base + rows)
-        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        if CAUSAL:
+            rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
+            lse = gl.load(lse_ptr + lse_base + rows)
+            lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            delta = gl.load(delta_ptr + lse_base + rows)
+            s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        else:
+            lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if MASK:
             keys = n0 + HALF * HN - m + gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
             r = gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout))   # rows from m
             s = gl.where(keys[None, :] <= r[:, None], s, -float("inf"))
         p = gl.exp2(s * qk_scale - lse[:, None])
+        if not CAUSAL:
+            dp = warpgroup_mma_wait(num_outstanding=0, deps=(dp,))
         ds = p * (dp - delta[:, None])
         # dS buffers alternate; block it's needs block it - 2's dQ products done. The
         # barriers' phase: a fresh one passes parity 1 at once, which is what block 0's
@@ -136,15 +150,27 @@ if AVAILABLE:
         fence_async_shared()
         mbarrier.arrive(ds_full.index(buf), count=1)
         mbarrier.wait(turn.index(HALF), HALF)          # this warpgroup's turn (2 / 2)
-        dv = warpgroup_mma(p_half.permute((1, 0)), do_t, dv, is_async=True)
-        dk = warpgroup_mma(ds_half.permute((1, 0)), q_t, dk, is_async=True)
-        mbarrier.wait(ds_full.index(pbuf), phase)      # block it - 1's dS, both halves
-        dq = _dq_product(ds_smem, pbuf, k_cols)
-        mbarrier.arrive(turn.index(1 - HALF), count=1)
-        dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
-        mbarrier.arrive(q_empty.index(st), count=1)
-        mbarrier.arrive(ds_free.index(pbuf), count=1)
-        _dq_reduce(dq * scale, dq_smem, dq_desc, off_b, p_row, p_col, HALF)
+        if CAUSAL:
+            dv = warpgroup_mma(p_half.permute((1, 0)), do_t, dv, is_async=True)
+            dk = warpgroup_mma(ds_half.permute((1, 0)), q_t, dk, is_async=True)
+            mbarrier.wait(ds_full.index(pbuf), phase)      # block it - 1's dS, both halves
+            dq = _dq_product(ds_smem, pbuf, k_cols)
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            dv, dk, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk, dq))
+            mbarrier.arrive(q_empty.index(st), count=1)
+            mbarrier.arrive(ds_free.index(pbuf), count=1)
+            _dq_reduce(dq * scale, dq_smem, dq_desc, off_b, p_row, p_col, HALF)
+        else:
+            mbarrier.wait(ds_full.index(pbuf), phase)      # block it - 1's dS, both halves
+            dq = _dq_product(ds_smem, pbuf, k_cols)
+            dv = warpgroup_mma(p_half.permute((1, 0)), do_t, dv, is_async=True)
+            dk = warpgroup_mma(ds_half.permute((1, 0)), q_t, dk, is_async=True)
+            mbarrier.arrive(turn.index(1 - HALF), count=1)
+            dq = warpgroup_mma_wait(num_outstanding=2, deps=(dq,))
+            mbarrier.arrive(ds_free.index(pbuf), count=1)
+            _dq_reduce(dq * scale, dq_smem, dq_desc, off_b, p_row, p_col, HALF)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=(dv, dk))
+            mbarrier.arrive(q_empty.index(st), count=1)
         return warpgroup_mma_init(dk), warpgroup_mma_init(dv)
 
     @gluon.jit
@@ -179,7 +205,8 @@ if AVAILABLE:
                     dk, dv = _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem,
                                    ds_full, ds_free, dq_smem, dq_desc, q_ready, q_empty, turn,
                                    lse_ptr, delta_ptr, lse_base, i * BM, q_col, it, dk, dv, S_Q,
-                                   qk_scale, scale, off_b, p_row, p_col, n0, HALF, True)
+                                   qk_scale, scale, off_b, p_row, p_col, n0, HALF, True,
+                                   CAUSAL)
                     p_row = i * BM
                     p_col = q_col
                     it += 1
@@ -189,7 +216,8 @@ if AVAILABLE:
                 dk, dv = _step(q_smem, k_half, v_half, do_smem, k_cols, p_smem, ds_smem,
                                ds_full, ds_free, dq_smem, dq_desc, q_ready, q_empty, turn,
                                lse_ptr, delta_ptr, lse_base, i * BM, q_col, it, dk, dv, S_Q,
-                               qk_scale, scale, off_b, p_row, p_col, n0, HALF, False)
+                               qk_scale, scale, off_b, p_row, p_col, n0, HALF, False,
+                               CAUSAL)
                 p_row = i * BM
                 p_col = q_col
                 it += 1
