@@ -26,7 +26,9 @@ GQA keeps the two kernels. Measured on an H200 (backward alone, interleaved roun
 `bench_flash_attention.py --kernels --cp`): B4 H32 S4096 D128 no mask 5.69 vs 6.31 ms (two
 kernels), causal 3.19 vs 3.47; GQA-8 no mask 6.05 vs 6.44, causal 3.64 vs 3.36 (slower); one
 cp=2 rank's blocks at S=32768 (B1 H12): causal 16384 x 16384 4.20 vs 4.73, no mask 8192 x
-16384 4.07 vs 4.65.
+16384 4.07 vs 4.65. Since the overlaps of `_step` (2026-11-30, fp32 dK/dV, paired with the
+kernel before them): no mask 1.06x (B4 H32 S4096 5.27 ms), 1.06x / 1.08x at the cp=2 blocks
+8192 x 16384 / 16384 x 8192 (3.83 / 3.80 ms); causal 1.03x.
 Twin: `tritium.ref.flash_attention.flash_attention_bwd` (the GPU tier compares them).
 """
 from __future__ import annotations
@@ -91,10 +93,10 @@ if AVAILABLE:
         """Query block `it` (rows m.., ring slot it % stages) into this warpgroup's dK, dV;
         block it - 1's dQ (rows p_row.., columns p_col..) into global dQ. MASK: a block on
         the causal diagonal (key j seen by row i iff j <= i; the key block starts at n0).
-        Without a mask (not CAUSAL) more overlaps the tensor cores: lse / delta are loaded
-        before the waits, P's exponentials run while dP is still computing, and block it - 1's
-        dQ product is issued first so that its reduce runs under dV and dK (H200: 1.06-1.07x
-        faster without a mask, 0.96x causal, so causal keeps the plain order)."""
+        lse and delta are loaded before the waits (H200: 1.03x causal). Without a mask (not
+        CAUSAL) more overlaps the tensor cores: P's exponentials run while dP is still
+        computing, and block it - 1's dQ product is issued first so that its reduce runs under
+        dV and dK (with the loads 1.06-1.08x; causal 0.96x: it keeps the plain order)."""
         NSTAGE: gl.constexpr = q_smem.shape[0]
         BM: gl.constexpr = q_smem.shape[2]
         D: gl.constexpr = q_smem.shape[3]
@@ -108,24 +110,19 @@ if AVAILABLE:
         zero_s = gl.zeros([BM, HN], gl.float32, layout=s_layout)
         # rows past S_Q: their Q and dO rows are TMA's zeros, so whatever P they get adds
         # nothing to dV or dK, and their dQ rows are not written; lse / delta of the last row
-        if not CAUSAL:
-            rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
-            lse = gl.load(lse_ptr + lse_base + rows)
-            delta = gl.load(delta_ptr + lse_base + rows)
+        rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
+        lse = gl.load(lse_ptr + lse_base + rows)       # in flight during the waits
+        delta = gl.load(delta_ptr + lse_base + rows)
         mbarrier.wait(q_ready.index(st), (it // NSTAGE) & 1)
         mbarrier.wait(turn.index(HALF), 1 - HALF)      # this warpgroup's turn (1 / 2)
         s = warpgroup_mma(q_t, k_half.permute((1, 0)), zero_s, use_acc=False, is_async=True)
         dp = warpgroup_mma(do_t, v_half.permute((1, 0)), zero_s, use_acc=False,
                            is_async=True)
         mbarrier.arrive(turn.index(1 - HALF), count=1)
+        lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
         if CAUSAL:
-            rows = gl.minimum(m + gl.arange(0, BM, layout=gl.SliceLayout(1, s_layout)), S_Q - 1)
-            lse = gl.load(lse_ptr + lse_base + rows)
-            lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
-            delta = gl.load(delta_ptr + lse_base + rows)
             s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
         else:
-            lse = gl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
             s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         if MASK:
             keys = n0 + HALF * HN - m + gl.arange(0, HN, layout=gl.SliceLayout(0, s_layout))
