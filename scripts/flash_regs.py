@@ -168,7 +168,8 @@ def main_sm90():
         "fwd": (sm90._fwd_kernel, lambda f: dict(
             q_desc=q_d, k_desc=k_d, v_desc=v_d, **outputs(f, q, sm90.BLOCK_M // 2, "o_dst"),
             o_ss="i32", lse_ptr="*fp32", S_Q="i32", S_K="i32", H="i32", G="i32",
-            qk_scale="fp32"), sm90.BLOCK_M, sm90.STAGES),
+            qk_scale="fp32", S_O="i32", row0="i32", o16_ptr="*bf16", flags="i32"),
+            sm90.BLOCK_M, sm90.STAGES),
         "dkdv": (sm90_bwd._dkdv_kernel, lambda f: dict(
             bwd, q_desc=bq_d, k_desc=bk_d, v_desc=bv_d, do_desc=bdo_d, H_KV="i32",
             **outputs(f, k, sm90.BLOCK_N // 2, "dk_dst", "dv_dst")),

@@ -66,3 +66,29 @@ def test_backward_with_merged_out_lse_sums_to_full():
         torch.testing.assert_close(g[1], full[1][:, part], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(g[2], full[2][:, part], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(dq, full[0], rtol=1e-5, atol=1e-6)
+
+
+def test_forward_merge_of_two_key_halves_is_the_whole_forward():
+    """`flash_attention_fwd_merge` (the twin of the Hopper kernel's merging epilogue): a
+    causal first block merged with a no-mask second one, at a row offset of larger running
+    buffers, equals one forward whose rows see the first keys causally and all the others
+    (fp64 oracle); other rows untouched; the 16-bit copy is the merged out rounded."""
+    q, k, v, _ = _inputs(24, 48, 2, 2, 16, torch.bfloat16, seed=3)
+    total, row0, scale = 40, 9, 0.25
+    g = torch.Generator().manual_seed(4)
+    out, lse = torch.randn(2, total, 2, 16, generator=g), torch.randn(2, 2, total, generator=g)
+    rows = slice(row0, row0 + 24)
+    out[:, rows], lse[:, :, rows] = R.flash_attention_fwd(q, k[:, :24], v[:, :24], True, scale)
+    before, out16 = out.clone(), torch.zeros(2, total, 2, 16, dtype=torch.bfloat16)
+    R.flash_attention_fwd_merge(q, k[:, 24:], v[:, 24:], False, scale, out, lse, row0, out16)
+    mask = torch.zeros(24, 48, dtype=torch.bool)
+    mask[:, :24] = torch.ones(24, 24, dtype=torch.bool).triu(1)     # True: hidden
+    s = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.double()) * scale
+    s = s.masked_fill(mask, float("-inf"))
+    want = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.double())
+    assert (out[:, rows].double() - want).abs().max().item() < 2e-5 * want.abs().max().item()
+    assert (lse[:, :, rows].double() - s.logsumexp(-1)).abs().max().item() < 1e-5
+    assert torch.equal(out[:, :row0], before[:, :row0])
+    assert torch.equal(out[:, row0 + 24:], before[:, row0 + 24:])
+    assert torch.equal(out16[:, rows], out[:, rows].to(torch.bfloat16))
+    assert not out16[:, :row0].any() and not out16[:, row0 + 24:].any()

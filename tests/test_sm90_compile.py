@@ -429,6 +429,12 @@ VARIANTS = {
     # the Gluon kernels: no mask, and fp32 outputs (CP's fp32 partials) stored from registers
     **{key: [dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types(key[1], True)),
              dict(_types=_sm90_kernel_types(key[1], True))] for key in SM90_KERNELS},
+    # the forward merging into a CP rank's running fp32 partials, with their bf16 copy
+    ("flash_attention_sm90", "_fwd_kernel"): [
+        dict(CAUSAL=False), dict(CAUSAL=False, _types=_sm90_kernel_types("_fwd_kernel", True)),
+        dict(_types=_sm90_kernel_types("_fwd_kernel", True)),
+        dict(CAUSAL=False, _types={**_sm90_kernel_types("_fwd_kernel", True),
+                                   "o16_ptr": "*bf16"})],
     ("flash_attention_tiles", "_fwd_kernel"): _fa_variants("_fwd_kernel") + [
         dict(CAUSAL=False),
         dict(D=256, TMA=_FA256.tma, WS=_FA256.ws and _FA256.tma, BLOCK_M=_FA256.block_m,

@@ -266,3 +266,51 @@ def test_fp32_outputs_are_the_16_bit_ones_unrounded(name, _seed):
         else:
             assert torch.equal(x32.to(dtype), x16), tname
         assert not torch.equal(x32, x16.float()), tname
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_merges_into_running_partials(causal, _seed):
+    """`flash_attention_fwd_merge` (a CP rank's later steps): the block's fp32 partial merged
+    into running (out, lse) buffers by the kernel's epilogue equals the kernel's own partial
+    merged by the twin's torch math (`merge_partial`, to fp32 rounding) and the twin's merge
+    (within the forward's twin bounds), at a row offset of larger buffers (other rows
+    untouched); the 16-bit copy is the merged out rounded; without a mask, merging two key
+    halves equals one forward over all keys. Bad buffers raise before anything is written."""
+    from tritium.kernels import flash_attention as FA
+    from tritium.ref import flash_attention as twin
+    b, s, h, total, row0 = 2, 1000, 4, 1700, 600
+    q, k, v, _ = _inputs(b, s, 2 * s, h, h, torch.bfloat16, _seed)
+    scale = 1 / math.sqrt(D)
+    k1, v1, k2, v2 = k[:, :s], v[:, :s], k[:, s:], v[:, s:]
+    g = torch.Generator(device="cuda").manual_seed(_seed + 1)
+    out = torch.randn(b, total, h, D, device="cuda", generator=g)
+    lse = torch.randn(b, h, total, device="cuda", generator=g).abs() + 3
+    rows = slice(row0, row0 + s)
+    out[:, rows], lse[:, :, rows] = FA.flash_attention_fwd(q, k1, v1, False, scale, split=False,
+                                                           out_dtype=torch.float32)
+    want, want_lse, twin_out, twin_lse = out.clone(), lse.clone(), out.clone(), lse.clone()
+    part, part_lse = FA.flash_attention_fwd(q, k2, v2, causal, scale, split=False,
+                                            out_dtype=torch.float32)
+    twin.merge_partial(want, want_lse, row0, part, part_lse)
+    twin.flash_attention_fwd_merge(q, k2, v2, causal, scale, twin_out, twin_lse, row0)
+    got16 = torch.zeros(b, total, h, D, device="cuda", dtype=torch.bfloat16)
+    assert FA.flash_attention_fwd_merge(q, k2, v2, causal, scale, out, lse, row0, got16)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    rel = (out - twin_out).abs() / twin_out.abs().clamp_min(1)
+    assert rel.max().item() < 2 ** -6 and rel.mean().item() < 2 ** -10
+    torch.testing.assert_close(lse, twin_lse, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got16[:, rows], out[:, rows].to(torch.bfloat16))
+    assert not got16[:, :row0].any() and not got16[:, row0 + s:].any()
+    if not causal:
+        whole, whole_lse = FA.flash_attention_fwd(q, k, v, False, scale, split=False,
+                                                  out_dtype=torch.float32)
+        torch.testing.assert_close(out[:, rows], whole, rtol=1e-3, atol=2e-4)
+        torch.testing.assert_close(lse[:, :, rows], whole_lse, rtol=1e-5, atol=1e-5)
+    before = out.clone()
+    for bad in (dict(row0=total - s + 1), dict(out=out[:, :, :, :64]), dict(lse=lse.double()),
+                dict(out16=got16.half())):
+        args = dict(dict(out=out, lse=lse, row0=row0, out16=got16), **bad)
+        with pytest.raises(ValueError, match="flash_attention_fwd_merge"):
+            FA.flash_attention_fwd_merge(q, k2, v2, causal, scale, **args)
+    assert torch.equal(out, before)

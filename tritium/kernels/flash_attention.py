@@ -269,6 +269,19 @@ FP8_HEAD_DIMS = (64, 128)
 FP8_DTYPES = (torch.float8_e4m3fn,)
 
 
+def flash_attention_fwd_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                              scale: float, out: torch.Tensor, lse: torch.Tensor, row0: int,
+                              out16: Optional[torch.Tensor] = None) -> bool:
+    """The speed mode's fp32 partial of q's rows against k / v merged in place into a running
+    fp32 (out, lse) at rows row0.. by the Hopper kernel's epilogue (a CP rank's steps; twin:
+    `tritium.ref.flash_attention.flash_attention_fwd_merge`): True where that kernel runs this
+    call; False where it does not, and nothing is written (the caller merges itself)."""
+    if not sm90.applies(q, k, v, torch.float32):
+        return False
+    sm90.flash_attention_fwd_merge(q, k, v, causal, scale, out, lse, row0, out16)
+    return True
+
+
 def fp8_block_n(d: int, device_is_cuda: bool) -> int:
     """The FP8 forward's key tile (the twin's block_n) for head dim d (one for both masks)."""
     return _fp8_cfg(d, False, device_is_cuda).block_n
@@ -530,6 +543,6 @@ def flops(b: int, s_q: int, s_kv: int, h: int, d: int, causal: bool, backward: b
     return f * 2.5 if backward else f
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_delta",
-           "flash_attention_fp8_fwd", "fp8_supported", "fp8_block_n", "FP8Out", "supported",
-           "deterministic", "flops", "Cfg", "GPU_CFG"]
+__all__ = ["flash_attention_fwd", "flash_attention_fwd_merge", "flash_attention_bwd",
+           "flash_attention_delta", "flash_attention_fp8_fwd", "fp8_supported", "fp8_block_n",
+           "FP8Out", "supported", "deterministic", "flops", "Cfg", "GPU_CFG"]

@@ -22,7 +22,9 @@ q [b, s_q, h, d], k / v [b, s_kv, h_kv, d] (and dO like q) that TMA reads as [b,
 lengths), fp16 / bf16, d = 128, no mask or top-left causal; -> out [b, s_q, h, d] in the input
 dtype or fp32 (the partials CP merges: never rounded to 16 bits; stored from registers, 16-bit
 outputs through shared memory by TMA), lse fp32 [b, h, s_q] (natural log); grads likewise in
-the input dtype or fp32. `applies()` (and the backward's `applies_bwd()`) say when; the
+the input dtype or fp32. `flash_attention_fwd_merge`: the fp32 out and lse merged into a CP
+rank's running fp32 (out, lse) rows in the epilogue (logaddexp; the old rows read from
+registers' addresses), optionally also rounded into a 16-bit copy. `applies()` (and the backward's `applies_bwd()`) say when; the
 Triton kernels run everything else.
 Twin: `tritium.ref.flash_attention` (the GPU tier compares them). Gluon does not run under
 TRITON_INTERPRET: these kernels have no interpreter tier.
@@ -32,6 +34,7 @@ fwd+bwd 0.90-0.97x (benchmarks/RESULTS.md, the flash table; docs/attention.md).
 from __future__ import annotations
 
 import functools
+from typing import Optional
 
 import torch
 
@@ -142,8 +145,9 @@ if gluon is not None:
         """Half HALF of a tile's rows (x: fp32 registers; the tile's rows start at r0) into
         dst at column col, the rows below S. A 16-bit dst is a TMA descriptor of a
         [b, s, h * d] view: x is rounded into its half of buf ([1, rows, d] shared memory no
-        longer read) and stored by TMA (the caller waits). An fp32 dst is a pointer to a
-        contiguous [b, S, h, d] tensor (row stride ss): stored from registers, unrounded."""
+        longer read) and stored by TMA (the caller waits). A pointer dst (fp32, or the 16-bit
+        copy of a merged fp32 out) is a contiguous [b, S, h, d] tensor (row stride ss): stored
+        from registers, rounded to its dtype."""
         R: gl.constexpr = x.shape[0]
         C: gl.constexpr = x.shape[1]
         r0 = r0 + HALF * R
@@ -152,11 +156,31 @@ if gluon is not None:
             rows = r0 + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
             cols = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
             at = (off_b * S + rows).to(gl.int64) * ss + col
-            gl.store(dst + at[:, None] + cols[None, :], x, mask=(rows < S)[:, None])
+            gl.store(dst + at[:, None] + cols[None, :], x.to(dst.dtype.element_ty),
+                     mask=(rows < S)[:, None])
         else:
             buf.reshape([2 * R, C]).slice(HALF * R, R).store(x.to(dst.dtype))
             fence_async_shared()
             tma.async_copy_shared_to_global(dst, [off_b, r0, col], buf.slice(HALF * R, R, dim=1))
+
+    @gluon.jit
+    def _merge_half(x, lse, o_ptr, lse_ptr, lse_off, rows, off_b, r0, col, S, ss,
+                    HALF: gl.constexpr):
+        """(out, lse) of half HALF's rows merged with the running fp32 (out, lse) stored where
+        `_store_half` and the lse store write them: lse' = logaddexp(lse_old, lse) (torch's
+        stable form), out' = out_old exp(lse_old - lse') + x exp(lse - lse')."""
+        R: gl.constexpr = x.shape[0]
+        C: gl.constexpr = x.shape[1]
+        layout: gl.constexpr = x.type.layout
+        r = r0 + HALF * R + gl.arange(0, R, layout=gl.SliceLayout(1, layout))
+        cols = gl.arange(0, C, layout=gl.SliceLayout(0, layout))
+        at = (off_b * S + r).to(gl.int64) * ss + col
+        old = gl.load(o_ptr + at[:, None] + cols[None, :], mask=(r < S)[:, None], other=0.0)
+        lse_old = gl.load(lse_ptr + lse_off + rows, mask=rows < S, other=0.0)
+        new = gl.maximum(lse_old, lse) + gl.log(1.0 + gl.exp(-gl.abs(lse_old - lse)))
+        a = gl.convert_layout(gl.exp(lse_old - new), gl.SliceLayout(1, layout))
+        b = gl.convert_layout(gl.exp(lse - new), gl.SliceLayout(1, layout))
+        return old * a[:, None] + x * b[:, None], new
 
     @gluon.jit
     def _tile(S_Q, S_K, H, BM: gl.constexpr, BN: gl.constexpr, CAUSAL: gl.constexpr):
@@ -208,9 +232,11 @@ if gluon is not None:
     @gluon.jit
     def _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
                   v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale,
-                  HALF: gl.constexpr, CAUSAL: gl.constexpr):
+                  o16_ptr, flags, HALF: gl.constexpr, CAUSAL: gl.constexpr):
         """One warpgroup's 64 query rows (HALF 0 / 1 of the tile): scores, softmax, P V,
-        ping-ponged with the other warpgroup; then out (TMA store) and lse."""
+        ping-ponged with the other warpgroup; then out (TMA store) and lse. An fp32 out
+        (pointer) with flags bit 0: merged into the running (out, lse) already there; bit 1:
+        also rounded into o16_ptr (same layout)."""
         BM: gl.constexpr = q_smem.shape[1]
         NSTAGE: gl.constexpr = k_smem.shape[0]
         BN: gl.constexpr = k_smem.shape[2]
@@ -284,49 +310,64 @@ if gluon is not None:
         mbarrier.arrive(v_empty.index(lst), count=1)
 
         out = acc / gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))[:, None]
-        gl.store(lse_ptr + lse_off + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453,
-                 mask=rows < S_Q)
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
+        if o_dst.dtype.is_ptr():
+            if flags % 2 == 1:
+                out, lse = _merge_half(out, lse, o_dst, lse_ptr, lse_off, rows, off_b, m0, q_col,
+                                       S_Q, o_ss, HALF)
+        gl.store(lse_ptr + lse_off + rows, lse, mask=rows < S_Q)
         _store_half(out, q_smem, o_dst, off_b, m0, q_col, S_Q, o_ss, HALF)  # Q no longer read
+        if o_dst.dtype.is_ptr():
+            if flags >= 2:
+                _store_half(out, q_smem, o16_ptr, off_b, m0, q_col, S_Q, o_ss, HALF)
         tma.store_wait(pendings=0)
 
     # Gluon 3.6 passes no constexpr to worker partitions: one entry point per (half, mask)
     @gluon.jit
     def _rows_0(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                flags):
         _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
-                  False)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                  flags, 0, False)
 
     @gluon.jit
     def _rows_1(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale):
+                v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                flags):
         _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
-                  False)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                  flags, 1, False)
 
     @gluon.jit
     def _rows_0_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                       qk_scale):
+                       qk_scale, o16_ptr, flags):
         _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 0,
-                  True)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                  flags, 0, True)
 
     @gluon.jit
     def _rows_1_causal(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                        k_empty, v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks,
-                       qk_scale):
+                       qk_scale, o16_ptr, flags):
         _consumer(o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, 1,
-                  True)
+                  v_empty, turn, off_b, q_col, m0, lse_off, S_Q, S_K, n_blocks, qk_scale, o16_ptr,
+                  flags, 1, True)
 
     @gluon.jit
     def _fwd_kernel(q_desc, k_desc, v_desc, o_dst, o_ss, lse_ptr, S_Q, S_K, H, G, qk_scale,
-                    CAUSAL: gl.constexpr, BM: gl.constexpr, BN: gl.constexpr,
-                    D: gl.constexpr, NSTAGE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                    LOADER_REGS: gl.constexpr):
+                    S_O, row0, o16_ptr, flags, CAUSAL: gl.constexpr, BM: gl.constexpr,
+                    BN: gl.constexpr, D: gl.constexpr, NSTAGE: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr):
+        """out / lse rows [row0, row0 + S_Q) of [b, S_O, h, d] / [b, h, S_O] buffers (a
+        16-bit out: S_O = S_Q, row0 = 0); flags: see `_consumer`."""
         dtype: gl.constexpr = q_desc.dtype
         pid_bh, off_b, off_h, m0, n_blocks = _tile(S_Q, S_K, H, BM, BN, CAUSAL)
+        if o_dst.dtype.is_ptr():     # this batch's rows of the buffers, from row0
+            shift = (off_b * (S_O - S_Q) + row0).to(gl.int64) * o_ss
+            o_dst = o_dst + shift
+            o16_ptr = o16_ptr + shift
 
         q_smem = gl.allocate_shared_memory(dtype, [1, BM, D], q_desc.layout)
         k_smem = gl.allocate_shared_memory(dtype, [NSTAGE, 1, BN, D], k_desc.layout)
@@ -334,8 +375,8 @@ if gluon is not None:
         q_bar, k_ready, v_ready, k_empty, v_empty, turn = _kv_ring(NSTAGE)
 
         args = (o_dst, o_ss, lse_ptr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                v_empty, turn, off_b, off_h * D, m0, pid_bh * S_Q, S_Q, S_K, n_blocks,
-                qk_scale)
+                v_empty, turn, off_b, off_h * D, m0, pid_bh * S_O + row0, S_Q, S_K, n_blocks,
+                qk_scale, o16_ptr, flags)
         load_args = (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
                      k_empty, v_empty, off_b, m0, off_h * D, (off_h // G) * D, n_blocks)
         if CAUSAL:
@@ -377,9 +418,39 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     fp32 = out_dtype == torch.float32   # 16-bit: q's memory layout (e.g. sbhd)
     out = torch.empty(q.shape, dtype=out_dtype, device=q.device) if fp32 else torch.empty_like(q)
     lse = torch.empty(b, h, s_q, dtype=torch.float32, device=q.device)
+    _launch_fwd(q, k, v, causal, scale, out, lse, s_q, 0, lse, 0)
+    return out, lse
+
+
+def flash_attention_fwd_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                              scale: float, out: torch.Tensor, lse: torch.Tensor, row0: int,
+                              out16: Optional[torch.Tensor] = None) -> None:
+    """The block's fp32 partial (q's rows against k / v) merged in place into the running fp32
+    (out [b, S, h, d], lse [b, h, S], both contiguous) at rows [row0, row0 + s_q), as a
+    context-parallel rank's steps combine (logaddexp of the lses, the outs weighted by
+    exp(lse_old - lse_new) and exp(lse_block - lse_new)); with out16 (contiguous, shaped like
+    out, q's dtype) the merged rows are also written there rounded. Where
+    `applies(q, k, v, torch.float32)`."""
+    b, s_q, h, d = q.shape
+    total = out.shape[1]
+    if (out.dtype != torch.float32 or not out.is_contiguous() or lse.dtype != torch.float32
+            or not lse.is_contiguous() or out.shape != (b, total, h, d)
+            or lse.shape != (b, h, total) or not 0 <= row0 <= total - s_q
+            or (out16 is not None and (out16.shape != out.shape or out16.dtype != q.dtype
+                                       or not out16.is_contiguous()))):
+        raise ValueError(
+            f"flash_attention_fwd_merge: out must be fp32 contiguous [b, S, h, d] = "
+            f"[{b}, S, {h}, {d}], lse fp32 contiguous [b, h, S], 0 <= row0 <= S - {s_q} and "
+            f"out16 None or contiguous like out in {q.dtype}; got out {tuple(out.shape)} "
+            f"{out.dtype}, lse {tuple(lse.shape)} {lse.dtype}, row0 {row0}")
+    _launch_fwd(q, k, v, causal, scale, out, lse, total, row0,
+                lse if out16 is None else out16, 1 if out16 is None else 3)
+
+
+def _launch_fwd(q, k, v, causal, scale, out, lse, total, row0, o16, flags):
+    b, s_q, h, d = q.shape
     grid = launch_grid(-(-s_q // BLOCK_M), b * h, causal)
     _fwd_kernel[grid](*_descriptors(q, k, v), output(out, BLOCK_M // 2), out.stride(1), lse,
-                      s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, CAUSAL=bool(causal),
-                      BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=STAGES, CONSUMER_REGS=CONSUMER_REGS,
-                      LOADER_REGS=LOADER_REGS, num_warps=4)
-    return out, lse
+                      s_q, k.shape[1], h, h // k.shape[2], scale * LOG2E, total, row0, o16,
+                      flags, CAUSAL=bool(causal), BM=BLOCK_M, BN=BLOCK_N, D=d, NSTAGE=STAGES,
+                      CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS, num_warps=4)

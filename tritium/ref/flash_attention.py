@@ -70,6 +70,30 @@ def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     return out.to(out_dtype or out.dtype).contiguous(), lse.contiguous()
 
 
+def flash_attention_fwd_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                              scale: float, out: torch.Tensor, lse: torch.Tensor, row0: int,
+                              out16: Optional[torch.Tensor] = None) -> None:
+    """The block's fp32 partial (`flash_attention_fwd`, products in q's dtype as the speed
+    mode) merged in place into the running fp32 out [b, S, h, d] / lse [b, h, S] at rows
+    [row0, row0 + s_q): lse' = logaddexp(lse, lse_block), out' = out exp(lse - lse') +
+    out_block exp(lse_block - lse'); with out16 the merged rows also rounded into it."""
+    part, part_lse = flash_attention_fwd(q, k, v, causal, scale, split=False)
+    merge_partial(out, lse, row0, part, part_lse, out16)
+
+
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, row0: int, part: torch.Tensor,
+                  part_lse: torch.Tensor, out16: Optional[torch.Tensor] = None) -> None:
+    """The merge of `flash_attention_fwd_merge` given the block's partial (part, part_lse)."""
+    rows = slice(row0, row0 + part.shape[1])
+    old, old_lse = out[:, rows], lse[:, :, rows]
+    new = torch.logaddexp(old_lse, part_lse)
+    a, b = ((x - new).exp().transpose(1, 2).unsqueeze(-1) for x in (old_lse, part_lse))
+    old.copy_(old * a + part * b)
+    old_lse.copy_(new)
+    if out16 is not None:
+        out16[:, rows] = old
+
+
 def flash_attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         out: torch.Tensor, lse: torch.Tensor, causal: bool, scale: float,
                         split: bool = True, grad_dtype: Optional[torch.dtype] = None,
@@ -121,5 +145,5 @@ def flash_attention_fp8_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return (hp if fp8_out.keep_hp else None), lse.contiguous(), out8
 
 
-__all__ = ["flash_attention_fwd", "flash_attention_bwd", "flash_attention_delta",
-           "flash_attention_fp8_fwd"]
+__all__ = ["flash_attention_fwd", "flash_attention_fwd_merge", "merge_partial",
+           "flash_attention_bwd", "flash_attention_delta", "flash_attention_fp8_fwd"]

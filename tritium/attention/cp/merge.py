@@ -7,6 +7,10 @@ the partial (out_i, lse_i); `OutAcc.add` merges it into running buffers:
     lse = logaddexp(lse, lse_i)          (torch's stable form: max + log1p(exp(-|diff|)))
     out = out * exp(lse_old - lse) + out_i * exp(lse_i - lse)
 The factors are computed in fp32 from the fp32 lses; `out` lives in the accumulation dtype.
+On Hopper with fp32 partials at the speed mode's products (mode "fp32_partials") a block whose
+rows hold a partial already is merged by the flash kernel's epilogue itself
+(`OutAcc.merge_block`, `kernels.flash_attention.flash_attention_fwd_merge`), the last one also
+rounded to the output dtype there (`OutAcc.result`).
 Backward calls `attention_backward` per block with the merged (out, lse) and the strategy adds
 dq/dk/dv into buffers of the accumulation dtype.
 
@@ -93,10 +97,15 @@ class Runner:
                                 where="context parallel attention")
         return args
 
-    def fwd(self, q, k, v, blk: Block):
-        """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV."""
+    def fwd(self, q, k, v, blk: Block, acc: Optional["OutAcc"] = None, last: bool = False):
+        """-> (out_i, lse_i, state). q is the (compute-dtype) local q, k/v the block's KV.
+        With `acc` the flash kernel may merge the block into it itself (`OutAcc.merge_block`;
+        then out_i and lse_i are None); `last`: no block follows."""
         qs, ks, vs = q[:, blk.q], k[:, blk.kv], v[:, blk.kv]
         if self.p.kernel:
+            if (acc is not None and not self.p.split
+                    and acc.merge_block(qs, ks, vs, blk, self.scale, last)):
+                return None, None, (_FLASH, None, None)
             out, lse = _flash_kernel()[0](qs, ks, vs, blk.causal, self.scale, self.p.split)
             return out, lse, (_FLASH, None, None)
         args = self._args(qs, ks, vs, blk.causal)
@@ -146,6 +155,7 @@ class OutAcc:
         b, s, h, _ = q.shape
         self.shape, self.acc_dtype = (b, s, h, d_v), acc_dtype
         self.out = None
+        self.out16, self.rounded = None, (0, 0)     # rows the last kernel merge rounded
         lse_dtype = torch.float64 if acc_dtype == torch.float64 else torch.float32
         self.lse = torch.full((b, h, s), float("-inf"), dtype=lse_dtype, device=q.device)
         self._fresh = torch.ones(s, dtype=torch.bool)  # host-side: rows not written yet
@@ -175,6 +185,34 @@ class OutAcc:
                 o.copy_(o.float() * a + out_i.float() * b)
             l.copy_(new)
         self._fresh[rows] = False
+
+
+    def merge_block(self, q, k, v, blk: Block, scale: float, last: bool) -> bool:
+        """Merge a block (speed-mode products, fp32 partials) into the fp32 buffers inside the
+        Hopper flash kernel's epilogue, where that kernel runs it and the block's rows already
+        hold a partial: no partial tensors, no separate merge pass (and with `last` the merged
+        rows also rounded to q's dtype for `result`). False: nothing done, `add` the block."""
+        if (self.out is None or self.out.dtype != torch.float32
+                or torch.compiler.is_compiling() or bool(self._fresh[blk.q].any())):
+            return False
+        from ...kernels import flash_attention as FA
+        out16 = torch.empty(self.shape, dtype=q.dtype, device=q.device) if last else None
+        if not FA.flash_attention_fwd_merge(q, k, v, blk.causal, scale, self.out, self.lse,
+                                            span(blk.q, self.shape[1])[0], out16):
+            return False
+        if last:
+            self.out16, self.rounded = out16, span(blk.q, self.shape[1])
+        return True
+
+    def result(self, dtype: torch.dtype) -> torch.Tensor:
+        """The merged out in dtype (the last kernel merge's rounded rows kept, the rest cast)."""
+        if self.out16 is None or self.out16.dtype != dtype:
+            return self.out.to(dtype)
+        a, b = self.rounded
+        for lo, hi in ((0, a), (b, self.shape[1])):
+            if hi > lo:
+                self.out16[:, lo:hi] = self.out[:, lo:hi]
+        return self.out16
 
 
 class Ring:

@@ -7,7 +7,9 @@ step i it holds the KV of rank src = (r - i) mod cp and computes
     1 <= i <= r  all q vs the first half of the received KV (chunk src < r), no mask
     i > r        the second half of q (chunk 2cp-1-r) vs all received KV, no mask
 (no_mask: every step is all q vs all KV). The KV travels r -> r+1 (batch_isend_irecv); the
-partial (out, lse) of each step are merged in fp32 (merge.py).
+partial (out, lse) of each step are merged in fp32 (merge.py; with fp32 partials on Hopper the
+flash kernel merges steps >= 1 in its epilogue and writes the last step's rows in q's dtype
+too, `OutAcc.merge_block`: no partial tensors, no merge and cast passes).
 
 When a transfer is posted matters on CUDA. NCCL's send/recv kernel needs SMs of its own, and
 cuDNN's sm90 flash kernels are persistent (one CTA per SM, ~230 KB of shared memory each): a
@@ -100,13 +102,14 @@ class RingAttention(torch.autograd.Function):
         for i in range(n):
             blk = schedule(i, rank, cfg.causal, half)
             kc, vc = (cfg.precision.compute(x) for x in kv)
-            out_i, lse_i, state = runner.fwd(qc, kc, vc, blk)
+            out_i, lse_i, state = runner.fwd(qc, kc, vc, blk, acc, last=i == n - 1)
             states.append(state)
             if pending is not None:     # step i+1's KV; post step i+2's before the merge
                 kv = tuple(ring.wait(pending))
                 pending = ring.exchange(kv) if i + 2 < n else None
-            acc.add(blk.q, out_i, lse_i)
-        out = acc.out.to(q.dtype)
+            if out_i is not None:       # (None: the kernel merged it)
+                acc.add(blk.q, out_i, lse_i)
+        out = acc.result(q.dtype)
         # backward's rowsum(dO * out) reads the merged out: unrounded in exact mode
         saved_out = acc.out if cfg.precision.exact else out
         # kv is now rank r+1's (the last received): the backward's first step
