@@ -305,7 +305,7 @@ def test_forward_merges_into_running_partials(causal, _seed):
     if not causal:
         whole, whole_lse = FA.flash_attention_fwd(q, k, v, False, scale, split=False,
                                                   out_dtype=torch.float32)
-        torch.testing.assert_close(out[:, rows], whole, rtol=1e-3, atol=2e-4)
+        torch.testing.assert_close(out[:, rows], whole, rtol=1e-3, atol=1e-3)
         torch.testing.assert_close(lse[:, :, rows], whole_lse, rtol=1e-5, atol=1e-5)
     before = out.clone()
     for bad in (dict(row0=total - s + 1), dict(out=out[:, :, :, :64]), dict(lse=lse.double()),

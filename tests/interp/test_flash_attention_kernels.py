@@ -362,3 +362,43 @@ def test_cp_runner_kernel_path_matches_fp32_copy_path(gen):
         for name, a, b in zip(("out", "lse", "dq", "dk0", "dv0", "dk1", "dv1"), got,
                               results[False, False]):
             close(a, b, name)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cp_forward_merges_in_the_kernel_where_it_runs(rank, gen, monkeypatch):
+    """`OutAcc.merge_block` (fp32 partials, speed-mode products): where the kernel's merging
+    forward runs (Hopper; stood in for here by its twin, the Gluon kernel is GPU-only), a
+    causal p2p ring's step 1 at cp=2 is merged into the running buffers at the block's row
+    offset (rank 0: the second half of q; rank 1: all of it) and the last step's rows are
+    rounded there, `result` casting only the others; equal to the partial-and-add path. Where
+    it does not run, `add` is used, as before."""
+    from tritium.attention.cp.merge import OutAcc, Precision, Runner
+    from tritium.attention.cp.p2p import schedule
+
+    L, h, d = 32, 2, 16
+    q, k0, v0, _ = data(L, L, h, h, d, torch.float16, gen)
+    _, k1, v1, _ = data(L, L, h, h, d, torch.float16, gen)
+    p = Precision(exact=True, fp32_accumulation=True, kernel=True, split=False)
+    calls = []
+
+    def merge_by_twin(q, k, v, causal, scale, out, lse, row0, out16=None):
+        calls.append((row0, out16 is not None))
+        R.flash_attention_fwd_merge(q, k, v, causal, scale, out, lse, row0, out16)
+        return True
+    results = {}
+    for kernel_merge in (False, True):
+        if kernel_merge:
+            monkeypatch.setattr(K, "flash_attention_fwd_merge", merge_by_twin)
+        run, acc = Runner(0.25, 0.0, "torch", p), OutAcc(q, d, torch.float32)
+        for i, (k, v) in enumerate(((k0, v0), (k1, v1))):
+            blk = schedule(i, rank, True, L // 2)
+            out_i, lse_i, _ = run.fwd(q, k, v, blk, acc, last=i == 1)
+            assert (out_i is None) == (kernel_merge and i == 1)
+            if out_i is not None:
+                acc.add(blk.q, out_i, lse_i)
+        results[kernel_merge] = (acc.out, acc.lse, acc.result(q.dtype))
+    assert calls == [(0 if rank == 1 else L // 2, True)]
+    # the twin's products are fp32, the kernel partial's P is rounded to 16 bits (2^-11)
+    for name, a, b in zip(("out", "lse", "result"), results[True], results[False]):
+        tol = 1e-5 if name == "lse" else 2e-3
+        close(a.float(), b.float(), name, rtol=tol, atol=tol)
