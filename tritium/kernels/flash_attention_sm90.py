@@ -22,10 +22,10 @@ q [b, s_q, h, d], k / v [b, s_kv, h_kv, d] (and dO like q) that TMA reads as [b,
 lengths), fp16 / bf16, d = 128, no mask or top-left causal; -> out [b, s_q, h, d] in the input
 dtype or fp32 (the partials CP merges: never rounded to 16 bits; stored from registers, 16-bit
 outputs through shared memory by TMA), lse fp32 [b, h, s_q] (natural log); grads likewise in
-the input dtype or fp32. `flash_attention_fwd_merge`: the fp32 out and lse merged into a CP
-rank's running fp32 (out, lse) rows in the epilogue (logaddexp; the old rows read from
-registers' addresses), optionally also rounded into a 16-bit copy. `applies()` (and the backward's `applies_bwd()`) say when; the
-Triton kernels run everything else.
+the input dtype or fp32. `flash_attention_fwd_merge`: the fp32 out and lse merged in the
+epilogue into a CP rank's running fp32 (out, lse) rows (logaddexp), optionally also rounded
+into a 16-bit copy. `applies()` (and the backward's `applies_bwd()`) say when; the Triton
+kernels run everything else.
 Twin: `tritium.ref.flash_attention` (the GPU tier compares them). Gluon does not run under
 TRITON_INTERPRET: these kernels have no interpreter tier.
 Measured on an H200 (B4 H32 S4096 D128, alternating rounds against cuDNN): forward 1.05-1.06x,

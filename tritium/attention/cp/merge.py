@@ -186,7 +186,6 @@ class OutAcc:
             l.copy_(new)
         self._fresh[rows] = False
 
-
     def merge_block(self, q, k, v, blk: Block, scale: float, last: bool) -> bool:
         """Merge a block (speed-mode products, fp32 partials) into the fp32 buffers inside the
         Hopper flash kernel's epilogue, where that kernel runs it and the block's rows already
