@@ -195,12 +195,13 @@ class OutAcc:
                 or torch.compiler.is_compiling() or bool(self._fresh[blk.q].any())):
             return False
         from ...kernels import flash_attention as FA
+        rows = span(blk.q, self.shape[1])
         out16 = torch.empty(self.shape, dtype=q.dtype, device=q.device) if last else None
         if not FA.flash_attention_fwd_merge(q, k, v, blk.causal, scale, self.out, self.lse,
-                                            span(blk.q, self.shape[1])[0], out16):
+                                            rows[0], out16):
             return False
         if last:
-            self.out16, self.rounded = out16, span(blk.q, self.shape[1])
+            self.out16, self.rounded = out16, rows
         return True
 
     def result(self, dtype: torch.dtype) -> torch.Tensor:
