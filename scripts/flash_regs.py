@@ -8,6 +8,9 @@ bench_flash_attention.py's --sweep (and the current GPU_CFG entry) is compiled t
 (bf16, D=128, causal) and assembled by the wheel's ptxas with -v. A config that spills runs
 slower on the GPU; one whose shared memory exceeds 227 KB does not launch. This is how the
 speed-mode defaults in GPU_CFG were chosen before any GPU timing; the sweep has the last word.
+"WGMMA SERIALIZED" after the spill count: ptxas issues each wgmma only once the previous one has
+ended (its C7511 note: too few registers for the wgmma pipeline; the FP8 forward's 128 x 128
+no-mask config, 2026-11-30).
 Also prints whether Triton warp-specialized the forward's loop (a ttg.warp_specialize op) and
 flags products whose output rows are fewer than the MMA layout's warps cover (8 warps on 64
 rows: the second warpgroup repeats the first's wgmma).
@@ -68,10 +71,10 @@ def probe(kind, cfg, split):
     c = _compile(fn, _signature(fn, cfg, split), cx, cfg)
     if isinstance(c, str):
         return c
-    regs, spill = _ptxas(c.asm["ptx"])
+    regs, spill, serial = _ptxas(c.asm["ptx"])
     ttgir = c.asm["ttgir"]
     ws = ", warp-specialized" if "ttg.warp_specialize" in ttgir else ""
-    return (f"{regs} registers, {spill} bytes spilled, {c.metadata.shared} bytes shared"
+    return (f"{regs} registers, {spill} bytes spilled{serial}, {c.metadata.shared} bytes shared"
             f"{ws}{_repeated(ttgir)}")
 
 
@@ -92,11 +95,11 @@ def probe_fp8(cfg, causal: bool, fp8_out: bool = False) -> str:
     if isinstance(c, str):
         return c
     ptx = c.asm["ptx"]
-    regs, spill = _ptxas(ptx)
+    regs, spill, serial = _ptxas(ptx)
     in_flight = max((int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned (\d+);", ptx)),
                     default=0)
-    return (f"{regs} registers, {spill} bytes spilled, {c.metadata.shared} bytes shared, "
-            f"wgmma groups left in flight by a wait: {in_flight}")
+    return (f"{regs} registers, {spill} bytes spilled{serial}, {c.metadata.shared} bytes "
+            f"shared, wgmma groups left in flight by a wait: {in_flight}")
 
 
 def _compile(fn, signature: dict, constexprs: dict, cfg):
@@ -113,7 +116,9 @@ def _compile(fn, signature: dict, constexprs: dict, cfg):
 
 
 def _ptxas(ptx: str) -> tuple:
-    """(registers, bytes spilled) of sm_90a PTX, from the wheel's ptxas -v."""
+    """(registers, bytes spilled, ", WGMMA SERIALIZED" where ptxas issues each wgmma only after
+    the previous one ended for want of registers (its C7511 note), else "") of sm_90a PTX, from
+    the wheel's ptxas -v."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
@@ -121,7 +126,8 @@ def _ptxas(ptx: str) -> tuple:
                              capture_output=True, text=True).stderr
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores", log)
-    return regs.group(1) if regs else "?", spill.group(1) if spill else "?"
+    serialized = ", WGMMA SERIALIZED" if "C7511" in log else ""
+    return regs.group(1) if regs else "?", spill.group(1) if spill else "?", serialized
 
 
 def _repeated(ttgir: str) -> str:
@@ -192,10 +198,11 @@ def main_sm90():
                    for p in fn.params}
             kernel = triton.compile(GluonASTSource(fn, sig, constexprs=constexprs),
                                     target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            regs, spill = _ptxas(kernel.asm["ptx"])
+            regs, spill, serial = _ptxas(kernel.asm["ptx"])
             print(f"sm90 {name} {'causal' if causal else 'nomask'}, "
                   f"{'fp32' if fp32 else '16-bit'} out: {regs} registers at launch, {spill} "
-                  f"bytes spilled, {kernel.metadata.shared} bytes of shared memory", flush=True)
+                  f"bytes spilled{serial}, {kernel.metadata.shared} bytes of shared memory",
+                  flush=True)
 
 
 def main():
